@@ -1,0 +1,1 @@
+"""Core components of hyper-parallel."""

@@ -1,0 +1,48 @@
+"""DCP: distributed checkpoint for sharded PyTorch state dicts.
+
+Every rank saves only its local shards; a checkpoint saved under one parallel layout loads
+under any other. See ``docs/design.md`` for the architecture and ``docs/format.md`` for the
+on-disk format.
+"""
+
+from .api import load, save
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    MetadataError,
+    NotACheckpointError,
+    RankFailedError,
+    StateDictMismatchError,
+    UnsupportedValueError,
+)
+from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .metadata import Metadata
+from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
+from .storage import StorageReader, StorageWriter
+
+__all__ = [
+    "save",
+    "load",
+    "StandardPlanner",
+    "StandardSavePlanner",
+    "StandardLoadPlanner",
+    "SavePlanner",
+    "LoadPlanner",
+    "SavePlan",
+    "LoadPlan",
+    "WriteItem",
+    "ReadItem",
+    "StorageWriter",
+    "StorageReader",
+    "FileSystemWriter",
+    "FileSystemReader",
+    "Metadata",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "MetadataError",
+    "NotACheckpointError",
+    "RankFailedError",
+    "StateDictMismatchError",
+    "UnsupportedValueError",
+]

@@ -1,0 +1,293 @@
+"""save / load: the orchestration of a checkpoint, and nothing else.
+
+Save: flatten -> local plan -> (cached) global plan -> each rank writes its share ->
+write results to the coordinator -> coordinator commits ``.metadata``. Load: coordinator
+reads ``.metadata`` -> broadcast -> each rank plans and reads its overlaps. Each phase ends
+in a status exchange, so a failure anywhere fails every rank with the same message.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Any
+
+from . import metadata as md
+from .coordination import Coordinator
+from .errors import StateDictMismatchError
+from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .flatten import Flat, flatten, unflatten
+from .loader import read_plan
+from .planner import LoadPlanner, SavePlan, SavePlanner
+from .saver import build_metadata, data_file_names, write_plan
+from .standard_planner import StandardPlanner, plan_digest
+from .storage import StorageReader, StorageWriter
+
+PathLike = str | os.PathLike
+
+_PLAN_CACHE: OrderedDict[Any, list[SavePlan]] = OrderedDict()
+_PLAN_CACHE_SIZE = 8
+
+
+class FlatStateDict(dict):
+    """``{key: value}`` handed to planners; ``paths`` remembers where each key sat."""
+
+    paths: dict[str, tuple]
+
+
+def _flat_values(flat: Flat) -> FlatStateDict:
+    values = FlatStateDict((k, leaf.value) for k, leaf in flat.leaves.items())
+    values.paths = {k: leaf.path for k, leaf in flat.leaves.items()}
+    return values
+
+
+def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage: Any) -> str | None:
+    if path is not None and checkpoint_id is not None and os.fspath(path) != os.fspath(checkpoint_id):
+        raise ValueError(f"path={path!r} and checkpoint_id={checkpoint_id!r} disagree; pass one")
+    chosen = path if path is not None else checkpoint_id
+    if chosen is None and storage is None:
+        raise ValueError("say where the checkpoint is: path=/checkpoint_id= or a storage writer/reader")
+    return None if chosen is None else os.fspath(chosen)
+
+
+def _check_local(path: str) -> None:
+    if "://" in path and not path.startswith("file://"):
+        raise ValueError(
+            f"{path!r}: URLs need an fsspec storage writer/reader; plain paths use the filesystem"
+        )
+
+
+def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int, timeout: Any) -> Coordinator:
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    return Coordinator(process_group, no_dist, coordinator_rank, timeout)
+
+
+def save(
+    state_dict: dict[str, Any] | None = None,
+    path: PathLike | None = None,
+    *,
+    checkpoint_id: PathLike | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+    coordinator_rank: int = 0,
+    allow_pickle: bool = False,
+    thread_count: int = 1,
+    sync_files: bool = True,
+    timeout: timedelta | float | None = None,
+    user_metadata: dict[str, Any] | None = None,
+) -> md.Metadata | None:
+    """Save a (sharded) state dict; every rank of the group calls it with its own shards.
+
+    Each rank writes only the chunks the global plan gives it (replicated data is written
+    once in total, spread evenly over its holders); then the coordinator commits
+    ``.metadata`` atomically. Until that commit, an older checkpoint at ``path`` stays
+    intact and loadable.
+
+    Args:
+        state_dict: nested dict of tensors, DTensors, numpy arrays, bytes, plain values,
+            and objects with ``state_dict()``/``load_state_dict()``.
+        path / checkpoint_id: the checkpoint directory (the two names are synonyms).
+        storage_writer: a :class:`StorageWriter`; default: :class:`FileSystemWriter`.
+        planner: a :class:`SavePlanner`; default: :class:`StandardPlanner`.
+        process_group: the ranks that save together (default: the whole world).
+        no_dist / use_collectives=False: this process saves alone, with no collectives.
+        allow_pickle: permit values that only pickle can store (refused by default).
+        thread_count: data files (and writer threads) per rank.
+        sync_files: fsync data and metadata before committing (default True).
+        timeout: for the gloo group made when ``process_group`` is not gloo.
+        user_metadata: a JSON-able dict stored in ``.metadata`` (``Metadata.user``).
+
+    Returns:
+        The committed :class:`Metadata` on the coordinator rank, None on other ranks.
+
+    Raises:
+        RankFailedError: on every rank, when any rank failed; it names each rank and cause.
+        UnsupportedValueError: a value cannot be saved safely (e.g. needs pickle).
+
+    Example::
+
+        save(model.state_dict(), "/ckpt/step100")
+    """
+    where = _resolve_path(path, checkpoint_id, storage_writer)
+    if state_dict is None:
+        raise ValueError("save() needs a state_dict")
+    if storage_writer is None:
+        _check_local(where)
+        storage_writer = FileSystemWriter(where.removeprefix("file://"), sync_files=sync_files)
+    planner = planner if planner is not None else StandardPlanner()
+    if allow_pickle and hasattr(planner, "allow_pickle"):
+        planner.allow_pickle = True
+    if user_metadata is not None and not md.is_json_value(user_metadata):
+        raise ValueError("user_metadata must hold only JSON-representable values")
+    coord = _coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
+    storage_writer.set_up(coord.rank, coord.is_coordinator)
+
+    local: list[SavePlan] = []
+
+    def plan_locally() -> tuple[str, str]:
+        planner.set_up_save(_flat_values(flatten(state_dict)), coord.is_coordinator)
+        local.append(planner.create_local_save_plan())
+        storage_writer.prepare()
+        return plan_digest(local[0]), uuid.uuid4().hex[:16]
+
+    digests = coord.exchange("save (planning)", plan_locally)
+    save_id = digests[coord.coordinator_rank][1]
+    cache_key = (getattr(planner, "cache_key", lambda: id(planner))(), id(coord.group),
+                 coord.rank, tuple(d for d, _ in digests))
+    global_plans = _PLAN_CACHE.get(cache_key)
+    if global_plans is None:
+        plans = coord.exchange("save (plan exchange)", lambda: local[0])
+        global_plans = coord.exchange("save (global plan)", lambda: planner.create_global_save_plan(plans))[coord.rank]
+        _PLAN_CACHE[cache_key] = global_plans
+        while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    else:
+        _PLAN_CACHE.move_to_end(cache_key)
+    mine = global_plans[coord.rank]
+
+    def commit(results: list[Any]) -> md.Metadata:
+        meta = build_metadata(mine, results, save_id, coord.world_size, user_metadata or {})
+        previous = storage_writer.read_committed()
+        storage_writer.commit(meta.to_json())
+        if previous is not None:
+            try:
+                old = set(md.Metadata.from_json(previous).files)
+            except md.MetadataError:
+                old = set()
+            storage_writer.remove(sorted(old - set(meta.files)))
+        return meta
+
+    try:
+        results = coord.gather_to_coordinator(
+            "save (writing data)",
+            lambda: write_plan(mine, planner, storage_writer, coord.rank, save_id, thread_count),
+        )
+        committed = coord.exchange(
+            "save (commit)", lambda: commit(results) if coord.is_coordinator else None
+        )
+    except BaseException:
+        storage_writer.remove(data_file_names(coord.rank, save_id, thread_count))
+        raise
+    return committed[coord.coordinator_rank] if coord.is_coordinator else None
+
+
+def load(
+    state_dict: dict[str, Any] | PathLike | None = None,
+    path: PathLike | None = None,
+    *,
+    checkpoint_id: PathLike | None = None,
+    storage_reader: StorageReader | None = None,
+    planner: LoadPlanner | None = None,
+    process_group: Any = None,
+    no_dist: bool = False,
+    strict: bool = True,
+    coordinator_rank: int = 0,
+    allow_pickle: bool = False,
+    thread_count: int = 4,
+    timeout: timedelta | float | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint, resharding from the saved layout into the target's.
+
+    ``load(sd, path)`` fills ``sd`` in place: each DTensor gets its local shard under its
+    own placements (whatever layout was saved), each plain tensor the whole tensor, plain
+    values are replaced, Stateful objects get ``load_state_dict`` with their filled state.
+    ``load(path=p)`` with no target returns the full state as CPU tensors and plain values,
+    nested as it was saved.
+
+    Args:
+        state_dict: the target (filled in place), or None to return everything.
+        path / checkpoint_id: the checkpoint directory (synonyms).
+        storage_reader: a :class:`StorageReader`; default: :class:`FileSystemReader`.
+        planner: a :class:`LoadPlanner`; default: :class:`StandardPlanner`.
+        strict: require the target's keys and the checkpoint's keys to match exactly. With
+            ``strict=False`` only common keys load; the others are reported in a warning.
+        allow_pickle: permit unpickling values saved with ``allow_pickle=True``.
+        thread_count: reader threads per rank.
+
+    Returns:
+        The filled ``state_dict`` (the same object), or the loaded nested state dict.
+
+    Raises:
+        NotACheckpointError: ``path`` holds no committed checkpoint.
+        MetadataError: ``.metadata`` is corrupt or of a newer format version.
+        StateDictMismatchError: missing/unexpected keys (strict), or shape/dtype mismatch.
+        CorruptCheckpointError: a checksum, size or file check failed; names key and file.
+        RankFailedError: on every rank in a group when any rank failed.
+
+    Example::
+
+        sd = {"model": model.state_dict()}
+        load(sd, checkpoint_id="/ckpt/step100")
+    """
+    if isinstance(state_dict, (str, os.PathLike)) and path is None and checkpoint_id is None:
+        state_dict, path = None, state_dict
+    where = _resolve_path(path, checkpoint_id, storage_reader)
+    if storage_reader is None:
+        _check_local(where)
+        storage_reader = FileSystemReader(where.removeprefix("file://"))
+    planner = planner if planner is not None else StandardPlanner()
+    if allow_pickle and hasattr(planner, "allow_pickle"):
+        planner.allow_pickle = True
+    coord = _coordinator(process_group, no_dist, coordinator_rank, timeout)
+    storage_reader.set_up(coord.rank, coord.is_coordinator)
+    raw: list[bytes] = []
+
+    def read_metadata() -> None:
+        if coord.is_coordinator:
+            raw.append(storage_reader.read_metadata())
+
+    try:
+        coord.exchange("load (reading metadata)", read_metadata)
+        meta_bytes = coord.broadcast(raw[0] if raw else None)
+        flat = flatten(state_dict) if state_dict is not None else None
+        loaded: list[dict[str, Any]] = []
+
+        def plan_and_read() -> int:
+            meta = md.Metadata.from_json(meta_bytes, where=f"{where or 'checkpoint'}/{md.METADATA_FILE}")
+            planner.set_up_load(_flat_values(flat) if flat else None, meta, coord.is_coordinator)
+            plan = planner.create_local_load_plan()
+            _check_keys(planner, strict)
+            stats = read_plan(plan, planner, storage_reader, thread_count)
+            loaded.append(planner.finish_load())
+            loaded.append(meta)
+            return stats.bytes_read
+
+        coord.exchange("load", plan_and_read)
+    finally:
+        storage_reader.close()
+    values, meta = loaded
+    if flat is None:
+        return unflatten({meta.entries[k].path: v for k, v in values.items()})
+    for key, leaf in flat.leaves.items():
+        if key in values and values[key] is not leaf.value and leaf.set is not None:
+            leaf.set(values[key])
+    for obj, inner in flat.statefuls:
+        obj.load_state_dict(inner)
+    return state_dict
+
+
+def _check_keys(planner: Any, strict: bool) -> None:
+    missing = list(getattr(planner, "missing_keys", []))
+    unexpected = list(getattr(planner, "unexpected_keys", []))
+    if not (missing or unexpected):
+        return
+    def show(keys: list[str]) -> str:
+        return ", ".join(map(repr, keys[:20])) + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {show(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the target: {show(unexpected)}")
+    if strict:
+        raise StateDictMismatchError(
+            "the target state dict and the checkpoint have different keys; "
+            + "; ".join(parts) + ". Pass strict=False to load only the common keys"
+        )
+    warnings.warn("load(strict=False) skipped keys: " + "; ".join(parts), stacklevel=3)

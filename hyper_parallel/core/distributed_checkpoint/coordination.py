@@ -1,0 +1,139 @@
+"""Cross-rank exchanges of save and load, where a failure on one rank fails all ranks.
+
+Every phase that can fail on a rank ends in :meth:`Coordinator.exchange`: each rank sends
+either its result or its error, and every rank raises the same :class:`RankFailedError`
+naming the failing ranks and causes, instead of leaving the others blocked in the next
+collective. The exchanges run on a gloo group (the caller's, when it is gloo; otherwise one
+made once per process group) so they need no accelerator and never share a communicator
+with training collectives.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from .errors import CheckpointError, RankFailedError
+
+T = TypeVar("T")
+
+_GLOO_GROUPS: dict[Any, Any] = {}
+
+
+def _gloo_group(group: Any, timeout: timedelta | None) -> Any:
+    """A gloo group with the same ranks as ``group`` (``group`` itself when it is gloo)."""
+    backend = dist.get_backend(group)
+    if backend == dist.Backend.GLOO or "gloo" in str(backend).split(":")[0].split(","):
+        return group
+    key = id(group) if group is not None else None
+    if key not in _GLOO_GROUPS:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", **kwargs)
+    return _GLOO_GROUPS[key]
+
+
+class Coordinator:
+    """Rank, world size and status-checked collectives of one save or load.
+
+    With ``no_dist=True``, or when no process group is initialised, it is a single rank and
+    every exchange is local.
+    """
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        no_dist: bool = False,
+        coordinator_rank: int = 0,
+        timeout: timedelta | None = None,
+    ):
+        self.distributed = not no_dist and dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            self.group = _gloo_group(process_group, timeout)
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self.global_rank = dist.get_rank()
+        else:
+            self.group, self.rank, self.world_size, self.global_rank = None, 0, 1, 0
+        self.coordinator_rank = coordinator_rank
+        self.is_coordinator = self.rank == coordinator_rank
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def exchange(self, phase: str, fn: Callable[[], T]) -> list[T]:
+        """Run ``fn`` here, share its result with every rank, or fail everywhere.
+
+        Returns every rank's result in rank order. If ``fn`` raised on any rank, every rank
+        raises RankFailedError naming each failing rank and its error; a rank's own
+        exception is chained as the cause on that rank.
+        """
+        own: BaseException | None = None
+        try:
+            status = ("ok", fn())
+        except Exception as exc:  # reported to every rank, then re-raised below
+            own = exc
+            status = ("error", _describe(exc))
+        results = self._all_gather(status)
+        failures = {r: msg for r, (kind, msg) in enumerate(results) if kind == "error"}
+        if failures:
+            if not self.distributed and own is not None:
+                raise own
+            raise RankFailedError(phase, {self._name(r): m for r, m in failures.items()}) from own
+        return [payload for _, payload in results]
+
+    def gather_to_coordinator(self, phase: str, fn: Callable[[], T]) -> list[T] | None:
+        """Like :meth:`exchange`, but only the coordinator gets the payloads.
+
+        Statuses still reach every rank (one all-gather), so every rank fails together.
+        Payloads travel once, to the coordinator only, via gather.
+        """
+        own: BaseException | None = None
+        try:
+            payload, status = fn(), "ok"
+        except Exception as exc:
+            own, payload, status = exc, None, _describe(exc)
+        if not self.distributed:
+            if own is not None:
+                raise own
+            return [payload]
+        gathered: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object((status, payload), gathered, dst=self._global(self.coordinator_rank), group=self.group)
+        # The coordinator learned every status; share only the failures with everyone.
+        verdict = None
+        if self.is_coordinator:
+            verdict = {r: s for r, (s, _) in enumerate(gathered) if s != "ok"}
+        verdict = self.broadcast(verdict)
+        if verdict:
+            raise RankFailedError(phase, {self._name(r): m for r, m in verdict.items()}) from own
+        return [p for _, p in gathered] if self.is_coordinator else None
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(self.coordinator_rank), group=self.group)
+        return box[0]
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def _name(self, group_rank: int) -> int:
+        return self._global(group_rank) if self.distributed else group_rank
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointError):
+        return f"{type(exc).__name__}: {exc}"
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"

@@ -1,0 +1,167 @@
+"""Nested state dicts <-> flat ``{key: value}`` maps, and back.
+
+A key is the dot-joined path to a leaf (``"model.layers.0.weight"``, ``"optim.state.3.exp_avg"``).
+Leaves are tensors, DTensors, numpy arrays, bytes, and any container holding none of those
+(kept whole as one value, e.g. an optimizer's ``param_groups``). Containers that hold data
+are descended. Objects with ``state_dict()``/``load_state_dict()`` (Stateful) are expanded
+through their ``state_dict()`` on save, and given their filled state back on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedValueError
+
+PathPart = Any  # str (dict key) | ("i", n) list index | ("t", n) tuple index | ("k", n) int key
+
+
+def is_stateful(v: Any) -> bool:
+    return (
+        not isinstance(v, (torch.Tensor, dict, list, tuple))
+        and callable(getattr(v, "state_dict", None))
+        and callable(getattr(v, "load_state_dict", None))
+    )
+
+
+def _is_data(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, np.ndarray, bytes, bytearray)) or is_stateful(v)
+
+
+def _holds_data(v: Any) -> bool:
+    if _is_data(v):
+        return True
+    if isinstance(v, dict):
+        return any(_holds_data(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_data(x) for x in v)
+    return False
+
+
+def key_of(path: tuple[PathPart, ...]) -> str:
+    return ".".join(p if isinstance(p, str) else str(p[1]) for p in path)
+
+
+@dataclass
+class Leaf:
+    """One flattened value; ``set`` writes a new value back where it came from."""
+
+    path: tuple[PathPart, ...]
+    value: Any
+    set: Callable[[Any], None] | None = None
+
+
+@dataclass
+class Flat:
+    """A flattened state dict plus the Stateful objects found in it (outermost last)."""
+
+    leaves: dict[str, Leaf]
+    statefuls: list[tuple[Any, Any]]  # (object, the state dict it produced)
+
+
+def flatten(state_dict: Any) -> Flat:
+    """Flatten a (nested) state dict; raises on keys that collide once joined by dots."""
+    if not isinstance(state_dict, dict):
+        raise UnsupportedValueError(
+            f"a state dict must be a dict, found {type(state_dict).__name__}"
+        )
+    leaves: dict[str, Leaf] = {}
+    statefuls: list[tuple[Any, Any]] = []
+
+    def add(path: tuple[PathPart, ...], value: Any, setter: Callable[[Any], None] | None) -> None:
+        key = key_of(path)
+        if key in leaves:
+            raise UnsupportedValueError(
+                f"two values flatten to the same key {key!r} (paths {leaves[key].path} and "
+                f"{path}); rename one of them"
+            )
+        leaves[key] = Leaf(path, value, setter)
+
+    def walk(path: tuple[PathPart, ...], value: Any, setter: Callable[[Any], None] | None) -> None:
+        if is_stateful(value):
+            inner = value.state_dict()
+            if not isinstance(inner, dict):
+                raise UnsupportedValueError(
+                    f"{key_of(path)!r}: state_dict() of {type(value).__name__} returned "
+                    f"{type(inner).__name__}, expected a dict"
+                )
+            for k, v in inner.items():
+                walk_item(path, inner, k, v)
+            statefuls.append((value, inner))
+            return
+        if isinstance(value, dict) and value and _holds_data(value):
+            for k, v in value.items():
+                walk_item(path, value, k, v)
+            return
+        if isinstance(value, (list, tuple)) and _holds_data(value):
+            tag = "t" if isinstance(value, tuple) else "i"
+            for i, v in enumerate(value):
+                item_setter = (lambda x, c=value, j=i: c.__setitem__(j, x)) if tag == "i" else None
+                walk(path + ((tag, i),), v, item_setter)
+            return
+        add(path, value, setter)
+
+    def walk_item(path: tuple[PathPart, ...], container: dict, k: Any, v: Any) -> None:
+        if isinstance(k, str):
+            part: PathPart = k
+        elif type(k) is int:
+            part = ("k", k)
+        else:
+            raise UnsupportedValueError(
+                f"{key_of(path) or '<root>'!r}: dict key {k!r} must be str or int"
+            )
+        walk(path + (part,), v, lambda x, c=container, kk=k: c.__setitem__(kk, x))
+
+    for k, v in state_dict.items():
+        walk_item((), state_dict, k, v)
+    return Flat(leaves, statefuls)
+
+
+def unflatten(items: dict[tuple[PathPart, ...], Any]) -> dict[str, Any]:
+    """Rebuild the nested structure from ``{path: value}`` (paths as recorded on save)."""
+    root: dict[Any, Any] = {}
+    for path, value in items.items():
+        node: Any = root
+        for part, nxt in zip(path[:-1], path[1:], strict=False):
+            k = _container_key(part)
+            if isinstance(node, dict):
+                if k not in node:
+                    node[k] = [] if isinstance(nxt, tuple) and nxt[0] in ("i", "t") else {}
+                node = node[k]
+            else:
+                while len(node) <= k:
+                    node.append(None)
+                if node[k] is None:
+                    node[k] = [] if isinstance(nxt, tuple) and nxt[0] in ("i", "t") else {}
+                node = node[k]
+        k = _container_key(path[-1])
+        if isinstance(node, dict):
+            node[k] = value
+        else:
+            while len(node) <= k:
+                node.append(None)
+            node[k] = value
+    return _restore_tuples(items, root)
+
+
+def _container_key(part: PathPart) -> Any:
+    return part if isinstance(part, str) else part[1]
+
+
+def _restore_tuples(items: dict[tuple[PathPart, ...], Any], nested: dict[str, Any]) -> dict[str, Any]:
+    # Lists whose children were recorded as ("t", n) were tuples on save; innermost first.
+    tuple_prefixes = {
+        path[:i] for path in items for i, p in enumerate(path) if isinstance(p, tuple) and p[0] == "t"
+    }
+    for prefix in sorted(tuple_prefixes, key=len, reverse=True):
+        parent: Any = nested
+        for part in prefix[:-1]:
+            parent = parent[_container_key(part)]
+        k = _container_key(prefix[-1])
+        parent[k] = tuple(parent[k])
+    return nested

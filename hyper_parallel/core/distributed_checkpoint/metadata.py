@@ -1,0 +1,395 @@
+"""The checkpoint's ``.metadata``: schema, JSON (de)serialization, validation, versions.
+
+``.metadata`` is one JSON object, written last and atomically; its presence is the commit::
+
+    {"format": "hyper-parallel-dcp", "version": 1, "save_id": "...", "world_size": 4,
+     "files": ["data-r00000-<id>.safetensors", ...],
+     "entries": {
+       "<key>": {"kind": "tensor", "path": [...], "dtype": "float32", "shape": [8, 5],
+                 "layout": {"mesh_shape": [4], "mesh_dim_names": ["dp"], "placements": ["S(0)"]},
+                 "chunks": [[offsets, sizes, file_index, start, length, block_rows, [crc32c...]]]},
+       "<key>": {"kind": "object", "path": [...], "value": <typed JSON>}}}
+
+A chunk is a box of the global tensor (``offsets``/``sizes``) stored row-major at bytes
+``[start, start+length)`` of ``files[file_index]``. Its bytes are checksummed in blocks of
+``block_rows`` rows of dim 0 (the whole chunk for 0-d tensors), one crc32c per block.
+
+Kinds: ``tensor``, ``ndarray`` (numpy, returned as numpy), ``bytes``, ``pickle`` (opt-in
+only), ``object`` (a JSON-representable value kept with its type: int stays int, tuple stays
+tuple). ``path`` says where the key sits in the nested state dict: a string is a dict key,
+``{"i": n}`` a list index, ``{"t": n}`` a tuple index, ``{"k": n}`` an int dict key.
+
+Nothing here ever unpickles: decoding a value is plain JSON plus type tags.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import MetadataError
+
+FORMAT_NAME = "hyper-parallel-dcp"
+FORMAT_VERSION = 1
+METADATA_FILE = ".metadata"
+
+KINDS = ("tensor", "ndarray", "bytes", "pickle", "object")
+_MAX_NDIM = 64
+_MAX_ELEMENTS = 1 << 56  # far beyond any real tensor; stops overflow games early
+
+# dtype name -> (torch dtype, safetensors dtype name or None when it has none)
+_DTYPES: dict[str, tuple[torch.dtype, str | None]] = {
+    "float64": (torch.float64, "F64"),
+    "float32": (torch.float32, "F32"),
+    "float16": (torch.float16, "F16"),
+    "bfloat16": (torch.bfloat16, "BF16"),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
+    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2"),
+    "float8_e4m3fnuz": (torch.float8_e4m3fnuz, "F8_E4M3FNUZ"),
+    "float8_e5m2fnuz": (torch.float8_e5m2fnuz, "F8_E5M2FNUZ"),
+    "float8_e8m0fnu": (torch.float8_e8m0fnu, None),
+    "complex64": (torch.complex64, "C64"),
+    "complex128": (torch.complex128, None),
+    "int64": (torch.int64, "I64"),
+    "int32": (torch.int32, "I32"),
+    "int16": (torch.int16, "I16"),
+    "int8": (torch.int8, "I8"),
+    "uint8": (torch.uint8, "U8"),
+    "uint16": (torch.uint16, "U16"),
+    "uint32": (torch.uint32, "U32"),
+    "uint64": (torch.uint64, "U64"),
+    "bool": (torch.bool, "BOOL"),
+}
+_NAME_OF = {dt: name for name, (dt, _) in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The metadata name of a torch dtype; raises for dtypes the format cannot hold."""
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise MetadataError(f"dtype {dtype} is not supported by the checkpoint format") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name][0]
+    except (KeyError, TypeError):
+        raise MetadataError(f"unknown dtype {name!r} in metadata") from None
+
+
+def safetensors_dtype(name: str) -> str | None:
+    """Safetensors' name for the dtype, or None (then the entry is stored as raw U8)."""
+    return _DTYPES[name][1]
+
+
+def itemsize(name: str) -> int:
+    return torch_dtype(name).itemsize
+
+
+# ---------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """Where one box of a tensor lives on disk, and how to check it."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    start: int
+    length: int
+    block_rows: int
+    crc32c: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.sizes[0] if self.sizes else 1
+
+
+@dataclass
+class Entry:
+    """One flattened key of the saved state dict."""
+
+    key: str
+    kind: str
+    path: tuple[Any, ...]
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    chunks: list[ChunkRecord] = field(default_factory=list)
+    layout: dict[str, Any] | None = None
+    value: Any = None  # the decoded value, for kind "object"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+@dataclass
+class Metadata:
+    """Everything a reader needs to find, check and reassemble every key."""
+
+    entries: dict[str, Entry]
+    save_id: str
+    world_size: int
+    version: int = FORMAT_VERSION
+    user: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({c.file for e in self.entries.values() for c in e.chunks})
+
+    def to_json(self) -> bytes:
+        files = self.files
+        index = {f: i for i, f in enumerate(files)}
+        entries = {}
+        for key, e in self.entries.items():
+            d: dict[str, Any] = {"kind": e.kind, "path": [_encode_path_part(p) for p in e.path]}
+            if e.kind == "object":
+                d["value"] = encode_value(e.value)
+            else:
+                d["dtype"] = e.dtype
+                d["shape"] = list(e.shape or ())
+                if e.layout is not None:
+                    d["layout"] = e.layout
+                d["chunks"] = [
+                    [list(c.offsets), list(c.sizes), index[c.file], c.start, c.length,
+                     c.block_rows, list(c.crc32c)]
+                    for c in e.chunks
+                ]
+            entries[key] = d
+        doc = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "files": files,
+            "user": self.user,
+            "entries": entries,
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str = METADATA_FILE) -> Metadata:
+        """Parse and validate; every problem raises MetadataError naming ``where``."""
+        if not raw:
+            raise MetadataError(f"{where} is empty: the checkpoint is incomplete or corrupt")
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MetadataError(
+                f"{where} is not valid JSON ({exc}); it is corrupt or not written by "
+                "hyper-parallel (checkpoints of torch.distributed.checkpoint must be imported)"
+            ) from None
+        return _parse(doc, where)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
+
+
+def validate_file_name(name: Any, where: str = METADATA_FILE) -> str:
+    """A data-file name must be a plain name inside the checkpoint directory."""
+    if not isinstance(name, str) or not _FILE_NAME.match(name) or ".." in name:
+        raise MetadataError(
+            f"{where}: data file name {name!r} is not a plain file name inside the checkpoint "
+            "(absolute paths, '..' and separators are refused)"
+        )
+    return name
+
+
+def _fail(where: str, key: str | None, msg: str) -> MetadataError:
+    at = f"{where}, key {key!r}" if key is not None else where
+    return MetadataError(f"{at}: {msg}")
+
+
+def _int(v: Any, where: str, key: str | None, what: str, lo: int = 0, hi: int | None = None) -> int:
+    if type(v) is not int or v < lo or (hi is not None and v > hi):
+        bound = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}"
+        raise _fail(where, key, f"{what} must be an integer{bound}, found {v!r}")
+    return v
+
+
+def _int_list(v: Any, where: str, key: str, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > _MAX_NDIM:
+        raise _fail(where, key, f"{what} must be a list of at most {_MAX_NDIM} integers, found {v!r}")
+    return tuple(_int(x, where, key, what) for x in v)
+
+
+def _parse(doc: Any, where: str) -> Metadata:
+    if not isinstance(doc, dict):
+        raise MetadataError(f"{where}: expected a JSON object, found {type(doc).__name__}")
+    if doc.get("format") != FORMAT_NAME:
+        raise MetadataError(
+            f"{where}: format is {doc.get('format')!r}, expected {FORMAT_NAME!r}; "
+            "this is not a hyper-parallel checkpoint"
+        )
+    version = doc.get("version")
+    if type(version) is not int or version < 1:
+        raise MetadataError(f"{where}: version must be a positive integer, found {version!r}")
+    if version > FORMAT_VERSION:
+        raise MetadataError(
+            f"{where}: format version {version} is newer than this hyper-parallel reads "
+            f"(up to {FORMAT_VERSION}); upgrade hyper-parallel to load it"
+        )
+    files_raw = doc.get("files")
+    if not isinstance(files_raw, list):
+        raise MetadataError(f"{where}: 'files' must be a list of file names")
+    files = [validate_file_name(f, where) for f in files_raw]
+    entries_raw = doc.get("entries")
+    if not isinstance(entries_raw, dict):
+        raise MetadataError(f"{where}: 'entries' must be an object")
+    save_id = doc.get("save_id")
+    if not isinstance(save_id, str):
+        raise MetadataError(f"{where}: 'save_id' must be a string")
+    world_size = _int(doc.get("world_size"), where, None, "world_size", lo=1)
+    user = doc.get("user", {})
+    if not isinstance(user, dict):
+        raise MetadataError(f"{where}: 'user' must be an object")
+    entries = {key: _parse_entry(key, e, files, where) for key, e in entries_raw.items()}
+    return Metadata(entries, save_id, world_size, version, user)
+
+
+def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
+    if not isinstance(e, dict):
+        raise _fail(where, key, "entry must be an object")
+    kind = e.get("kind")
+    if kind not in KINDS:
+        raise _fail(where, key, f"kind must be one of {KINDS}, found {kind!r}")
+    path_raw = e.get("path")
+    if not isinstance(path_raw, list) or not path_raw:
+        raise _fail(where, key, "path must be a non-empty list")
+    path = tuple(_decode_path_part(p, where, key) for p in path_raw)
+    if kind == "object":
+        if "value" not in e:
+            raise _fail(where, key, "object entry has no 'value'")
+        try:
+            value = decode_value(e["value"])
+        except (ValueError, TypeError) as exc:
+            raise _fail(where, key, f"bad value encoding: {exc}") from None
+        return Entry(key, kind, path, value=value)
+
+    dtype = e.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise _fail(where, key, f"dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
+    size = itemsize(dtype)
+    shape = _int_list(e.get("shape"), where, key, "shape")
+    numel = math.prod(shape)
+    if numel > _MAX_ELEMENTS:
+        raise _fail(where, key, f"shape {list(shape)} is absurdly large")
+    layout = e.get("layout")
+    if layout is not None and not isinstance(layout, dict):
+        raise _fail(where, key, "layout must be an object")
+    chunks_raw = e.get("chunks")
+    if not isinstance(chunks_raw, list):
+        raise _fail(where, key, "chunks must be a list")
+    chunks = []
+    volume = 0
+    for c in chunks_raw:
+        if not isinstance(c, list) or len(c) != 7:
+            raise _fail(where, key, f"a chunk must be a list of 7 fields, found {c!r:.200}")
+        offsets = _int_list(c[0], where, key, "chunk offsets")
+        sizes = _int_list(c[1], where, key, "chunk sizes")
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise _fail(where, key, f"chunk box {offsets}+{sizes} does not match shape {shape}")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=False)):
+            raise _fail(where, key, f"chunk box {list(offsets)}+{list(sizes)} lies outside shape {list(shape)}")
+        n = math.prod(sizes)
+        if n == 0:
+            raise _fail(where, key, "empty chunks are never saved")
+        fidx = _int(c[2], where, key, "chunk file index", hi=len(files) - 1)
+        start = _int(c[3], where, key, "chunk start")
+        length = _int(c[4], where, key, "chunk length")
+        if length != n * size:
+            raise _fail(where, key, f"chunk length {length} != {n} elements x {size} bytes")
+        block_rows = _int(c[5], where, key, "chunk block_rows", lo=1)
+        rows = sizes[0] if sizes else 1
+        crcs = c[6]
+        if not isinstance(crcs, list) or len(crcs) != -(-rows // block_rows):
+            raise _fail(where, key, f"chunk needs {-(-rows // block_rows)} checksums, found {crcs!r:.100}")
+        crcs = tuple(_int(x, where, key, "crc32c", hi=0xFFFFFFFF) for x in crcs)
+        chunks.append(ChunkRecord(offsets, sizes, files[fidx], start, length, block_rows, crcs))
+        volume += n
+    if volume > numel:
+        raise _fail(where, key, f"chunks hold {volume} elements but the tensor has {numel}: they overlap")
+    if kind == "bytes" and len(shape) != 1:
+        raise _fail(where, key, "bytes entries must be 1-d")
+    return Entry(key, kind, path, dtype, shape, chunks, layout)
+
+
+# ---------------------------------------------------------------------------- paths
+
+
+def _encode_path_part(p: Any) -> Any:
+    if isinstance(p, str):
+        return p
+    tag, n = p
+    return {tag: n}
+
+
+def _decode_path_part(p: Any, where: str, key: str) -> Any:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict) and len(p) == 1:
+        (tag, n), = p.items()
+        if tag in ("i", "t", "k") and type(n) is int:
+            return (tag, n)
+    raise _fail(where, key, f"bad path component {p!r}")
+
+
+# ---------------------------------------------------------------------------- typed values
+
+
+def is_json_value(v: Any) -> bool:
+    """True when ``v`` round-trips exactly through :func:`encode_value`."""
+    if v is None or type(v) in (bool, int, float, str):
+        return True
+    if type(v) in (list, tuple):
+        return all(is_json_value(x) for x in v)
+    if type(v) is dict:
+        return all(type(k) in (str, int) for k in v) and all(is_json_value(x) for x in v.values())
+    return False
+
+
+def encode_value(v: Any) -> Any:
+    """Python value -> JSON with type tags; only call when :func:`is_json_value` holds."""
+    t = type(v)
+    if v is None or t in (bool, int, str):
+        return v
+    if t is float:
+        return v if math.isfinite(v) else {"$float": repr(v)}
+    if t is list:
+        return [encode_value(x) for x in v]
+    if t is tuple:
+        return {"$tuple": [encode_value(x) for x in v]}
+    if t is dict:
+        return {"$dict": [[k, encode_value(x)] for k, x in v.items()]}
+    raise TypeError(f"cannot encode {t.__name__}")
+
+
+def decode_value(v: Any) -> Any:
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    if type(v) is list:
+        return [decode_value(x) for x in v]
+    if type(v) is dict and len(v) == 1:
+        (tag, inner), = v.items()
+        if tag == "$tuple" and type(inner) is list:
+            return tuple(decode_value(x) for x in inner)
+        if tag == "$dict" and type(inner) is list:
+            out = {}
+            for pair in inner:
+                if type(pair) is not list or len(pair) != 2 or type(pair[0]) not in (str, int):
+                    raise ValueError(f"bad dict item {pair!r:.80}")
+                out[pair[0]] = decode_value(pair[1])
+            return out
+        if tag == "$float" and inner in ("nan", "inf", "-inf"):
+            return float(inner)
+    raise ValueError(f"unrecognised value {v!r:.80}")

@@ -1,0 +1,362 @@
+"""StandardPlanner: flatten values into chunk boxes, dedup replicas, intersect on load.
+
+Save: every DTensor contributes the box its rank holds (torch's own chunk computation, so
+uneven splits and FSDP+TP's ``_StridedShard`` are right); plain tensors, numpy arrays and
+bytes are assumed equal on every rank that has them. The global plan writes each distinct
+box once: boxes held by one rank go to it; replicated boxes go, largest first, to the
+holder with the fewest bytes so far, so every rank's share differs from the even share by
+at most the largest single box.
+
+Load: every target box (a DTensor's local shard, or a whole tensor) is intersected with the
+saved chunks; the loader copies each overlap straight into the target's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import metadata as md
+from .box import Box
+from .errors import StateDictMismatchError, UnsupportedValueError
+from .planner import (
+    EntrySpec,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+)
+
+__all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner", "dtensor_box", "layout_record"]
+
+
+def placement_name(p: Any) -> str:
+    """A short stable name for a placement: ``S(0)``, ``R``, ``P(sum)``, ``_S(0,2)``."""
+    cls = type(p).__name__
+    if cls == "_StridedShard":
+        return f"_S({p.dim},{p.split_factor})"
+    if p.is_shard():
+        return f"S({p.dim})"
+    if p.is_replicate():
+        return "R"
+    if p.is_partial():
+        return f"P({getattr(p, 'reduce_op', 'sum')})"
+    return repr(p)
+
+
+def layout_record(t: DTensor) -> dict[str, Any]:
+    mesh = t.device_mesh
+    return {
+        "mesh_shape": list(mesh.shape),
+        "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        "placements": [placement_name(p) for p in t.placements],
+    }
+
+
+def dtensor_box(t: DTensor, key: str) -> Box | None:
+    """The global box of this rank's local shard, or None if the rank holds nothing."""
+    if any(p.is_partial() for p in t.placements):
+        raise UnsupportedValueError(
+            f"{key!r}: DTensor has Partial placement {list(t.placements)}; its local values are "
+            "not the tensor's values. Reduce it first, e.g. "
+            "t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])"
+        )
+    if t.device_mesh.get_coordinate() is None:
+        return None
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise UnsupportedValueError(f"{key!r}: expected one local chunk per rank, found {len(chunks)}")
+    box = Box(tuple(chunks[0].offsets), tuple(chunks[0].sizes))
+    local = t._local_tensor
+    if tuple(local.shape) != box.sizes:
+        raise UnsupportedValueError(
+            f"{key!r}: local tensor shape {tuple(local.shape)} differs from its chunk {box}"
+        )
+    return box if box.numel else None
+
+
+def _numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
+    try:
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    except TypeError:
+        raise UnsupportedValueError(
+            f"{key!r}: numpy dtype {arr.dtype} cannot be stored as a tensor"
+        ) from None
+
+
+class StandardPlanner(SavePlanner, LoadPlanner):
+    """The default planner for save and load.
+
+    Hooks for subclasses: :meth:`transform_state_dict` (rename/filter keys, called on save
+    and on load with the flattened ``{key: value}`` map) and every protocol method of
+    :class:`~.planner.SavePlanner` / :class:`~.planner.LoadPlanner`.
+
+    Example — save and load every key under a new prefix::
+
+        class Prefixed(StandardPlanner):
+            def transform_state_dict(self, sd):
+                return {"v2." + k: v for k, v in sd.items()}
+    """
+
+    def __init__(self, allow_pickle: bool = False):
+        self.allow_pickle = allow_pickle
+        self._values: dict[str, Any] = {}
+        self._paths: dict[str, tuple] = {}
+        self._data: dict[tuple[str, Box], Any] = {}
+
+    # ------------------------------------------------------------------ hooks
+
+    def transform_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Rename or filter flattened keys; the identity by default."""
+        return state_dict
+
+    def cache_key(self) -> Any:
+        """Global save plans are reused while this and every rank's local plan are unchanged."""
+        return (type(self).__qualname__, self.allow_pickle)
+
+    def _path(self, key: str) -> tuple:
+        return self._paths.get(key) or tuple(key.split("."))
+
+    # ------------------------------------------------------------------ save
+
+    def set_up_save(self, state_dict: dict[str, Any], is_coordinator: bool) -> None:
+        self._paths = dict(getattr(state_dict, "paths", {}))
+        self._values = self.transform_state_dict(state_dict)
+        self.is_coordinator = is_coordinator
+
+    def create_local_save_plan(self) -> SavePlan:
+        entries: dict[str, EntrySpec] = {}
+        items: list[WriteItem] = []
+        objects: list[str] = []
+        self._data = {}
+        for key, value in self._values.items():
+            path = self._path(key)
+            if isinstance(value, DTensor):
+                box = dtensor_box(value, key)
+                dtype = md.dtype_name(value.dtype)
+                entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value))
+                if box is not None:
+                    self._add(items, key, box, value._local_tensor)
+                continue
+            if isinstance(value, torch.Tensor):
+                kind, tensor = "tensor", value
+            elif isinstance(value, np.ndarray):
+                kind, tensor = "ndarray", _numpy_tensor(value, key)
+            elif isinstance(value, (bytes, bytearray)):
+                kind, tensor = "bytes", torch.tensor(list(value), dtype=torch.uint8) if not value else (
+                    torch.frombuffer(bytearray(value), dtype=torch.uint8))
+            elif md.is_json_value(value):
+                entries[key] = EntrySpec("object", path)
+                objects.append(key)
+                self._data[(key, Box((), ()))] = value
+                continue
+            elif self.allow_pickle:
+                blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                kind, tensor = "pickle", torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            else:
+                raise UnsupportedValueError(
+                    f"{key!r}: a {type(value).__module__}.{type(value).__qualname__} can only be "
+                    "saved with pickle; convert it to tensors/plain values, or pass "
+                    "allow_pickle=True to save (and again to load) if you trust the checkpoint"
+                )
+            shape = tuple(tensor.shape)
+            entries[key] = EntrySpec(kind, path, md.dtype_name(tensor.dtype), shape)
+            if tensor.numel():
+                self._add(items, key, Box.full(shape), tensor)
+        return SavePlan(entries, items, objects)
+
+    def _add(self, items: list[WriteItem], key: str, box: Box, tensor: torch.Tensor) -> None:
+        items.append(WriteItem(key, box, box.numel * tensor.element_size()))
+        self._data[(key, box)] = tensor
+
+    def create_global_save_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        merged: dict[str, EntrySpec] = {}
+        first_rank: dict[str, int] = {}
+        for rank, plan in enumerate(plans):
+            for key, spec in plan.entries.items():
+                seen = merged.get(key)
+                if seen is None:
+                    merged[key], first_rank[key] = spec, rank
+                elif (seen.kind, seen.dtype, seen.shape) != (spec.kind, spec.dtype, spec.shape):
+                    raise StateDictMismatchError(
+                        f"{key!r} differs between ranks: rank {first_rank[key]} has "
+                        f"{seen.kind} {seen.dtype} {seen.shape}, rank {rank} has "
+                        f"{spec.kind} {spec.dtype} {spec.shape}"
+                    )
+        holders: dict[tuple[str, Box], list[int]] = defaultdict(list)
+        sizes: dict[tuple[str, Box], int] = {}
+        for rank, plan in enumerate(plans):
+            for item in plan.items:
+                holders[(item.key, item.box)].append(rank)
+                sizes[(item.key, item.box)] = item.nbytes
+        load = [0] * len(plans)
+        assigned: list[list[WriteItem]] = [[] for _ in plans]
+        # Boxes only one rank holds are forced; replicas then fill up the lightest holders.
+        order = sorted(holders, key=lambda kb: (len(holders[kb]) > 1, -sizes[kb], kb[0], kb[1].offsets))
+        for kb in order:
+            rank = min(holders[kb], key=lambda r: (load[r], r))
+            load[rank] += sizes[kb]
+            assigned[rank].append(WriteItem(kb[0], kb[1], sizes[kb]))
+        objects: list[list[str]] = [[] for _ in plans]
+        for key, spec in merged.items():
+            if spec.kind == "object":
+                objects[first_rank[key]].append(key)
+        return [SavePlan(merged, assigned[r], objects[r]) for r in range(len(plans))]
+
+    def resolve_data(self, item: WriteItem) -> torch.Tensor | Any:
+        return self._data[(item.key, item.box)]
+
+    # ------------------------------------------------------------------ load
+
+    def set_up_load(
+        self, state_dict: dict[str, Any] | None, metadata: md.Metadata, is_coordinator: bool
+    ) -> None:
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+        self._paths = dict(getattr(state_dict, "paths", {})) if state_dict is not None else {}
+        self._targets = self.transform_state_dict(state_dict) if state_dict is not None else None
+        self.missing_keys: list[str] = []
+        self.unexpected_keys: list[str] = []
+        self._dest: dict[str, torch.Tensor] = {}
+        self._results: dict[str, Any] = {}
+
+    def create_local_load_plan(self) -> LoadPlan:
+        entries = self.metadata.entries
+        if self._targets is None:
+            wanted = {key: None for key in entries}
+        else:
+            wanted = self._targets
+            self.missing_keys = [k for k in wanted if k not in entries]
+            self.unexpected_keys = [k for k in entries if k not in wanted]
+        items: list[ReadItem] = []
+        targets: dict[str, Box] = {}
+        for key, target in wanted.items():
+            entry = entries.get(key)
+            if entry is None:
+                continue
+            if entry.kind == "object":
+                self._results[key] = entry.value
+                continue
+            if entry.kind == "pickle" and not self.allow_pickle:
+                raise UnsupportedValueError(
+                    f"{key!r} holds a pickled Python object; loading it would run code from the "
+                    "checkpoint. Pass allow_pickle=True only if you trust where it came from"
+                )
+            box, dest = self._destination(key, entry, target)
+            if box is None:
+                continue
+            targets[key] = box
+            self._dest[key] = dest
+            items.extend(self._reads(key, entry, box))
+        return LoadPlan(items, targets)
+
+    def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, torch.Tensor | None]:
+        shape, dtype = entry.shape, md.torch_dtype(entry.dtype)
+        if target is None or entry.kind in ("bytes", "pickle"):
+            if target is not None and entry.kind != _kind_of(target):
+                raise self._mismatch(key, entry, target)
+            return Box.full(shape), torch.empty(shape, dtype=dtype)
+        if entry.kind not in ("tensor", "ndarray") or _kind_of(target) not in ("tensor", "ndarray"):
+            raise self._mismatch(key, entry, target)
+        if isinstance(target, np.ndarray):
+            if not target.flags.writeable:
+                raise StateDictMismatchError(f"{key!r}: target numpy array is read-only")
+            target = _numpy_tensor_view(target, key)
+        if tuple(target.shape) != shape or target.dtype != dtype:
+            raise self._mismatch(key, entry, target)
+        if isinstance(target, DTensor):
+            return dtensor_box(target, key), target._local_tensor
+        return Box.full(shape), target
+
+    def _mismatch(self, key: str, entry: md.Entry, target: Any) -> StateDictMismatchError:
+        found = _describe(target)
+        saved = f"{entry.kind} {entry.dtype} shape {list(entry.shape or ())}"
+        return StateDictMismatchError(
+            f"{key!r}: the checkpoint holds {saved}, but the target is {found}; "
+            "make the target match (or convert after loading into a matching tensor)"
+        )
+
+    def _reads(self, key: str, entry: md.Entry, box: Box) -> list[ReadItem]:
+        reads = []
+        covered = 0
+        for chunk in entry.chunks:
+            region = Box(chunk.offsets, chunk.sizes).intersect(box)
+            if region is not None:
+                reads.append(ReadItem(key, chunk, region))
+                covered += region.numel
+        if covered != box.numel or not _disjoint([r.region for r in reads]):
+            saved = ", ".join(str(Box(c.offsets, c.sizes)) for c in entry.chunks[:8])
+            more = f" and {len(entry.chunks) - 8} more" if len(entry.chunks) > 8 else ""
+            raise StateDictMismatchError(
+                f"{key!r}: the saved chunks do not cover the target region {box} exactly "
+                f"({covered} of {box.numel} elements covered; saved chunks: {saved or 'none'}{more}). "
+                "The checkpoint is missing data for this key (a rank's chunk was lost?)"
+            )
+        return reads
+
+    def resolve_target(self, key: str) -> torch.Tensor:
+        return self._dest[key]
+
+    def finish_load(self) -> dict[str, Any]:
+        out = dict(self._results)
+        for key, tensor in self._dest.items():
+            kind = self.metadata.entries[key].kind
+            target = None if self._targets is None else self._targets.get(key)
+            if kind == "ndarray":
+                out[key] = target if isinstance(target, np.ndarray) else tensor.numpy()
+            elif kind == "bytes":
+                out[key] = bytes(tensor.numpy().tobytes())
+            elif kind == "pickle":
+                out[key] = pickle.loads(tensor.numpy().tobytes())  # allow_pickle checked in plan
+            else:
+                out[key] = target if target is not None else tensor
+        return out
+
+
+def _numpy_tensor_view(arr: np.ndarray, key: str) -> torch.Tensor:
+    try:
+        return torch.from_numpy(arr)
+    except TypeError:
+        raise UnsupportedValueError(f"{key!r}: numpy dtype {arr.dtype} is not supported") from None
+
+
+def _kind_of(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return "tensor"
+    if isinstance(v, np.ndarray):
+        return "ndarray"
+    if isinstance(v, (bytes, bytearray)):
+        return "bytes"
+    return "object" if md.is_json_value(v) else "pickle"
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, (torch.Tensor, np.ndarray)):
+        kind = "DTensor" if isinstance(v, DTensor) else type(v).__name__
+        return f"{kind} {str(v.dtype).replace('torch.', '')} shape {list(v.shape)}"
+    return type(v).__name__
+
+
+def _disjoint(boxes: list[Box]) -> bool:
+    return all(a.intersect(b) is None for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+
+def plan_digest(plan: SavePlan) -> str:
+    """A fingerprint of a local plan's structure (keys, kinds, dtypes, shapes, boxes)."""
+    h = hashlib.sha256()
+    h.update(repr(sorted(plan.entries.items())).encode())
+    h.update(repr([(i.key, i.box) for i in plan.items]).encode())
+    h.update(repr(plan.objects).encode())
+    return h.hexdigest()
+
+
+StandardSavePlanner = StandardPlanner
+StandardLoadPlanner = StandardPlanner

@@ -1,0 +1,257 @@
+"""Save and load on real gloo ranks (2 and 4 processes): round trips, dedup, failures.
+
+Each launch checks several behaviours, because starting ranks is the expensive part.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import assert_same, local_expected, make_dtensor, make_tensor, zeros_like_tree
+from multiprocess import RankFailure, run_ranks
+from safetensors import safe_open
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from hyper_parallel.core.distributed_checkpoint import (
+    RankFailedError,
+    StandardPlanner,
+    UnsupportedValueError,
+    load,
+    save,
+)
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+          torch.float8_e5m2, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+class Counter:
+    """A Stateful object: saved through state_dict(), restored through load_state_dict()."""
+
+    def __init__(self, n: int = 0):
+        self.n, self.hist = n, torch.arange(float(n))
+
+    def state_dict(self):
+        return {"n": self.n, "hist": self.hist}
+
+    def load_state_dict(self, sd):
+        self.n, self.hist = sd["n"], sd["hist"]
+
+
+def build_state(ws: int) -> dict:
+    """Everything issue #2 lists, on a 1-d mesh and (for 4 ranks) a 2x2 mesh."""
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))
+    sd: dict = {"model": {}, "dtypes": {}}
+    m = sd["model"]
+    m["s0_uneven"] = make_dtensor(make_tensor((7, 5), seed=1), mesh, [Shard(0)])
+    m["s1_uneven"] = make_dtensor(make_tensor((3, 7), seed=2), mesh, [Shard(1)])
+    m["replicated"] = make_dtensor(make_tensor((4, 4), seed=3), mesh, [Replicate()])
+    m["fewer_rows_than_ranks"] = make_dtensor(make_tensor((ws - 1, 3), seed=4), mesh, [Shard(0)])
+    m["empty"] = make_dtensor(torch.empty(0, 4), mesh, [Shard(0)])
+    m["scalar_tensor"] = torch.tensor(2.5)
+    m["plain"] = make_tensor((3, 2), seed=5)
+    m["view"] = make_tensor((6, 4), seed=6)[1:5, ::2]  # non-contiguous view with an offset
+    if ws == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        m["2d_s0s1"] = make_dtensor(make_tensor((7, 5), seed=7), mesh2, [Shard(0), Shard(1)])
+        m["2d_rs0"] = make_dtensor(make_tensor((5, 3), seed=8), mesh2, [Replicate(), Shard(0)])
+        m["2d_s1r"] = make_dtensor(make_tensor((3, 9), seed=9), mesh2, [Shard(1), Replicate()])
+    for i, dt in enumerate(DTYPES):
+        name = str(dt).replace("torch.", "")
+        sd["dtypes"][name] = make_dtensor(make_tensor((5, 3), dt, seed=20 + i), mesh, [Shard(0)])
+    sd["values"] = {"step": 7, "lr": 1e-3, "ratio": float("inf"), "name": "run-a", "none": None,
+                    "flag": False, "betas": (0.9, 0.999), "ids": [1, 2, 3], "int_keys": {1: "a", 2: "b"}}
+    sd["blob"] = b"\x00\x01binary\xff"
+    sd["array"] = np.arange(12, dtype=np.float32).reshape(3, 4)
+    sd["counter"] = Counter(5)
+    sd["list_of_tensors"] = [make_tensor((2,), seed=40), make_tensor((3,), seed=41)]
+    return sd
+
+
+def _plain(sd: dict) -> dict:
+    """Expected values with Stateful objects replaced by their state dicts."""
+    out = dict(sd)
+    out["counter"] = sd["counter"].state_dict()
+    return out
+
+
+def _full(v):
+    from torch.distributed.tensor import DTensor
+    if isinstance(v, DTensor):
+        return v.test_full
+    if isinstance(v, torch.Tensor):
+        return v.contiguous()
+    if isinstance(v, dict):
+        return {k: _full(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_full(x) for x in v]
+    return v
+
+
+def rank_roundtrip(rank: int, ws: int, path: str) -> dict:
+    sd = build_state(ws)
+    expected_full = _full(_plain(sd))
+    meta = save(sd, path)
+    # 1. in place, same layout: every local shard bit-exact, values replaced, Stateful restored
+    target = zeros_like_tree(_plain(sd))
+    target["counter"] = Counter(5)
+    target["counter"].n, target["counter"].hist = 0, torch.zeros(5)
+    target["values"] = {k: None for k in sd["values"]}
+    target["blob"] = b""
+    out = load(target, checkpoint_id=path)
+    assert out is target
+    assert target["counter"].n == 5 and torch.equal(target["counter"].hist, sd["counter"].hist)
+    target["counter"] = target["counter"].state_dict()
+    assert_same(_plain(sd), target)
+    # 2. no target: full CPU tensors, nested as saved, types preserved
+    full = load(path=path)
+    assert_same(expected_full, full)
+    dist.barrier()
+    if rank != 0:
+        return {}
+    files = sorted(f for f in os.listdir(path) if not f.startswith("."))
+    per_rank: dict[int, int] = {}
+    for e in meta.entries.values():
+        for c in e.chunks:
+            r = int(c.file.split("-")[1][1:])
+            per_rank[r] = per_rank.get(r, 0) + c.length
+    return {"files": files, "per_rank": per_rank,
+            "replicated_chunks": len(meta.entries["model.replicated"].chunks)}
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_round_trip_of_every_kind_of_value_is_bit_exact(tmp_path, ws):
+    path = str(tmp_path / "ckpt")
+    info = run_ranks(rank_roundtrip, ws, path)[0]
+    assert info["replicated_chunks"] == 1, "a replicated tensor must be stored once"
+    # the checkpoint holds no pickle: JSON metadata, safetensors data files
+    doc = json.loads(open(os.path.join(path, ".metadata"), "rb").read())
+    assert doc["format"] == "hyper-parallel-dcp" and doc["version"] == 1
+    assert all(e["kind"] != "pickle" for e in doc["entries"].values())
+    for f in info["files"]:
+        assert f.endswith(".safetensors")
+        with safe_open(os.path.join(path, f), framework="pt") as g:
+            assert len(list(g.keys())) > 0
+
+
+def rank_dedup(rank: int, ws: int, path: str) -> dict:
+    mesh = init_device_mesh("cpu", (ws,))
+    sizes = [(64, 33), (17, 5), (128, 8), (3, 3), (40, 40), (9, 100), (1, 1), (50, 20), (70, 7), (11, 13)]
+    sd = {f"r{i}": make_dtensor(make_tensor(s, seed=i), mesh, [Replicate()]) for i, s in enumerate(sizes)}
+    sd.update({f"p{i}": make_tensor(s, seed=100 + i) for i, s in enumerate(sizes)})  # plain = replicated
+    meta = save(sd, path)
+    target = zeros_like_tree(sd)
+    load(target, path)
+    assert_same(sd, target)
+    if rank:
+        return {}
+    per_rank = [0] * ws
+    for e in meta.entries.values():
+        assert len(e.chunks) == 1, f"{e.key} stored {len(e.chunks)} times"
+        per_rank[int(e.chunks[0].file.split("-")[1][1:])] += e.chunks[0].length
+    largest = max(e.chunks[0].length for e in meta.entries.values())
+    return {"per_rank": per_rank, "largest": largest}
+
+
+def test_replicated_data_is_written_once_and_balanced_across_four_ranks(tmp_path):
+    info = run_ranks(rank_dedup, 4, str(tmp_path / "ckpt"))[0]
+    even = sum(info["per_rank"]) / 4
+    assert all(abs(b - even) <= info["largest"] for b in info["per_rank"]), info
+    assert all(b > 0 for b in info["per_rank"]), info
+
+
+class FailingWritePlanner(StandardPlanner):
+    """Raises while rank ``bad`` resolves its data, i.e. in the middle of writing."""
+
+    def __init__(self, bad: int):
+        super().__init__()
+        self.bad = bad
+
+    def resolve_data(self, item):
+        if dist.get_rank() == self.bad and item.key == "w":
+            raise OSError(28, "No space left on device (injected)")
+        return super().resolve_data(item)
+
+
+def rank_failure(rank: int, ws: int, path: str) -> dict:
+    mesh = init_device_mesh("cpu", (ws,))
+    old = {"w": make_dtensor(make_tensor((8, 3), seed=1), mesh, [Shard(0)]), "step": 1}
+    save(old, path)
+    new = {"w": make_dtensor(make_tensor((8, 3), seed=2), mesh, [Shard(0)]), "step": 2}
+    try:
+        save(new, path, planner=FailingWritePlanner(bad=1))
+    except RankFailedError as exc:
+        assert 1 in exc.failures and "No space left" in exc.failures[1], str(exc)
+        assert "rank" in str(exc)
+    else:
+        raise AssertionError("save with a failing rank did not raise")
+    # the older checkpoint is intact and still loads
+    target = zeros_like_tree(old)
+    target["step"] = 0
+    load(target, path)
+    assert target["step"] == 1
+    assert torch.equal(target["w"].to_local(), old["w"].to_local())
+    dist.barrier()
+    return sorted(os.listdir(path))
+
+
+def rank_failure_fresh_dir(rank: int, ws: int, path: str) -> bool:
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {"w": make_dtensor(make_tensor((8, 3)), mesh, [Shard(0)])}
+    with pytest.raises(RankFailedError, match="rank"):
+        save(sd, path, planner=FailingWritePlanner(bad=0))
+    dist.barrier()
+    return os.path.exists(os.path.join(path, ".metadata"))
+
+
+def test_a_rank_failing_mid_write_fails_every_rank_and_keeps_the_old_checkpoint(tmp_path):
+    listings = run_ranks(rank_failure, 2, str(tmp_path / "a"))
+    # no stray data files of the failed save are left next to the old checkpoint
+    assert len([f for f in listings[0] if f.endswith(".safetensors")]) == 2, listings[0]
+    flags = run_ranks(rank_failure_fresh_dir, 2, str(tmp_path / "b"))
+    assert flags == [False, False], "a failed save must not leave .metadata"
+
+
+def rank_errors(rank: int, ws: int, path: str) -> str:
+    mesh = init_device_mesh("cpu", (ws,))
+    full = make_tensor((6, 4))
+    sd = {"w": make_dtensor(full, mesh, [Shard(0)]), "b": make_tensor((4,))}
+    # Partial placements are refused on every rank
+    partial = torch.distributed.tensor.DTensor.from_local(torch.ones(2, 2), mesh, [Partial()], run_check=False)
+    with pytest.raises(RankFailedError, match="Partial"):
+        save({"p": partial}, path + "_partial")
+    save(sd, path)
+    # load resharded into a different layout works (Shard(0) -> Shard(1) and Replicate)
+    t = {"w": make_dtensor(torch.zeros(6, 4), mesh, [Shard(1)]), "b": torch.zeros(4)}
+    load(t, path)
+    assert torch.equal(t["w"].to_local(), local_expected(full, mesh, [Shard(1)]))
+    # a shape mismatch names the key, on every rank
+    bad = {"w": make_dtensor(torch.zeros(6, 5), mesh, [Shard(0)]), "b": torch.zeros(4)}
+    with pytest.raises(RankFailedError, match="'w'.*shape"):
+        load(bad, path)
+    return "ok"
+
+
+def test_errors_reach_every_rank_and_load_reshards(tmp_path):
+    assert run_ranks(rank_errors, 2, str(tmp_path / "ckpt")) == ["ok", "ok"]
+
+
+def rank_raises(rank: int, ws: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return None
+
+
+def test_runner_reports_the_failing_rank():
+    with pytest.raises(RankFailure, match="boom on rank 1"):
+        run_ranks(rank_raises, 2)
+
+
+def test_unsupported_value_is_refused_without_pickle(tmp_path):
+    with pytest.raises(UnsupportedValueError, match="'obj'.*allow_pickle"):
+        save({"obj": object()}, str(tmp_path / "c"), no_dist=True)

@@ -1,0 +1,95 @@
+"""Shared test helpers: deterministic tensors, DTensors without communication, deep compare."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+def make_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """The same tensor on every rank (values depend only on shape, dtype, seed)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if not dtype.is_floating_point and not dtype.is_complex:
+        info = torch.iinfo(dtype)
+        lo, hi = max(info.min, -1000), min(info.max, 1000)
+        return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
+    t = torch.randn(shape, generator=g, dtype=torch.float64)
+    return t.to(dtype)
+
+
+def make_dtensor(full: torch.Tensor, mesh: Any, placements: list[Any]) -> DTensor:
+    """Slice this rank's shard out of ``full`` (same on every rank) and wrap it; no comms."""
+    sizes, offsets = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    local = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=False))].clone()
+    dt = DTensor.from_local(local, mesh, placements, shape=full.shape, stride=full.stride(),
+                            run_check=False)
+    dt.test_full = full  # the global value, for expectations (gloo cannot gather every dtype)
+    return dt
+
+
+def local_expected(full: torch.Tensor, mesh: Any, placements: list[Any]) -> torch.Tensor:
+    sizes, offsets = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=False))]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bitwise view for exact comparison of any dtype (NaNs and float8 included)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Deep, exact equality: types, dtypes, shapes, bits."""
+    if isinstance(a, DTensor) or isinstance(b, DTensor):
+        assert isinstance(a, DTensor) and isinstance(b, DTensor), f"{path}: {type(a)} vs {type(b)}"
+        assert a.shape == b.shape and a.placements == b.placements, f"{path}: layout differs"
+        return assert_same(a.to_local(), b.to_local(), path)
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b)}"
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} vs {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        assert torch.equal(bits(a), bits(b)), f"{path}: values differ"
+        return
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, f"{path}: ndarray"
+        assert a.tobytes() == b.tobytes(), f"{path}: ndarray values differ"
+        return
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()) or set(a) == set(b), f"{path}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, f"{path}: NaN vs {b}"
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def zeros_like_tree(v: Any) -> Any:
+    """A target of the same structure and layouts, with zeroed data."""
+    if isinstance(v, DTensor):
+        return DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements,
+                                  shape=v.shape, stride=v.stride(), run_check=False)
+    if isinstance(v, torch.Tensor):
+        return torch.zeros_like(v)
+    if isinstance(v, np.ndarray):
+        return np.zeros_like(v)
+    if isinstance(v, dict):
+        return {k: zeros_like_tree(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [zeros_like_tree(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(zeros_like_tree(x) for x in v)
+    return v
