@@ -191,6 +191,7 @@ def load(
     coordinator_rank: int = 0,
     allow_pickle: bool = False,
     thread_count: int = 4,
+    verify: bool = True,
     timeout: timedelta | float | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint, resharding from the saved layout into the target's.
@@ -210,6 +211,10 @@ def load(
             ``strict=False`` only common keys load; the others are reported in a warning.
         allow_pickle: permit unpickling values saved with ``allow_pickle=True``.
         thread_count: reader threads per rank.
+        verify: check the crc32c of every byte read (default). A chunk is checked in blocks
+            of whole rows, so a load that needs part of each row (e.g. ``Shard(0)`` saved,
+            ``Shard(1)`` loaded) reads whole rows. ``verify=False`` reads only the bytes the
+            target needs and checks sizes but no checksums.
 
     Returns:
         The filled ``state_dict`` (the same object), or the loaded nested state dict.
@@ -254,7 +259,7 @@ def load(
             planner.set_up_load(_flat_values(flat) if flat else None, meta, coord.is_coordinator)
             plan = planner.create_local_load_plan()
             _check_keys(planner, strict)
-            stats = read_plan(plan, planner, storage_reader, thread_count)
+            stats = read_plan(plan, planner, storage_reader, thread_count, verify=verify)
             loaded.append(planner.finish_load())
             loaded.append(meta)
             return stats.bytes_read

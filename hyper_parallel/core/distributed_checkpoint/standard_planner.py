@@ -83,6 +83,11 @@ def dtensor_box(t: DTensor, key: str) -> Box | None:
     return box if box.numel else None
 
 
+def _bytes_tensor(value: bytes | bytearray) -> torch.Tensor:
+    buf = bytearray(value)
+    return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+
+
 def _numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
     try:
         return torch.from_numpy(np.ascontiguousarray(arr))
@@ -151,16 +156,14 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             elif isinstance(value, np.ndarray):
                 kind, tensor = "ndarray", _numpy_tensor(value, key)
             elif isinstance(value, (bytes, bytearray)):
-                kind, tensor = "bytes", torch.tensor(list(value), dtype=torch.uint8) if not value else (
-                    torch.frombuffer(bytearray(value), dtype=torch.uint8))
+                kind, tensor = "bytes", _bytes_tensor(value)
             elif md.is_json_value(value):
                 entries[key] = EntrySpec("object", path)
                 objects.append(key)
                 self._data[(key, Box((), ()))] = value
                 continue
             elif self.allow_pickle:
-                blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-                kind, tensor = "pickle", torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                kind, tensor = "pickle", _bytes_tensor(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
             else:
                 raise UnsupportedValueError(
                     f"{key!r}: a {type(value).__module__}.{type(value).__qualname__} can only be "
