@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .box import Box
 from .errors import MetadataError
 
 FORMAT_NAME = "hyper-parallel-dcp"
@@ -319,9 +320,26 @@ def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
         volume += n
     if volume > numel:
         raise _fail(where, key, f"chunks hold {volume} elements but the tensor has {numel}: they overlap")
+    _check_disjoint(chunks, where, key)
     if kind == "bytes" and len(shape) != 1:
         raise _fail(where, key, "bytes entries must be 1-d")
     return Entry(key, kind, path, dtype, shape, chunks, layout)
+
+
+def _check_disjoint(chunks: list[ChunkRecord], where: str, key: str) -> None:
+    # Sweep along dim 0: only chunks whose dim-0 ranges overlap can overlap.
+    if len(chunks) < 2 or not chunks[0].sizes:
+        if len(chunks) > 1:
+            raise _fail(where, key, "a 0-d tensor has more than one chunk")
+        return
+    boxes = sorted((Box(c.offsets, c.sizes) for c in chunks), key=lambda b: b.offsets[0])
+    active: list[Box] = []
+    for box in boxes:
+        active = [a for a in active if a.ends[0] > box.offsets[0]]
+        for a in active:
+            if a.intersect(box) is not None:
+                raise _fail(where, key, f"chunks {a} and {box} overlap")
+        active.append(box)
 
 
 # ---------------------------------------------------------------------------- paths

@@ -246,6 +246,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             if entry is None:
                 continue
             if entry.kind == "object":
+                if _kind_of(target) in ("tensor", "ndarray", "bytes"):
+                    raise self._mismatch(key, entry, target)
                 self._results[key] = entry.value
                 continue
             if entry.kind == "pickle" and not self.allow_pickle:
@@ -281,7 +283,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def _mismatch(self, key: str, entry: md.Entry, target: Any) -> StateDictMismatchError:
         found = _describe(target)
-        saved = f"{entry.kind} {entry.dtype} shape {list(entry.shape or ())}"
+        saved = (f"a plain {type(entry.value).__name__}" if entry.kind == "object"
+                 else f"{entry.kind} {entry.dtype} shape {list(entry.shape or ())}")
         return StateDictMismatchError(
             f"{key!r}: the checkpoint holds {saved}, but the target is {found}; "
             "make the target match (or convert after loading into a matching tensor)"
@@ -295,7 +298,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             if region is not None:
                 reads.append(ReadItem(key, chunk, region))
                 covered += region.numel
-        if covered != box.numel or not _disjoint([r.region for r in reads]):
+        if covered != box.numel:  # saved chunks are disjoint (metadata validation checks it)
             saved = ", ".join(str(Box(c.offsets, c.sizes)) for c in entry.chunks[:8])
             more = f" and {len(entry.chunks) - 8} more" if len(entry.chunks) > 8 else ""
             raise StateDictMismatchError(
@@ -346,10 +349,6 @@ def _describe(v: Any) -> str:
         kind = "DTensor" if isinstance(v, DTensor) else type(v).__name__
         return f"{kind} {str(v.dtype).replace('torch.', '')} shape {list(v.shape)}"
     return type(v).__name__
-
-
-def _disjoint(boxes: list[Box]) -> bool:
-    return all(a.intersect(b) is None for i, a in enumerate(boxes) for b in boxes[i + 1:])
 
 
 def plan_digest(plan: SavePlan) -> str:

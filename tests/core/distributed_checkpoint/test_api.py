@@ -1,0 +1,290 @@
+"""save/load in one process: call styles, values, errors, corruption, custom planners."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same, make_tensor
+
+from hyper_parallel.core.distributed_checkpoint import (
+    CorruptCheckpointError,
+    FileSystemReader,
+    MetadataError,
+    NotACheckpointError,
+    StandardLoadPlanner,
+    StandardPlanner,
+    StandardSavePlanner,
+    StateDictMismatchError,
+    UnsupportedValueError,
+    load,
+    save,
+)
+from hyper_parallel.core.distributed_checkpoint import api as api_module
+
+
+def small_sd() -> dict:
+    return {"model": {"w": make_tensor((6, 4)), "b": make_tensor((4,), seed=1)}, "step": 3}
+
+
+def test_seed_call_style_round_trips(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    save(state_dict=model.state_dict(), path=str(tmp_path), planner=StandardPlanner())
+    state_dict = load(path=str(tmp_path), planner=StandardPlanner())
+    fresh = torch.nn.Linear(4, 3)
+    fresh.load_state_dict(state_dict)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_positional_and_checkpoint_id_styles_are_synonyms(tmp_path):
+    sd = small_sd()
+    save(sd, tmp_path / "a")  # os.PathLike works too
+    save(sd, checkpoint_id=str(tmp_path / "b"), use_collectives=True)
+    for p in ("a", "b"):
+        target = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4)}, "step": 0}
+        assert load(target, checkpoint_id=str(tmp_path / p)) is target
+        assert_same(sd, target)
+    assert_same(sd, load(str(tmp_path / "a")))
+
+
+def test_works_without_a_process_group_and_with_no_dist(tmp_path):
+    assert not torch.distributed.is_initialized()
+    sd = small_sd()
+    save(sd, str(tmp_path / "x"), no_dist=True)
+    assert_same(sd, load(path=str(tmp_path / "x"), no_dist=True))
+
+
+def test_planner_aliases_are_the_standard_planner():
+    assert StandardSavePlanner is StandardPlanner and StandardLoadPlanner is StandardPlanner
+
+
+def test_every_dtype_and_odd_shape_round_trips(tmp_path):
+    sd = {}
+    for dt in [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+               torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+               torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]:
+        name = str(dt).replace("torch.", "")
+        sd[name] = make_tensor((3, 5), dt) if not dt.is_complex else torch.randn(3, 5, dtype=dt)
+    sd["zero_dim"] = torch.tensor(7, dtype=torch.int64)
+    sd["empty"] = torch.empty(0, 3)
+    sd["view"] = make_tensor((8, 6))[2:7, 1::2]
+    sd["transposed"] = make_tensor((4, 5)).t()
+    sd["expanded"] = torch.arange(3.0).expand(4, 3)
+    save(sd, str(tmp_path))
+    out = load(path=str(tmp_path))
+    assert_same({k: v.contiguous() for k, v in sd.items()}, out)
+
+
+def test_plain_values_keep_their_types(tmp_path):
+    sd = {"t": torch.ones(1), "v": {"i": 3, "f": 2.5, "nan": float("nan"), "ninf": float("-inf"), "s": "x",
+                                    "none": None, "b": True, "tup": (1, (2, "3")), "lst": [1, [2.0]],
+                                    "int_keys": {0: "a", 5: [1]}, "empty": {}, "empty_list": []},
+          "blob": b"\x00\xffdata", "arr": np.arange(6, dtype=np.int16).reshape(2, 3),
+          "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2)}},
+                    "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}]}}
+    save(sd, str(tmp_path))
+    assert_same(sd, load(path=str(tmp_path)))
+
+
+def test_numpy_target_is_filled_in_place(tmp_path):
+    save({"a": np.arange(4.0)}, str(tmp_path))
+    target = {"a": np.zeros(4)}
+    arr = target["a"]
+    load(target, str(tmp_path))
+    assert target["a"] is arr and arr.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_pickle_needs_opt_in_on_save_and_again_on_load(tmp_path):
+    sd = {"obj": {1, 2, 3}}
+    with pytest.raises(UnsupportedValueError, match="'obj'.*allow_pickle=True"):
+        save(sd, str(tmp_path))
+    assert not os.path.exists(tmp_path / ".metadata")
+    save(sd, str(tmp_path), allow_pickle=True)
+    with pytest.raises(UnsupportedValueError, match="'obj'.*pickled"):
+        load(path=str(tmp_path))
+    assert load(path=str(tmp_path), allow_pickle=True)["obj"] == {1, 2, 3}
+
+
+def test_loading_never_runs_code_from_the_checkpoint(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    save({"x": Evil()}, str(tmp_path / "c"), allow_pickle=True)
+    with pytest.raises(UnsupportedValueError):
+        load(path=str(tmp_path / "c"))
+    assert not marker.exists()
+
+
+def test_shape_dtype_and_kind_mismatches_name_the_key(tmp_path):
+    save(small_sd(), str(tmp_path))
+    cases = [
+        ({"model": {"w": torch.zeros(6, 5), "b": torch.zeros(4)}, "step": 0}, r"'model\.w'.*shape \[6, 4\]"),
+        ({"model": {"w": torch.zeros(6, 4, dtype=torch.float64), "b": torch.zeros(4)}, "step": 0},
+         r"'model\.w'.*float32.*float64"),
+        ({"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4)}, "step": torch.zeros(1)}, r"'step'"),
+    ]
+    for target, pattern in cases:
+        with pytest.raises(StateDictMismatchError, match=pattern):
+            load(target, str(tmp_path))
+
+
+def test_strict_load_reports_missing_and_unexpected_keys(tmp_path):
+    save(small_sd(), str(tmp_path))
+    target = {"model": {"w": torch.zeros(6, 4), "extra": torch.zeros(1)}, "step": 0}
+    with pytest.raises(StateDictMismatchError) as info:
+        load(target, str(tmp_path))
+    msg = str(info.value)
+    assert "'model.extra'" in msg and "missing" in msg and "'model.b'" in msg and "strict=False" in msg
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(target, str(tmp_path), strict=False)
+    assert any("model.extra" in str(w.message) and "model.b" in str(w.message) for w in caught)
+    assert torch.equal(target["model"]["w"], small_sd()["model"]["w"]) and target["step"] == 3
+    assert torch.equal(target["model"]["extra"], torch.zeros(1))
+
+
+def test_a_directory_without_metadata_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(NotACheckpointError, match="no such directory"):
+        load(path=str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NotACheckpointError, match=".metadata"):
+        load(path=str(tmp_path / "empty"))
+
+
+def test_unknown_format_version_is_refused_with_upgrade_hint(tmp_path):
+    save(small_sd(), str(tmp_path))
+    meta = tmp_path / ".metadata"
+    doc = json.loads(meta.read_bytes())
+    doc["version"] = 99
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(MetadataError, match="version 99.*upgrade"):
+        load(path=str(tmp_path))
+
+
+def test_empty_or_garbage_metadata_is_refused(tmp_path):
+    save(small_sd(), str(tmp_path))
+    (tmp_path / ".metadata").write_bytes(b"")
+    with pytest.raises(MetadataError, match="empty"):
+        load(path=str(tmp_path))
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x95 pickle")
+    with pytest.raises(MetadataError, match="not valid JSON"):
+        load(path=str(tmp_path))
+
+
+def _data_file(path) -> str:
+    return next(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def test_a_flipped_byte_names_the_key_and_file(tmp_path):
+    sd = {"a": make_tensor((64, 16)), "b": make_tensor((8,), seed=1)}
+    save(sd, str(tmp_path))
+    meta = json.loads((tmp_path / ".metadata").read_bytes())
+    start = meta["entries"]["a"]["chunks"][0][3]
+    name = _data_file(tmp_path)
+    with open(tmp_path / name, "r+b") as f:
+        f.seek(start + 1000)
+        byte = f.read(1)
+        f.seek(start + 1000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CorruptCheckpointError, match=rf"'a'.*{name}"):
+        load(path=str(tmp_path))
+    target = {"a": torch.zeros(64, 16), "b": torch.zeros(8)}
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        load(target, str(tmp_path))
+
+
+def test_a_truncated_or_missing_data_file_is_detected(tmp_path):
+    save({"a": make_tensor((32, 8))}, str(tmp_path))
+    name = _data_file(tmp_path)
+    size = os.path.getsize(tmp_path / name)
+    os.truncate(tmp_path / name, size - 10)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        load(path=str(tmp_path))
+    os.unlink(tmp_path / name)
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        load(path=str(tmp_path))
+
+
+def test_resharded_partial_reads_are_exact_without_verify_and_checked_with_it(tmp_path):
+    full = make_tensor((64, 32))
+    save({"w": full}, str(tmp_path))
+    for verify, bound in ((False, 1.0), (True, 2.0)):
+        target = {"w": torch.zeros(64, 16)}
+        reader = FileSystemReader(str(tmp_path))
+
+        class RightHalf(StandardPlanner):
+            """Load columns 16..32 of the saved 'w' into a 64x16 target."""
+
+            def _destination(self, key, entry, target):
+                from hyper_parallel.core.distributed_checkpoint.box import Box
+                return Box((0, 16), (64, 16)), target
+
+            def _mismatch(self, *a):  # shapes differ on purpose here
+                raise AssertionError
+
+        planner = RightHalf()
+        planner._destination = RightHalf._destination.__get__(planner)
+        load(target, str(tmp_path), storage_reader=reader, planner=planner, verify=verify)
+        assert torch.equal(target["w"], full[:, 16:])
+        assert reader.bytes_read <= bound * 64 * 16 * 4, (verify, reader.bytes_read)
+
+
+class Renaming(StandardPlanner):
+    """A custom planner: keys are saved under 'v2.' and loaded back from there."""
+
+    def transform_state_dict(self, state_dict):
+        return {"v2." + k: v for k, v in state_dict.items() if not k.startswith("skip")}
+
+
+def test_a_custom_planner_can_rename_and_filter_keys(tmp_path):
+    sd = {"w": make_tensor((3, 3)), "skip_me": torch.ones(2), "step": 4}
+    save(sd, str(tmp_path), planner=Renaming())
+    out = load(path=str(tmp_path))
+    assert set(out) == {"v2"} and set(out["v2"]) == {"w", "step"}
+    target = {"w": torch.zeros(3, 3), "step": 0}
+    load(target, str(tmp_path), planner=Renaming())
+    assert torch.equal(target["w"], sd["w"])
+
+
+def test_global_plans_are_cached_while_the_structure_is_unchanged(tmp_path):
+    api_module._PLAN_CACHE.clear()
+    calls = []
+
+    class Counting(StandardPlanner):
+        def create_global_save_plan(self, plans):
+            calls.append(1)
+            return super().create_global_save_plan(plans)
+
+    sd = small_sd()
+    for step in range(3):
+        sd["step"] = step
+        sd["model"]["w"] += 1
+        save(sd, str(tmp_path), planner=Counting())
+    assert len(calls) == 1
+    assert_same(sd, load(path=str(tmp_path)))
+    sd["model"]["w"] = torch.zeros(7, 4)  # new shape: new plan
+    save(sd, str(tmp_path), planner=Counting())
+    assert len(calls) == 2
+
+
+def test_saving_over_a_checkpoint_replaces_it_and_removes_old_files(tmp_path):
+    save(small_sd(), str(tmp_path))
+    first = set(os.listdir(tmp_path))
+    sd2 = small_sd()
+    sd2["step"] = 9
+    save(sd2, str(tmp_path))
+    second = set(os.listdir(tmp_path))
+    assert not (first - {".metadata"}) & second
+    assert load(path=str(tmp_path))["step"] == 9
+
+
+def test_a_url_path_needs_a_storage_backend(tmp_path):
+    with pytest.raises(ValueError, match="fsspec"):
+        save(small_sd(), "s3://bucket/x")
