@@ -250,7 +250,7 @@ def load(
 
     try:
         coord.exchange("load (reading metadata)", read_metadata)
-        meta_bytes = coord.broadcast(raw[0] if raw else None)
+        meta_bytes = coord.broadcast(raw[0] if raw else None, "load (metadata broadcast)")
         flat = flatten(state_dict) if state_dict is not None else None
         loaded: list[dict[str, Any]] = []
 

@@ -22,18 +22,28 @@ from .errors import CheckpointError, RankFailedError
 T = TypeVar("T")
 
 _GLOO_GROUPS: dict[Any, Any] = {}
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+def _is_gloo(group: Any) -> bool:
+    return "gloo" in str(dist.get_backend(group)).lower()
 
 
 def _gloo_group(group: Any, timeout: timedelta | None) -> Any:
-    """A gloo group with the same ranks as ``group`` (``group`` itself when it is gloo)."""
-    backend = dist.get_backend(group)
-    if backend == dist.Backend.GLOO or "gloo" in str(backend).split(":")[0].split(","):
+    """The group checkpoint exchanges run on.
+
+    For the whole world (``group`` None) a dedicated gloo group is made once per timeout, so
+    checkpoint traffic never interleaves with training collectives and a stuck rank turns
+    into an error after ``timeout``. A caller's gloo subgroup is used as it is (making a new
+    group would need every rank of the world to join). Any other subgroup gets a gloo twin,
+    which every rank of the world must create together: call save/load on all ranks.
+    """
+    if group is not None and _is_gloo(group) and timeout is None:
         return group
-    key = id(group) if group is not None else None
+    key = (None if group is None else id(group), timeout or DEFAULT_TIMEOUT)
     if key not in _GLOO_GROUPS:
         ranks = None if group is None else dist.get_process_group_ranks(group)
-        kwargs = {"timeout": timeout} if timeout is not None else {}
-        _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", **kwargs)
+        _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
     return _GLOO_GROUPS[key]
 
 
@@ -41,7 +51,8 @@ class Coordinator:
     """Rank, world size and status-checked collectives of one save or load.
 
     With ``no_dist=True``, or when no process group is initialised, it is a single rank and
-    every exchange is local.
+    every exchange is local. ``timeout`` bounds every exchange (default 30 minutes): a rank
+    that never arrives becomes an error on all the others.
     """
 
     def __init__(
@@ -52,21 +63,36 @@ class Coordinator:
         timeout: timedelta | None = None,
     ):
         self.distributed = not no_dist and dist.is_available() and dist.is_initialized()
+        self.timeout = timeout or DEFAULT_TIMEOUT
         if self.distributed:
-            self.group = _gloo_group(process_group, timeout)
+            self.global_rank = dist.get_rank()
+            self.group = self._collective("setup", lambda: _gloo_group(process_group, timeout))
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
-            self.global_rank = dist.get_rank()
         else:
             self.group, self.rank, self.world_size, self.global_rank = None, 0, 1, 0
         self.coordinator_rank = coordinator_rank
         self.is_coordinator = self.rank == coordinator_rank
 
-    def _all_gather(self, obj: Any) -> list[Any]:
+    def _collective(self, phase: str, op: Callable[[], T]) -> T:
+        try:
+            return op()
+        except RuntimeError as exc:
+            # A dead or stuck peer; gloo groups are unusable after this, so forget ours.
+            for k, g in list(_GLOO_GROUPS.items()):
+                if g is getattr(self, "group", None):
+                    del _GLOO_GROUPS[k]
+            raise CheckpointError(
+                f"checkpoint {phase}: lost contact with the other ranks on rank {self.global_rank} "
+                f"({exc}). A rank crashed, did not call save/load, or stalled longer than the "
+                f"timeout ({self.timeout})"
+            ) from exc
+
+    def _all_gather(self, phase: str, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._collective(phase, lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def exchange(self, phase: str, fn: Callable[[], T]) -> list[T]:
@@ -82,7 +108,7 @@ class Coordinator:
         except Exception as exc:  # reported to every rank, then re-raised below
             own = exc
             status = ("error", _describe(exc))
-        results = self._all_gather(status)
+        results = self._all_gather(phase, status)
         failures = {r: msg for r, (kind, msg) in enumerate(results) if kind == "error"}
         if failures:
             if not self.distributed and own is not None:
@@ -106,22 +132,24 @@ class Coordinator:
                 raise own
             return [payload]
         gathered: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object((status, payload), gathered, dst=self._global(self.coordinator_rank), group=self.group)
+        self._collective(phase, lambda: dist.gather_object(
+            (status, payload), gathered, dst=self._global(self.coordinator_rank), group=self.group))
         # The coordinator learned every status; share only the failures with everyone.
         verdict = None
         if self.is_coordinator:
             verdict = {r: s for r, (s, _) in enumerate(gathered) if s != "ok"}
-        verdict = self.broadcast(verdict)
+        verdict = self.broadcast(verdict, phase)
         if verdict:
             raise RankFailedError(phase, {self._name(r): m for r, m in verdict.items()}) from own
         return [p for _, p in gathered] if self.is_coordinator else None
 
-    def broadcast(self, obj: Any) -> Any:
+    def broadcast(self, obj: Any, phase: str = "broadcast") -> Any:
         """The coordinator's ``obj`` on every rank."""
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self._global(self.coordinator_rank), group=self.group)
+        self._collective(phase, lambda: dist.broadcast_object_list(
+            box, src=self._global(self.coordinator_rank), group=self.group))
         return box[0]
 
     def _global(self, group_rank: int) -> int:

@@ -255,3 +255,23 @@ def test_runner_reports_the_failing_rank():
 def test_unsupported_value_is_refused_without_pickle(tmp_path):
     with pytest.raises(UnsupportedValueError, match="'obj'.*allow_pickle"):
         save({"obj": object()}, str(tmp_path / "c"), no_dist=True)
+
+
+def rank_hung(rank: int, ws: int, path: str) -> str:
+    import time
+
+    from hyper_parallel.core.distributed_checkpoint import CheckpointError
+    sd = {"w": make_tensor((4, 4))}
+    if rank == 1:
+        time.sleep(6)  # a stuck rank: never joins in time
+        return "slept"
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match="lost contact"):
+        save(sd, path, timeout=1.5)
+    took = time.monotonic() - t0
+    assert took < 5, took
+    return "timed out"
+
+
+def test_a_hung_rank_becomes_an_error_after_the_timeout(tmp_path):
+    assert run_ranks(rank_hung, 2, str(tmp_path / "c")) == ["timed out", "slept"]
