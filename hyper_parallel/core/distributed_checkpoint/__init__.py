@@ -16,6 +16,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
 from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
@@ -38,6 +39,12 @@ __all__ = [
     "FileSystemWriter",
     "FileSystemReader",
     "Metadata",
+    "Layout",
+    "TensorLayout",
+    "LayoutStrategy",
+    "save_layout",
+    "load_layout",
+    "get_current_layout",
     "CheckpointError",
     "CorruptCheckpointError",
     "MetadataError",

@@ -47,6 +47,40 @@ class Box:
             for a, t, b, s in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=False)
         )
 
+    def subtract(self, other: Box) -> list[Box]:
+        """This box minus ``other``, as disjoint boxes (``[self]`` when they do not overlap)."""
+        cut = self.intersect(other)
+        if cut is None:
+            return [self] if self.numel else []
+        out: list[Box] = []
+        lo, hi = list(self.offsets), list(self.ends)
+        for d in range(self.ndim):  # peel the slabs before and after the cut, dim by dim
+            if lo[d] < cut.offsets[d]:
+                out.append(Box(tuple(lo[:d]) + (lo[d],) + tuple(lo[d + 1:]),
+                               tuple(h - low for low, h in zip(lo[:d], hi[:d], strict=True))
+                               + (cut.offsets[d] - lo[d],)
+                               + tuple(h - low for low, h in zip(lo[d + 1:], hi[d + 1:], strict=True))))
+            if cut.ends[d] < hi[d]:
+                out.append(Box(tuple(lo[:d]) + (cut.ends[d],) + tuple(lo[d + 1:]),
+                               tuple(h - low for low, h in zip(lo[:d], hi[:d], strict=True))
+                               + (hi[d] - cut.ends[d],)
+                               + tuple(h - low for low, h in zip(lo[d + 1:], hi[d + 1:], strict=True))))
+            lo[d], hi[d] = cut.offsets[d], cut.ends[d]
+        return out
+
+    def split(self, max_numel: int) -> list[Box]:
+        """Row-major pieces of at most ``max_numel`` elements (slabs of dim 0, then finer)."""
+        if self.numel <= max_numel or not self.ndim:
+            return [self]
+        max_numel = max(1, max_numel)
+        inner = math.prod(self.sizes[1:])
+        o0, s0 = self.offsets[0], self.sizes[0]
+        if inner <= max_numel:
+            k = max_numel // inner
+            return [Box((o0 + i,) + self.offsets[1:], (min(k, s0 - i),) + self.sizes[1:]) for i in range(0, s0, k)]
+        pieces = Box(self.offsets[1:], self.sizes[1:]).split(max_numel)
+        return [Box((o0 + i,) + p.offsets, (1,) + p.sizes) for i in range(s0) for p in pieces]
+
     def relative_to(self, outer: Box) -> tuple[slice, ...]:
         """Slices selecting this box inside a tensor that holds exactly ``outer``."""
         return tuple(slice(o - p, o - p + s) for o, s, p in zip(self.offsets, self.sizes, outer.offsets, strict=False))
@@ -54,3 +88,13 @@ class Box:
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=False)) + "]"
 
+
+
+def uncovered(target: Box, boxes: list[Box]) -> list[Box]:
+    """The parts of ``target`` that none of ``boxes`` covers, as disjoint boxes ([] if covered)."""
+    left = [target] if target.numel else []
+    for b in boxes:
+        if not left:
+            break
+        left = [piece for p in left for piece in p.subtract(b)]
+    return left
