@@ -53,11 +53,24 @@ def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage
     return None if chosen is None else os.fspath(chosen)
 
 
-def _check_local(path: str) -> None:
-    if "://" in path and not path.startswith("file://"):
-        raise ValueError(
-            f"{path!r}: URLs need an fsspec storage writer/reader; plain paths use the filesystem"
-        )
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _default_writer(path: str, sync_files: bool) -> StorageWriter:
+    if _is_url(path):
+        from .fsspec_storage import FsspecWriter
+
+        return FsspecWriter(path)
+    return FileSystemWriter(path.removeprefix("file://"), sync_files=sync_files)
+
+
+def _default_reader(path: str) -> StorageReader:
+    if _is_url(path):
+        from .fsspec_storage import FsspecReader
+
+        return FsspecReader(path)
+    return FileSystemReader(path.removeprefix("file://"))
 
 
 def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int, timeout: Any) -> Coordinator:
@@ -93,7 +106,9 @@ def save(
     Args:
         state_dict: nested dict of tensors, DTensors, numpy arrays, bytes, plain values,
             and objects with ``state_dict()``/``load_state_dict()``.
-        path / checkpoint_id: the checkpoint directory (the two names are synonyms).
+        path / checkpoint_id: the checkpoint directory (the two names are synonyms), or an
+            fsspec URL such as ``s3://bucket/ckpt`` (credentials from the environment; pass
+            an ``FsspecWriter`` to set storage options).
         storage_writer: a :class:`StorageWriter`; default: :class:`FileSystemWriter`.
         planner: a :class:`SavePlanner`; default: :class:`StandardPlanner`.
         process_group: the ranks that save together (default: the whole world).
@@ -119,8 +134,7 @@ def save(
     if state_dict is None:
         raise ValueError("save() needs a state_dict")
     if storage_writer is None:
-        _check_local(where)
-        storage_writer = FileSystemWriter(where.removeprefix("file://"), sync_files=sync_files)
+        storage_writer = _default_writer(where, sync_files)
     planner = planner if planner is not None else StandardPlanner()
     if allow_pickle and hasattr(planner, "allow_pickle"):
         planner.allow_pickle = True
@@ -235,8 +249,7 @@ def load(
         state_dict, path = None, state_dict
     where = _resolve_path(path, checkpoint_id, storage_reader)
     if storage_reader is None:
-        _check_local(where)
-        storage_reader = FileSystemReader(where.removeprefix("file://"))
+        storage_reader = _default_reader(where)
     planner = planner if planner is not None else StandardPlanner()
     if allow_pickle and hasattr(planner, "allow_pickle"):
         planner.allow_pickle = True

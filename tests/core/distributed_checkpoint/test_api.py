@@ -285,6 +285,7 @@ def test_saving_over_a_checkpoint_replaces_it_and_removes_old_files(tmp_path):
     assert load(path=str(tmp_path))["step"] == 9
 
 
-def test_a_url_path_needs_a_storage_backend(tmp_path):
-    with pytest.raises(ValueError, match="fsspec"):
-        save(small_sd(), "s3://bucket/x")
+def test_a_url_path_uses_fsspec_storage():
+    sd = small_sd()
+    save(sd, "memory://ckpt/a")
+    assert_same(sd, load(path="memory://ckpt/a"))
