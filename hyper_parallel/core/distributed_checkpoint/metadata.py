@@ -3,7 +3,7 @@
 ``.metadata`` is one JSON object, written last and atomically; its presence is the commit::
 
     {"format": "hyper-parallel-dcp", "version": 1, "save_id": "...", "world_size": 4,
-     "files": ["data-r00000-<id>.safetensors", ...],
+     "files": ["data-r00000-<id>.safetensors", ...], ...,
      "entries": {
        "<key>": {"kind": "tensor", "path": [...], "dtype": "float32", "shape": [8, 5],
                  "layout": {"mesh_shape": [4], "mesh_dim_names": ["dp"], "placements": ["S(0)"]},
@@ -19,6 +19,9 @@ only), ``object`` (a JSON-representable value kept with its type: int stays int,
 tuple). ``path`` says where the key sits in the nested state dict: a string is a dict key,
 ``{"i": n}`` a list index, ``{"t": n}`` a tuple index, ``{"k": n}`` an int dict key.
 
+The last member, ``"crc32c"``, is the checksum of every byte of the document before it
+(with ``}`` closing it), so any flipped byte of ``.metadata`` is detected.
+
 Nothing here ever unpickles: decoding a value is plain JSON plus type tags.
 """
 
@@ -30,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import torch
 
 from .box import Box
@@ -173,7 +177,7 @@ class Metadata:
             "user": self.user,
             "entries": entries,
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return seal_json(doc)
 
     @classmethod
     def from_json(cls, raw: bytes, where: str = METADATA_FILE) -> Metadata:
@@ -187,7 +191,31 @@ class Metadata:
                 f"{where} is not valid JSON ({exc}); it is corrupt or not written by "
                 "hyper-parallel (checkpoints of torch.distributed.checkpoint must be imported)"
             ) from None
+        if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME:
+            _check_own_crc(raw, doc, where)
         return _parse(doc, where)
+
+
+_CRC_MEMBER = b',"crc32c":'
+
+
+def seal_json(doc: dict[str, Any]) -> bytes:
+    """Serialise ``doc`` with its own checksum as the last member (``crc32c``)."""
+    doc = {k: v for k, v in doc.items() if k != "crc32c"}
+    body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return body[:-1] + _CRC_MEMBER + b"%d}" % crc32c.crc32c(body)
+
+
+def _check_own_crc(raw: bytes, doc: dict, where: str) -> None:
+    cut = raw.rfind(_CRC_MEMBER)
+    expected = doc.get("crc32c")
+    if cut < 0 or type(expected) is not int:
+        raise MetadataError(f"{where} has no checksum member 'crc32c'; it is corrupt or truncated")
+    got = crc32c.crc32c(raw[:cut] + b"}")
+    if got != expected:
+        raise MetadataError(
+            f"{where} is corrupt: its checksum is {expected:#010x} but its bytes give {got:#010x}"
+        )
 
 
 # ---------------------------------------------------------------------------- validation

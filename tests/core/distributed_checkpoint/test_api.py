@@ -25,6 +25,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
 )
 from hyper_parallel.core.distributed_checkpoint import api as api_module
+from hyper_parallel.core.distributed_checkpoint.metadata import seal_json
 
 
 def small_sd() -> dict:
@@ -163,7 +164,7 @@ def test_unknown_format_version_is_refused_with_upgrade_hint(tmp_path):
     meta = tmp_path / ".metadata"
     doc = json.loads(meta.read_bytes())
     doc["version"] = 99
-    meta.write_text(json.dumps(doc))
+    meta.write_bytes(seal_json(doc))
     with pytest.raises(MetadataError, match="version 99.*upgrade"):
         load(path=str(tmp_path))
 

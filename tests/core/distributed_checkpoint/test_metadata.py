@@ -16,6 +16,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     decode_value,
     encode_value,
     is_json_value,
+    seal_json,
 )
 
 
@@ -40,9 +41,19 @@ def test_metadata_round_trips_through_json():
 
 
 def _mutated(fn) -> bytes:
+    """A hostile document: mutated, then sealed with a valid checksum as an attacker would."""
     doc = json.loads(sample().to_json())
     fn(doc)
-    return json.dumps(doc).encode()
+    return seal_json(doc)
+
+
+def test_any_changed_byte_of_metadata_is_detected():
+    raw = bytearray(sample().to_json())
+    for i in range(len(raw)):
+        flipped = bytearray(raw)
+        flipped[i] ^= 0x01
+        with pytest.raises(MetadataError):
+            Metadata.from_json(bytes(flipped))
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -93,7 +104,7 @@ def test_arbitrary_bytes_never_crash_the_parser(raw):
         pass
 
 
-@given(st.recursive(st.none() | st.integers() | st.text(max_size=4) | st.floats(),
+@given(st.recursive(st.none() | st.integers() | st.text(max_size=4) | st.floats(allow_nan=False, allow_infinity=False),
                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4),
                     max_leaves=20))
 @settings(max_examples=300, deadline=None)
@@ -102,6 +113,6 @@ def test_arbitrary_json_documents_are_rejected_or_valid(doc):
     if isinstance(doc, dict):
         base.update(doc)
     try:
-        Metadata.from_json(json.dumps(base).encode())
+        Metadata.from_json(seal_json(base))
     except MetadataError:
         pass
