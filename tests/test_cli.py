@@ -1,0 +1,68 @@
+"""The command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hyper_parallel.core.distributed_checkpoint import save
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hyper_parallel.core.distributed_checkpoint", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = str(tmp_path / "c")
+    save({"model": {"w": torch.randn(64, 32), "b": torch.zeros(5, dtype=torch.bfloat16)}, "step": 3}, path)
+    return path
+
+
+def _data_file(path: str) -> str:
+    return os.path.join(path, next(f for f in os.listdir(path) if f.endswith(".safetensors")))
+
+
+def test_inspect_lists_every_key_with_totals(ckpt):
+    out = run("inspect", ckpt)
+    assert out.returncode == 0, out.stderr
+    for key in ("model.w", "model.b", "step", "bfloat16", "64x32"):
+        assert key in out.stdout
+    doc = json.loads(run("inspect", ckpt, "--json").stdout)
+    assert {e["key"] for e in doc["entries"]} == {"model.w", "model.b", "step"}
+    assert doc["totals"]["bytes"] == 64 * 32 * 4 + 5 * 2
+
+
+def test_verify_passes_a_good_checkpoint(ckpt):
+    out = run("verify", ckpt)
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_verify_fails_on_one_flipped_byte(ckpt, where):
+    path = _data_file(ckpt)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100 if where == "data" else 20)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x04]))
+    out = run("verify", ckpt, "--json")
+    assert out.returncode == 1
+    assert json.loads(out.stdout)["problems"]
+
+
+def test_verify_fails_on_a_missing_data_file(ckpt):
+    os.unlink(_data_file(ckpt))
+    out = run("verify", ckpt)
+    assert out.returncode == 1 and "missing" in out.stdout
+
+
+def test_a_path_that_is_not_a_checkpoint_is_a_clear_error(tmp_path):
+    out = run("inspect", str(tmp_path))
+    assert out.returncode == 2 and "not a checkpoint" in out.stderr
