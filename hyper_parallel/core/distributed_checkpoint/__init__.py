@@ -6,6 +6,16 @@ on-disk format.
 """
 
 from .api import load, save
+from .async_staging import (
+    AsyncCheckpointer,
+    AsyncSaveError,
+    AsyncSaveResponse,
+    AsyncStagingError,
+    StagingStats,
+    async_save,
+    default_checkpointer,
+    register_optimizer_hook,
+)
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -25,6 +35,14 @@ from .storage import StorageReader, StorageWriter
 __all__ = [
     "save",
     "load",
+    "async_save",
+    "AsyncSaveResponse",
+    "AsyncCheckpointer",
+    "AsyncSaveError",
+    "AsyncStagingError",
+    "StagingStats",
+    "default_checkpointer",
+    "register_optimizer_hook",
     "StandardPlanner",
     "StandardSavePlanner",
     "StandardLoadPlanner",
