@@ -344,6 +344,7 @@ class TensorLayout:
         self.layout = layout
         self.ndim = ndim
         self.splits: dict[int, tuple[int, ...]] = dict(sorted(clean.items()))
+        self._tiled: set[tuple[int, ...]] = set()  # shapes whose strided shards are boxes
 
     # ---------------------------------------------------------------- HyperParallel view
 
@@ -498,6 +499,7 @@ class TensorLayout:
         if any(d >= n or d < -n for d in self.splits):
             raise ValueError(f"layout splits dim(s) {sorted(self.splits)}, shape {list(shape)} has {n} dims")
         if self.strided:
+            self._check_strided_tiles(shape)
             return _torch_box(shape, self.layout.mesh_shape, coord, self.with_ndim(n).placements)
         offsets, sizes = [0] * n, list(shape)
         for d, ms in self.splits.items():
@@ -512,6 +514,25 @@ class TensorLayout:
                 size = local
             offsets[d], sizes[d] = (start, size) if size else (shape[d], 0)
         return Box(tuple(offsets), tuple(sizes))
+
+    def _check_strided_tiles(self, shape: tuple[int, ...]) -> None:
+        # torch's _StridedShard splits uneven sizes so that a rank's rows need not be
+        # contiguous; then (first offset, size) is no box. Shards are boxes exactly when
+        # those pseudo-boxes tile the tensor, which is checked once per shape.
+        if shape in self._tiled:
+            return
+        placements = self.with_ndim(len(shape)).placements
+        mesh_shape = self.layout.mesh_shape
+        boxes = {_torch_box(shape, mesh_shape, c, placements) for c in itertools.product(*map(range, mesh_shape))}
+        boxes = [b for b in boxes if b.numel]
+        full = Box.full(shape)
+        if sum(b.numel for b in boxes) != full.numel or any(
+                a.intersect(b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:]):
+            raise ValueError(
+                f"layout {self!r} on shape {list(shape)}: torch's strided shards {list(placements)} split "
+                "these uneven sizes so that a rank's part is not contiguous, so no box describes it. "
+                "Use sizes the mesh divides evenly, or split the dim in mesh order")
+        self._tiled.add(shape)
 
     # ---------------------------------------------------------------- on another mesh
 

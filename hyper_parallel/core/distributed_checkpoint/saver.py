@@ -158,3 +158,15 @@ def build_metadata(
             key, spec.kind, spec.path, spec.dtype, spec.shape, recs, spec.layout, objects.get(key)
         )
     return md.Metadata(entries, save_id, world_size, user=user)
+
+
+def commit_metadata(writer: StorageWriter, meta: md.Metadata) -> None:
+    """Commit ``meta`` atomically, then remove the data files of the checkpoint it replaced."""
+    previous = writer.read_committed()
+    writer.commit(meta.to_json())
+    if previous is not None:
+        try:
+            old = set(md.Metadata.from_json(previous).files)
+        except md.MetadataError:
+            old = set()
+        writer.remove(sorted(old - set(meta.files)))

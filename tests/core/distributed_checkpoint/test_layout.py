@@ -27,7 +27,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     load_layout,
     save_layout,
 )
-from hyper_parallel.core.distributed_checkpoint.box import Box
+from hyper_parallel.core.distributed_checkpoint.box import Box, uncovered
 from hyper_parallel.core.distributed_checkpoint.standard_planner import layout_record
 
 
@@ -164,22 +164,41 @@ def test_chunk_boxes_equal_torchs_for_every_rank_shape_and_placement():
 
 def test_strided_layouts_give_torchs_boxes_and_nested_chunks_when_even():
     layout = Layout((2, 3, 2), ("a", "b", "c"))
+    refused = 0
     for order in itertools.permutations(range(3)):
         names = tuple(layout.alias_name[m] for m in order)
         tl = layout(names, "None")
         assert layout(list(tl.placements), ndim=2) == tl
-        for shape in [(24, 3), (25, 3), (7, 1)]:
+        for shape in [(24, 3), (25, 3), (7, 1), (30, 2)]:
+            torch_boxes = []
             for rank in layout.rank_list:
-                coord = layout.coordinate(rank)
-                sizes, offsets = _compute_local_shape_and_global_offset(shape, layout.mesh_shape, list(coord),
-                                                                        list(tl.placements))
-                assert tl.chunk_box(rank, shape) == Box(tuple(offsets), tuple(sizes))
-                if shape[0] == 24:  # even: the outermost-first nested split
-                    start, size = 0, 24
+                sizes, offsets = _compute_local_shape_and_global_offset(
+                    shape, layout.mesh_shape, list(layout.coordinate(rank)), list(tl.placements))
+                torch_boxes.append(Box(tuple(offsets), tuple(sizes)))
+            distinct = [b for b in set(torch_boxes) if b.numel]
+            tiles = sum(b.numel for b in distinct) == shape[0] * shape[1] and not uncovered(Box.full(shape), distinct)
+            if not tiles:  # torch's shards are not boxes here
+                with pytest.raises(ValueError, match="not contiguous"):
+                    tl.boxes(shape)
+                refused += 1
+                continue
+            assert tl.boxes(shape) == torch_boxes, (names, shape)
+            if shape[0] % 12 == 0:  # even: the outermost-first nested split
+                for rank, box in enumerate(torch_boxes):
+                    start, size = 0, shape[0]
                     for m in order:
                         size //= layout.mesh_shape[m]
-                        start += coord[m] * size
-                    assert tl.chunk_box(rank, shape) == Box((start, 0), (size, 3)), (names, rank)
+                        start += layout.coordinate(rank)[m] * size
+                    assert box == Box((start, 0), (size, shape[1])), (names, rank)
+    assert 0 < refused < 24
+
+
+def test_strided_shards_that_are_not_boxes_are_refused():
+    """torch splits some uneven strided shards into non-contiguous rows: no box can describe them."""
+    tl = Layout((3, 2), ("dp", "tp"))(("tp", "dp"))
+    assert tl.chunk_box(0, (12,)) == Box((0,), (2,))
+    with pytest.raises(ValueError, match="not contiguous"):
+        tl.boxes((13,))
 
 
 CASES = [

@@ -1,0 +1,368 @@
+"""reshard: rewrite a checkpoint for a new mesh, one data file per destination rank.
+
+``reshard(src, dst, dst_mesh={"tp": 4})`` writes a new checkpoint (same format: safetensors
+data files, ``.metadata`` committed last) in which every tensor keeps its sharding pattern —
+its placement per mesh dim NAME — on the destination mesh, and each destination rank's
+shards sit in that rank's own data file. A job with the new parallelism then reads each
+rank's data from one place. (Boxes that several destination ranks hold — replicated
+tensors, plain tensors — are stored once, in the file of one of their holders, because
+saved chunks may not overlap.)
+
+How it runs: every process computes the same plan from the source metadata (destination
+boxes per rank, replicas given to the least-loaded holder, boxes larger than the memory
+budget split into row slabs), checks that the source covers every box, then writes the
+files of its share of destination ranks. Each chunk is filled by the loader's reader (only
+the byte ranges that overlap it) and streamed out by the saver (checksummed blocks), one
+chunk at a time, so memory stays within ``max_memory`` whatever the model size. The
+coordinator commits ``.metadata`` after every file is written.
+
+The N-d box math (intersection, subtraction, splitting) lives in :mod:`.box`; :class:`Box`
+is re-exported here.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from . import metadata as md
+from .box import Box, uncovered
+from .coordination import Coordinator
+from .errors import CorruptCheckpointError
+from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .layout import Layout, TensorLayout, match_layout
+from .loader import read_plan
+from .planner import EntrySpec, LoadPlan, ReadItem, SavePlan, WriteItem
+from .saver import WriteResult, build_metadata, commit_metadata, data_file_names, write_plan
+from .storage import StorageReader, StorageWriter
+
+__all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "DEFAULT_MAX_MEMORY"]
+
+DEFAULT_MAX_MEMORY = 256 << 20
+
+
+@dataclass
+class ReshardPlan:
+    """What a reshard writes: entries of the new checkpoint and each destination rank's chunks."""
+
+    entries: dict[str, EntrySpec]
+    items: dict[int, list[WriteItem]]  # destination global rank -> its chunks
+    object_rank: int  # the destination rank whose result carries the plain values
+    objects: list[str]
+    layouts: dict[str, TensorLayout | None] = field(default_factory=dict)  # destination layout per key
+    dropped: dict[str, list[str]] = field(default_factory=dict)  # key -> source mesh dims the new mesh lacks
+
+    def rank_bytes(self) -> dict[int, int]:
+        return {r: sum(i.nbytes for i in items) for r, items in self.items.items()}
+
+
+def _mesh(value: Any, what: str) -> Layout:
+    try:
+        return Layout.of(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}") from None
+
+
+def _source_layout(key: str, entry: md.Entry, src_mesh: Layout | None, dst: Layout) -> TensorLayout | None:
+    rec = entry.layout
+    if rec is None:
+        return None
+    shape = tuple(rec.get("mesh_shape") or ())
+    names = None
+    if src_mesh is not None and src_mesh.mesh_shape == shape:
+        names = src_mesh.alias_name
+    elif rec.get("mesh_dim_names") is None:
+        if dst.ndim != len(shape):
+            raise ValueError(
+                f"{key!r}: its saved layout {rec} has no mesh dim names, and the destination mesh "
+                f"{dst} has {dst.ndim} dims, not {len(shape)}; pass src_mesh= (a Layout or "
+                "{name: size} mapping of the saving mesh) to name them")
+        names = dst.alias_name  # unnamed meshes of equal rank: match dims by position
+    try:
+        return TensorLayout.from_record(rec, ndim=len(entry.shape or ()), names=names)
+    except ValueError as exc:
+        raise ValueError(f"{key!r}: cannot read its saved layout {rec}: {exc}") from None
+
+
+def plan_reshard(
+    meta: md.Metadata,
+    dst_mesh: Any,
+    src_mesh: Any = None,
+    rules: Mapping[str, TensorLayout] | None = None,
+    max_chunk_bytes: int | None = None,
+    where: str = "source checkpoint",
+) -> ReshardPlan:
+    """Plan a reshard of ``meta`` onto ``dst_mesh`` (see :func:`reshard`); deterministic.
+
+    Raises:
+        CorruptCheckpointError: the source chunks of a key leave a region uncovered.
+        ValueError: a layout or rule does not fit a key, or the meshes cannot be matched.
+    """
+    dst = _mesh(dst_mesh, "dst_mesh")
+    src = _mesh(src_mesh, "src_mesh") if src_mesh is not None else None
+    dst_ranks = set(dst.rank_list)
+    entries: dict[str, EntrySpec] = {}
+    layouts: dict[str, TensorLayout | None] = {}
+    dropped: dict[str, list[str]] = {}
+    boxes: list[tuple[str, Box, list[int], int]] = []
+    objects: list[str] = []
+    for key, entry in meta.entries.items():
+        if entry.kind == "object":
+            entries[key] = EntrySpec("object", entry.path)
+            objects.append(key)
+            continue
+        shape = tuple(entry.shape or ())
+        rule = match_layout(rules, key) if rules else None
+        if rule is not None and entry.kind not in ("tensor", "ndarray"):
+            raise ValueError(f"{key!r} is a {entry.kind} value; a layout rule can only split tensors")
+        if rule is not None:
+            if not isinstance(rule, TensorLayout):
+                raise TypeError(f"rules[{key!r}] is a {type(rule).__name__}, expected a TensorLayout")
+            try:
+                tl = rule.with_ndim(len(shape))
+            except ValueError as exc:
+                raise ValueError(f"{key!r} (shape {list(shape)}): rule {rule!r} does not fit: {exc}") from None
+            outside = sorted(set(tl.layout.rank_list) - dst_ranks)
+            if outside:
+                raise ValueError(f"{key!r}: rule {rule!r} places data on rank(s) {outside[:8]}, "
+                                 f"which are not in the destination mesh {dst}")
+        else:
+            tl = _source_layout(key, entry, src, dst)
+            if tl is not None:
+                tl, lost = tl.on_mesh(dst)
+                if lost:
+                    dropped[key] = lost
+        layouts[key] = tl
+        entries[key] = EntrySpec(entry.kind, entry.path, entry.dtype, shape,
+                                 tl.to_record() if tl is not None else None)
+        numel = Box.full(shape).numel
+        if numel == 0:
+            continue
+        _check_coverage(key, entry, shape, where)
+        itemsize = entry.chunks[0].length // Box(entry.chunks[0].offsets, entry.chunks[0].sizes).numel
+        try:
+            holders = tl.holders(shape) if tl is not None else {Box.full(shape): sorted(dst_ranks)}
+        except ValueError as exc:
+            raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
+        for box, ranks in holders.items():
+            boxes.append((key, box, ranks, box.numel * itemsize))
+    # Boxes one rank holds are forced; replicas then go, largest first, to the lightest holder.
+    load = dict.fromkeys(sorted(dst_ranks), 0)
+    items: dict[int, list[WriteItem]] = {r: [] for r in sorted(dst_ranks)}
+    for key, box, ranks, nbytes in sorted(boxes, key=lambda b: (len(b[2]) > 1, -b[3], b[0], b[1].offsets)):
+        rank = min(ranks, key=lambda r: (load[r], r))
+        load[rank] += nbytes
+        itemsize = nbytes // box.numel
+        pieces = box.split(max(1, max_chunk_bytes // itemsize)) if max_chunk_bytes else [box]
+        items[rank].extend(WriteItem(key, p, p.numel * itemsize) for p in pieces)
+    return ReshardPlan(entries, items, min(dst_ranks), objects, layouts, dropped)
+
+
+def _check_coverage(key: str, entry: md.Entry, shape: tuple[int, ...], where: str) -> None:
+    full = Box.full(shape)
+    if sum(Box(c.offsets, c.sizes).numel for c in entry.chunks) == full.numel:
+        return  # chunks are disjoint (metadata validation checks it), so they cover it all
+    missing = uncovered(full, [Box(c.offsets, c.sizes) for c in entry.chunks])
+    shown = ", ".join(str(b) for b in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    raise CorruptCheckpointError(
+        f"{key!r}: {where} holds no data for region(s) {shown} of its shape {list(shape)} "
+        f"({sum(b.numel for b in missing)} of {full.numel} elements missing). A rank's chunk is missing "
+        "from the checkpoint; reshard cannot invent it")
+
+
+class _SourceData:
+    """Reads destination chunks out of the source checkpoint (the saver's data resolver)."""
+
+    def __init__(self, meta: md.Metadata, reader: StorageReader, buffer_bytes: int, verify: bool):
+        self.meta, self.reader, self.buffer_bytes, self.verify = meta, reader, buffer_bytes, verify
+        self._dest: torch.Tensor | None = None
+        self.bytes_read = 0
+        self.bytes_needed = 0
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        entry = self.meta.entries[item.key]
+        if entry.kind == "object":
+            return entry.value
+        reads = []
+        for chunk in entry.chunks:
+            region = Box(chunk.offsets, chunk.sizes).intersect(item.box)
+            if region is not None:
+                reads.append(ReadItem(item.key, chunk, region))
+        self._dest = torch.empty(item.box.sizes, dtype=md.torch_dtype(entry.dtype))
+        stats = read_plan(LoadPlan(reads, {item.key: item.box}), self, self.reader, thread_count=1,
+                          buffer_bytes=self.buffer_bytes, verify=self.verify)
+        self.bytes_read += stats.bytes_read
+        self.bytes_needed += stats.bytes_needed
+        dest, self._dest = self._dest, None
+        return dest
+
+    def resolve_target(self, key: str) -> torch.Tensor:
+        return self._dest
+
+
+def _share(plan: ReshardPlan, world: int) -> list[list[int]]:
+    """Destination ranks per process: largest first, each to the least-loaded process."""
+    loads = [0] * world
+    out: list[list[int]] = [[] for _ in range(world)]
+    sizes = plan.rank_bytes()
+    for r in sorted(sizes, key=lambda r: (-sizes[r], r)):
+        p = min(range(world), key=lambda i: (loads[i], i))
+        out[p].append(r)
+        loads[p] += sizes[r]
+    return out
+
+
+def reshard(
+    src_path: str | os.PathLike | None,
+    dst_path: str | os.PathLike | None,
+    src_mesh: Any = None,
+    dst_mesh: Any = None,
+    *,
+    rules: Mapping[str, TensorLayout] | None = None,
+    max_memory: int = DEFAULT_MAX_MEMORY,
+    process_group: Any = None,
+    verify: bool = True,
+    sync_files: bool = True,
+    storage_reader: StorageReader | None = None,
+    storage_writer: StorageWriter | None = None,
+    coordinator_rank: int = 0,
+    timeout: timedelta | float | None = None,
+) -> md.Metadata | None:
+    """Write a copy of a checkpoint laid out for ``dst_mesh``: one data file per destination rank.
+
+    Every tensor saved as a DTensor keeps its placement per mesh dim name: a tensor split
+    over ``"tp"`` on the source mesh is split over ``"tp"`` of the destination mesh (at its
+    new size); mesh dims the destination lacks are dropped (a warning lists the keys), new
+    ones replicate. Tensors saved without a layout (plain tensors, numpy arrays, bytes) stay
+    whole; plain values carry over. ``rules`` overrides the layout of matching keys. The
+    new metadata records every tensor's destination layout, so the result can be resharded
+    again.
+
+    Without ``process_group`` it runs in this process alone (no process group needed). With
+    one, every rank of the group must call it with the same arguments; the destination
+    ranks' files are split among them and the coordinator commits.
+
+    Args:
+        src_path: the checkpoint to read (None when ``storage_reader`` is given).
+        dst_path: where to write the new checkpoint; must not be ``src_path``. An existing
+            checkpoint there stays intact until the new one commits.
+        src_mesh: names the saving mesh's dims for tensors whose recorded mesh has the same
+            shape (a ``DeviceMesh``, :class:`Layout` or ``{"tp": 8}``); default: the names the
+            metadata recorded.
+        dst_mesh: the destination mesh: a ``DeviceMesh``, :class:`Layout` or ``{"tp": 4}``
+            (dim names -> sizes, in mesh order). Its ``rank_list`` names the data files.
+        rules: ``{name or glob: TensorLayout}`` (first match wins) giving destination layouts
+            that replace the kept pattern, e.g. to split a tensor saved whole.
+        max_memory: bytes of tensor data held at once per process (default 256 MiB).
+            Chunks are at most a quarter of it (larger boxes are split into row slabs); at
+            most two chunks and two read buffers of an eighth are alive, so at most 3/4 of
+            it, plus one checksum block (up to 4 MiB) per read buffer when ``verify`` reads
+            part of a chunk. (The process's RSS can grow further by what the C allocator
+            keeps cached after frees.)
+        process_group: share the work among this group's ranks.
+        verify: check the source's crc32c on every byte read (reads whole checksummed rows
+            of a chunk). ``verify=False`` reads exactly the overlapping bytes, unchecked.
+        sync_files: fsync the new files before the commit.
+        storage_reader / storage_writer: custom storage backends for source / destination.
+        coordinator_rank: the group rank that reads the source metadata and commits.
+        timeout: bound on each cross-rank exchange (seconds or timedelta).
+
+    Returns:
+        The new checkpoint's :class:`Metadata` on the coordinator, None on other ranks.
+
+    Raises:
+        CorruptCheckpointError: the source lacks data for some region of a key (names the key
+            and the regions), or a checksum fails.
+        ValueError: no ``dst_mesh``, ``dst_path`` is ``src_path``, or a layout does not fit.
+        RankFailedError: with a process group, when any rank failed (names each rank).
+
+    Example::
+
+        reshard("ckpt_tp8", "ckpt_tp4", dst_mesh={"tp": 4})
+        # 4 processes then: load(sd, "ckpt_tp4") — rank r reads its shards from one file
+    """
+    if dst_mesh is None:
+        raise ValueError("reshard needs dst_mesh: a DeviceMesh, a Layout or a {dim name: size} mapping")
+    if not isinstance(max_memory, int) or max_memory < 1:
+        raise ValueError(f"max_memory must be a positive number of bytes, found {max_memory!r}")
+    dst = _mesh(dst_mesh, "dst_mesh")
+    if storage_reader is None:
+        if src_path is None:
+            raise ValueError("say where the source is: src_path or storage_reader")
+        storage_reader = FileSystemReader(os.fspath(src_path))
+    if storage_writer is None:
+        if dst_path is None:
+            raise ValueError("say where to write: dst_path or storage_writer")
+        if src_path is not None and os.path.realpath(os.fspath(src_path)) == os.path.realpath(os.fspath(dst_path)):
+            raise ValueError(f"dst_path {os.fspath(dst_path)!r} is the source checkpoint; write to a new path")
+        storage_writer = FileSystemWriter(os.fspath(dst_path), sync_files=sync_files)
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    coord = Coordinator(process_group, process_group is None, coordinator_rank, timeout)
+    storage_reader.set_up(coord.rank, coord.is_coordinator)
+    storage_writer.set_up(coord.rank, coord.is_coordinator)
+    where = f"{os.fspath(src_path) if src_path is not None else 'source'}/{md.METADATA_FILE}"
+    raw: list[Any] = []
+
+    def read_metadata() -> None:
+        if coord.is_coordinator:
+            raw.append((storage_reader.read_metadata(), uuid.uuid4().hex[:16]))
+
+    state: dict[str, Any] = {}
+    mine: list[int] = []
+    try:
+        coord.exchange("reshard (reading metadata)", read_metadata)
+        meta_bytes, save_id = coord.broadcast(raw[0] if raw else None)
+
+        def plan() -> None:
+            meta = md.Metadata.from_json(meta_bytes, where=where)
+            state["meta"] = meta
+            state["plan"] = plan_reshard(meta, dst, src_mesh, rules, max(1, max_memory // 4), where)
+            storage_writer.prepare()
+
+        coord.exchange("reshard (planning)", plan)
+        meta, rplan = state["meta"], state["plan"]
+        if coord.is_coordinator and rplan.dropped:
+            lost = sorted({n for names in rplan.dropped.values() for n in names})
+            keys = list(rplan.dropped)
+            warnings.warn(
+                f"reshard: {len(keys)} tensor(s) were split over mesh dim(s) {lost}, which the "
+                f"destination mesh {dst} lacks; they are stored less split there (e.g. {keys[:3]}). "
+                "Pass rules= to choose their layouts", stacklevel=2)
+        mine.extend(_share(rplan, coord.world_size)[coord.rank])
+
+        def write_mine() -> list[WriteResult]:
+            source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify)
+            out = []
+            for rank in sorted(mine):
+                objects = rplan.objects if rank == rplan.object_rank else []
+                sp = SavePlan(rplan.entries, rplan.items[rank], objects)
+                out.append(write_plan(sp, source, storage_writer, rank, save_id, thread_count=1))
+            return out
+
+        results = coord.gather_to_coordinator("reshard (writing data)", write_mine)
+
+        def commit() -> md.Metadata | None:
+            if not coord.is_coordinator:
+                return None
+            flat = [r for per_process in results for r in per_process]
+            new = build_metadata(SavePlan(rplan.entries, [], []), flat, save_id, dst.world_size,
+                                 dict(meta.user))
+            commit_metadata(storage_writer, new)
+            return new
+
+        committed = coord.exchange("reshard (commit)", commit)
+    except BaseException:
+        if mine:  # this process's files of the failed reshard
+            storage_writer.remove([n for r in mine for n in data_file_names(r, save_id, 1)])
+        raise
+    finally:
+        storage_reader.close()
+    return committed[coord.coordinator_rank] if coord.is_coordinator else None
