@@ -16,14 +16,16 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import crc32c
 import numpy as np
 import torch
 
+from . import metadata as md
 from .box import Box
 from .errors import CorruptCheckpointError
-from .planner import LoadPlan, LoadPlanner, ReadItem
+from .planner import LoadPlan, ReadItem
 from .saver import tensor_bytes
 from .storage import StorageReader
 
@@ -158,9 +160,23 @@ def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: Sto
     return read
 
 
+class TargetResolver(Protocol):
+    """What the loader needs of a planner: the destination tensor of a key."""
+
+    def resolve_target(self, key: str) -> torch.Tensor: ...
+
+
+@dataclass
+class _Fixed:
+    dest: torch.Tensor
+
+    def resolve_target(self, key: str) -> torch.Tensor:
+        return self.dest
+
+
 def read_plan(
     plan: LoadPlan,
-    planner: LoadPlanner,
+    planner: TargetResolver,
     reader: StorageReader,
     thread_count: int = 4,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
@@ -196,3 +212,35 @@ def read_plan(
         stats.bytes_read = sum(run(i) for i in items)
     return stats
 
+
+
+def read_box(
+    entry: md.Entry,
+    reader: StorageReader,
+    box: Box | None = None,
+    *,
+    verify: bool = True,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ReadStats]:
+    """Read region ``box`` (default: all) of a saved tensor into a new CPU tensor (or ``out``).
+
+    The offline tools' primitive: memory is the region itself plus one bounded read buffer.
+    Raises CorruptCheckpointError when the saved chunks do not cover the region.
+    """
+    shape = tuple(entry.shape or ())
+    box = box if box is not None else Box.full(shape)
+    dest = out if out is not None else torch.empty(box.sizes, dtype=md.torch_dtype(entry.dtype))
+    reads, covered = [], 0
+    for chunk in entry.chunks:
+        region = Box(chunk.offsets, chunk.sizes).intersect(box)
+        if region is not None:
+            reads.append(ReadItem(entry.key, chunk, region))
+            covered += region.numel
+    if covered != box.numel:
+        raise CorruptCheckpointError(
+            f"{entry.key!r}: saved chunks cover {covered} of the {box.numel} elements of region {box}; "
+            "the checkpoint is missing data for this key")
+    stats = read_plan(LoadPlan(reads, {entry.key: box}), _Fixed(dest), reader, thread_count=1,
+                      buffer_bytes=buffer_bytes, verify=verify)
+    return dest, stats
