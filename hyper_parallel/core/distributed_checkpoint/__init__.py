@@ -30,6 +30,7 @@ from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, lo
 from .metadata import Metadata
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
+from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
 from .storage import StorageReader, StorageWriter
 
 __all__ = [
@@ -70,4 +71,9 @@ __all__ = [
     "RankFailedError",
     "StateDictMismatchError",
     "UnsupportedValueError",
+    "TrainState",
+    "get_train_state_dict",
+    "set_train_state_dict",
+    "rng_state_dict",
+    "load_rng_state_dict",
 ]
