@@ -9,6 +9,7 @@ in a status exchange, so a failure anywhere fails every rank with the same messa
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 import warnings
 from collections import OrderedDict
@@ -30,6 +31,7 @@ PathLike = str | os.PathLike
 
 _PLAN_CACHE: OrderedDict[Any, list[SavePlan]] = OrderedDict()
 _PLAN_CACHE_SIZE = 8
+_PLAN_CACHE_LOCK = threading.Lock()  # async_save's writer thread saves while the caller may too
 
 
 class FlatStateDict(dict):
@@ -155,15 +157,17 @@ def save(
     save_id = digests[coord.coordinator_rank][1]
     cache_key = (getattr(planner, "cache_key", lambda: id(planner))(), id(coord.group),
                  coord.rank, tuple(d for d, _ in digests))
-    global_plans = _PLAN_CACHE.get(cache_key)
+    with _PLAN_CACHE_LOCK:
+        global_plans = _PLAN_CACHE.get(cache_key)
+        if global_plans is not None:
+            _PLAN_CACHE.move_to_end(cache_key)
     if global_plans is None:
         plans = coord.exchange("save (plan exchange)", lambda: local[0])
         global_plans = coord.exchange("save (global plan)", lambda: planner.create_global_save_plan(plans))[coord.rank]
-        _PLAN_CACHE[cache_key] = global_plans
-        while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.popitem(last=False)
-    else:
-        _PLAN_CACHE.move_to_end(cache_key)
+        with _PLAN_CACHE_LOCK:
+            _PLAN_CACHE[cache_key] = global_plans
+            while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+                _PLAN_CACHE.popitem(last=False)
     mine = global_plans[coord.rank]
 
     def commit(results: list[Any]) -> md.Metadata:

@@ -616,10 +616,6 @@ class AsyncCheckpointer:
         with self._lock:
             if self._threads_pid == os.getpid():
                 return
-            if self._threads_pid is not None:  # forked child: the parent's threads and saves are not ours
-                self._in_flight.clear()
-                self._groups.clear()
-                self._streams.clear()
             self._threads_pid = os.getpid()
             self._write_queue, self._stage_queue = queue.Queue(), queue.Queue()
             for jobs, name in ((self._write_queue, "_write"), (self._stage_queue, "_stage")):
@@ -629,6 +625,16 @@ class AsyncCheckpointer:
             self._stop = weakref.finalize(self, _stop_workers, self._write_queue, self._stage_queue)
             self._stop.atexit = False
         _install_exit_hooks()
+
+    def _forget_parent(self) -> None:
+        """In a forked child: the parent's threads, saves, locks and groups are not ours."""
+        self._lock = threading.Lock()
+        self._pool._lock = threading.Lock()
+        self._in_flight.clear()
+        self._groups.clear()
+        self._streams.clear()
+        self._threads_pid = None
+        self._stop = lambda: None
 
     def _stop_threads(self) -> None:
         with self._lock:
@@ -717,6 +723,16 @@ def _worker_loop(jobs: queue.Queue, method: str) -> None:
 def _stop_workers(*queues: queue.Queue) -> None:
     for jobs in queues:
         jobs.put(None)
+
+
+def _after_fork_in_child() -> None:
+    global _HOOKS_LOCK
+    _HOOKS_LOCK = threading.Lock()
+    for checkpointer in list(_CHECKPOINTERS):
+        checkpointer._forget_parent()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _exit_hook() -> None:
