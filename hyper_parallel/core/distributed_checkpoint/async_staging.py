@@ -26,7 +26,8 @@ Exit: an ``atexit`` hook (and a ``multiprocessing`` finalizer, for worker proces
 up to ``exit_timeout_s`` for saves in flight. A save that does not finish by then is
 abandoned; it never commits half-written, because ``.metadata`` is written only after every
 rank's data is written, so the directory holds either the new checkpoint, the previous one,
-or none.
+or none. ``dist.destroy_process_group()`` also destroys the dedicated group, failing a save
+still in flight (uncommitted): call ``wait()`` (or ``result()``) before it.
 """
 
 from __future__ import annotations
@@ -287,6 +288,14 @@ class AsyncSaveResponse:
         self._callback = callback
         self._staged = threading.Event()
         self._finished = threading.Event()
+        self._callback_thread: int | None = None
+
+    def _wait_finished(self, timeout: float | None) -> None:
+        # Inside the callback the save is over; waiting for the callback itself would deadlock.
+        if threading.get_ident() == self._callback_thread:
+            return
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"async save to {self.checkpoint_id!r}: not finished after {timeout}s")
 
     def done(self) -> bool:
         """True once the save committed or failed (and its callback ran)."""
@@ -312,14 +321,12 @@ class AsyncSaveResponse:
             RankFailedError: the save failed on some rank (raised on every rank).
             TimeoutError: not finished within ``timeout`` seconds.
         """
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"async save to {self.checkpoint_id!r}: not finished after {timeout}s")
+        self._wait_finished(timeout)
         return self.persist_completion.result()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None if it committed (waits like :meth:`result`)."""
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"async save to {self.checkpoint_id!r}: not finished after {timeout}s")
+        self._wait_finished(timeout)
         return self.persist_completion.exception()
 
     def __repr__(self) -> str:
@@ -666,10 +673,13 @@ class AsyncCheckpointer:
         else:
             response.persist_completion.set_exception(error)
         if response._callback is not None:
+            response._callback_thread = threading.get_ident()
             try:
                 response._callback(response)
             except Exception as exc:
                 warnings.warn(f"async save callback {response._callback!r} raised {exc!r}", stacklevel=1)
+            finally:
+                response._callback_thread = None
         response._finished.set()
 
     def _drain_at_exit(self) -> None:
@@ -761,7 +771,12 @@ _DEFAULT: AsyncCheckpointer | None = None
 
 
 def default_checkpointer() -> AsyncCheckpointer:
-    """The process-wide :class:`AsyncCheckpointer` that :func:`async_save` uses."""
+    """The process-wide :class:`AsyncCheckpointer` that :func:`async_save` uses (made on first use).
+
+    Example::
+
+        default_checkpointer().wait()   # e.g. before dist.destroy_process_group()
+    """
     global _DEFAULT
     with _HOOKS_LOCK:
         if _DEFAULT is None:
@@ -815,7 +830,9 @@ def async_save(
             the live tensors, so anything a forward pass updates in place (BatchNorm running
             statistics) must be waited for before that forward pass.
         callback: called as ``callback(response)`` in the background thread once the save
-            committed or failed; exceptions it raises become warnings.
+            committed or failed, before ``result()`` returns anywhere else; inside it,
+            ``response.result()`` returns at once. It must not wait for other saves (they
+            run after it); exceptions it raises become warnings.
         checkpointer: the :class:`AsyncCheckpointer` to use (default: :func:`default_checkpointer`).
 
     Returns:

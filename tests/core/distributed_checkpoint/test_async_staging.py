@@ -438,10 +438,10 @@ def test_response_api_and_callback_in_one_process(tmp_path):
     seen = []
     sd = {"w": make_tensor((16, 4)), "n": 1}
     resp = async_save(sd, checkpoint_id=str(tmp_path / "a"), no_dist=True, checkpointer=ckpt,
-                      callback=lambda r: seen.append((r, r.done(), r.persist_completion.done())))
+                      callback=lambda r: seen.append((r, r.done(), r.persist_completion.done(), r.result())))
     meta = resp.result(timeout=30)
     assert meta is resp.persist_completion.result() and "w" in meta.entries
-    assert seen == [(resp, False, True)], "callback: after the future resolves, before done()"
+    assert seen == [(resp, False, True, meta)], "callback: after the future resolves, before done()"
     assert resp.done() and resp.staged() and resp.exception() is None
     assert resp.blocking_s >= 0 and resp.total_s >= resp.blocking_s
     ckpt.close()
