@@ -26,14 +26,35 @@ from .errors import (
     UnsupportedValueError,
 )
 from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .fsspec_storage import FsspecReader, FsspecWriter
 from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
 from .metadata import Metadata
+from .offline_transform import (
+    convert_full_checkpoint_to_dcp,
+    dcp_to_full_state_dict,
+    full_state_dict_to_dcp_format,
+    import_torch_dcp,
+    offline_transform,
+    parse_checkpoint_from_huggingface,
+    save_state_dict_as_huggingface_format,
+)
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
 from .storage import StorageReader, StorageWriter
+from .verify import verify_checkpoint
 
 __all__ = [
+    "offline_transform",
+    "save_state_dict_as_huggingface_format",
+    "parse_checkpoint_from_huggingface",
+    "full_state_dict_to_dcp_format",
+    "dcp_to_full_state_dict",
+    "convert_full_checkpoint_to_dcp",
+    "import_torch_dcp",
+    "verify_checkpoint",
+    "FsspecWriter",
+    "FsspecReader",
     "save",
     "load",
     "async_save",

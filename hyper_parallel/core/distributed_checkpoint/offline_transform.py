@@ -1,0 +1,521 @@
+"""Offline transforms and conversions, in one process, without a process group, in bounded memory.
+
+:func:`offline_transform` rewrites a checkpoint for a new parallel layout (TP=8 -> TP=4)
+through :func:`~.reshard.reshard`. Every converter streams: it holds one tensor (or one
+chunk) at a time plus one read buffer, never the whole model, so it works on the models
+that need distributed checkpoints.
+
+- DCP checkpoint <-> Hugging Face sharded safetensors
+  (:func:`save_state_dict_as_huggingface_format`, :func:`convert_full_checkpoint_to_dcp`,
+  :func:`parse_checkpoint_from_huggingface`).
+- DCP checkpoint <-> full state dict in memory (:func:`dcp_to_full_state_dict`,
+  :func:`full_state_dict_to_dcp_format`).
+- A checkpoint written by ``torch.distributed.checkpoint`` -> ours (:func:`import_torch_dcp`;
+  its metadata is a pickle, so it needs ``trust=True``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from . import metadata as md
+from .box import Box
+from .errors import CheckpointError, UnsupportedValueError
+from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
+from .loader import read_box
+from .planner import EntrySpec, SavePlan, WriteItem
+from .saver import build_metadata, commit_metadata, tensor_bytes, write_plan
+from .storage import StorageReader
+
+HF_INDEX = "model.safetensors.index.json"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5_000_000_000; ``"512MiB"`` -> 536870912; ints pass through."""
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(size)
+    if not m:
+        raise ValueError(f"cannot read size {size!r}; use e.g. 5GB, 512MiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def _reader(path: str | os.PathLike | StorageReader) -> StorageReader:
+    return path if isinstance(path, StorageReader) else FileSystemReader(path)
+
+
+def _read_metadata(reader: StorageReader) -> md.Metadata:
+    return md.Metadata.from_json(reader.read_metadata())
+
+
+def _check_destination(dst: str | os.PathLike, overwrite: bool) -> None:
+    if os.path.exists(os.path.join(dst, md.METADATA_FILE)) and not overwrite:
+        raise CheckpointError(
+            f"{os.fspath(dst)!r} already holds a checkpoint; pass overwrite=True to replace it")
+
+
+class _Lazy:
+    """The saver's data resolver: produces each item's tensor only when it is written."""
+
+    def __init__(self, produce: Callable[[WriteItem], Any]):
+        self.produce = produce
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        return self.produce(item)
+
+
+def write_streaming(
+    dst: str | os.PathLike,
+    entries: dict[str, EntrySpec],
+    files: list[list[WriteItem]],
+    produce: Callable[[WriteItem], Any],
+    *,
+    overwrite: bool = False,
+    sync_files: bool = True,
+    user_metadata: dict[str, Any] | None = None,
+) -> md.Metadata:
+    """Write a checkpoint whose data is produced item by item (one data file per list).
+
+    Object entries get their value from ``produce(WriteItem(key, Box((), ()), 0))``.
+    """
+    _check_destination(dst, overwrite)
+    writer = FileSystemWriter(dst, sync_files=sync_files)
+    writer.set_up(0, True)
+    writer.prepare()
+    save_id = uuid.uuid4().hex[:16]
+    objects = [k for k, e in entries.items() if e.kind == "object"]
+    resolver = _Lazy(produce)
+    results = []
+    try:
+        for rank, items in enumerate(files or [[]]):
+            plan = SavePlan(entries, items, objects if rank == 0 else [])
+            results.append(write_plan(plan, resolver, writer, rank, save_id))
+        meta = build_metadata(SavePlan(entries, [], []), results, save_id, max(1, len(files)), user_metadata or {})
+        commit_metadata(writer, meta)
+    except BaseException:
+        writer.remove(f for r in results for f in r.files)
+        raise
+    return meta
+
+
+# ---------------------------------------------------------------------------- layout transform
+
+
+def _as_strategy(value: Any) -> LayoutStrategy | None:
+    if isinstance(value, (str, os.PathLike)):
+        return load_layout(value)
+    if isinstance(value, Mapping) and value and all(isinstance(v, TensorLayout) for v in value.values()):
+        return LayoutStrategy(value)
+    if isinstance(value, TensorLayout):
+        raise TypeError("a single TensorLayout is not a strategy; pass {'*': layout} or a Layout (mesh)")
+    return None
+
+
+def _check_src_layout(meta: md.Metadata, src_layout: Any) -> None:
+    strategy = _as_strategy(src_layout)
+    if strategy is None:
+        want = Layout.of(src_layout)
+        for key, e in meta.entries.items():
+            if e.layout and list(e.layout["mesh_shape"]) != list(want.mesh_shape):
+                raise ValueError(f"src_layout mesh {list(want.mesh_shape)} does not match {key!r}, which was "
+                                 f"saved on mesh {e.layout['mesh_shape']}")
+        return
+    for key, e in meta.entries.items():
+        expected = strategy.match(key)
+        if expected is None or e.layout is None:
+            continue
+        saved = TensorLayout.from_record(e.layout, ndim=len(e.shape or ()))
+        if saved.tensor_map != expected.with_ndim(len(e.shape or ())).tensor_map or \
+                tuple(saved.layout.mesh_shape) != tuple(expected.layout.mesh_shape):
+            raise ValueError(f"src_layout says {key!r} has layout {expected}, but it was saved as {saved}")
+
+
+def offline_transform(
+    src_path: str | os.PathLike,
+    dst_path: str | os.PathLike,
+    src_layout: Any = None,
+    dst_layout: Any = None,
+    *,
+    max_memory: int | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> md.Metadata:
+    """Rewrite a checkpoint for another parallel layout, offline, in one process.
+
+    Args:
+        src_path: the checkpoint to convert.
+        dst_path: a new directory for the result (``overwrite=True`` to replace a checkpoint).
+        src_layout: optional; when given it is checked against the layouts the metadata
+            recorded (a strategy, a layout JSON file, a :class:`Layout`, or ``{"tp": 8}``).
+        dst_layout: the target: a strategy ``{name or glob: TensorLayout}``, a JSON file
+            written by :func:`save_layout`, a :class:`Layout`/``DeviceMesh``, or a mesh
+            mapping like ``{"tp": 4}`` (each tensor keeps its placements per mesh dim name).
+        max_memory: bytes of tensor data held at once (default: four times the largest
+            saved chunk, at least 64 MiB); never the model size.
+        verify: check the source's checksums while reading.
+
+    Raises:
+        ValueError: ``src_layout`` disagrees with the checkpoint, or the target mesh cannot
+            hold a tensor.
+        CheckpointError: ``dst_path`` already holds a checkpoint (without ``overwrite``).
+
+    Example::
+
+        offline_transform("ckpt_tp8", "ckpt_tp4", src_layout={"tp": 8}, dst_layout={"tp": 4})
+    """
+    from .reshard import reshard
+
+    if dst_layout is None:
+        raise ValueError("offline_transform needs dst_layout: a strategy, a layout file, a Layout or {'tp': 4}")
+    if os.path.abspath(os.fspath(src_path)) == os.path.abspath(os.fspath(dst_path)):
+        raise ValueError("dst_path must differ from src_path")
+    _check_destination(dst_path, overwrite)
+    reader = FileSystemReader(src_path)
+    meta = _read_metadata(reader)
+    if src_layout is not None:
+        _check_src_layout(meta, src_layout)
+    if max_memory is None:
+        largest = max((c.length for e in meta.entries.values() for c in e.chunks), default=0)
+        max_memory = max(64 << 20, 4 * largest)
+    strategy = _as_strategy(dst_layout)
+    if strategy is not None:
+        meshes = {tl.layout for tl in strategy.values()}
+        if len(meshes) != 1:
+            raise ValueError(f"dst_layout uses {len(meshes)} meshes; a checkpoint is laid out for one")
+        dst_mesh, rules = meshes.pop(), strategy
+    else:
+        dst_mesh, rules = dst_layout, None
+    result = reshard(src_path, dst_path, dst_mesh=dst_mesh, rules=rules, max_memory=max_memory, verify=verify,
+                     storage_reader=reader)
+    assert result is not None
+    return result
+
+
+# ---------------------------------------------------------------------------- full state dicts
+
+
+def dcp_to_full_state_dict(src_path: str | os.PathLike, *, verify: bool = True,
+                           allow_pickle: bool = False) -> dict[str, Any]:
+    """Load a whole checkpoint, whatever layout saved it, as full CPU tensors and plain values.
+
+    Example::
+
+        sd = dcp_to_full_state_dict("/ckpt/step100")
+        torch.save(sd["model"], "model.pt")
+    """
+    from .api import load
+
+    return load(path=src_path, no_dist=True, verify=verify, allow_pickle=allow_pickle)
+
+
+def full_state_dict_to_dcp_format(state_dict: dict[str, Any], dst_path: str | os.PathLike, *,
+                                  overwrite: bool = False, allow_pickle: bool = False) -> md.Metadata:
+    """Save an in-memory full state dict (plain tensors) as a checkpoint, in one process."""
+    from .api import save
+
+    _check_destination(dst_path, overwrite)
+    meta = save(state_dict, dst_path, no_dist=True, allow_pickle=allow_pickle)
+    assert meta is not None
+    return meta
+
+
+# ---------------------------------------------------------------------------- safetensors IO
+
+
+def _safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], extra: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": extra} if extra else {}
+    pos = 0
+    for name, dtype, shape in tensors:
+        st = md.safetensors_dtype(dtype)
+        if st is None:
+            raise UnsupportedValueError(f"{name!r}: dtype {dtype} has no safetensors name; convert it first")
+        n = md.itemsize(dtype)
+        for s in shape:
+            n *= s
+        header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...]]],
+                       produce: Callable[[str], torch.Tensor], extra: dict[str, str]) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(_safetensors_header(tensors, extra))
+        for name, _, _ in tensors:
+            f.write(tensor_bytes(produce(name)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tensor_entries(meta: md.Metadata, prefix: str) -> list[md.Entry]:
+    return [e for k, e in meta.entries.items() if e.kind in ("tensor", "ndarray") and k.startswith(prefix)]
+
+
+def save_state_dict_as_huggingface_format(
+    src: str | os.PathLike | dict[str, Any],
+    dst_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    prefix: str = "",
+    verify: bool = True,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Export tensors as Hugging Face sharded safetensors, streaming one tensor at a time.
+
+    Writes ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` each
+    (a single larger tensor gets a file of its own) and ``model.safetensors.index.json``.
+    With one shard the file is named ``model.safetensors``, as ``transformers`` does.
+
+    Args:
+        src: a checkpoint path, or an in-memory state dict of full tensors.
+        prefix: export only keys starting with it, with it removed (e.g. ``"model."``).
+        max_shard_size: bytes per shard file: an int or a string like ``"5GB"``.
+
+    Returns:
+        The index dict (``{"metadata": {"total_size": ...}, "weight_map": {...}}``).
+    """
+    limit = parse_size(max_shard_size)
+    os.makedirs(dst_dir, exist_ok=True)
+    if not overwrite and any(f.endswith(".safetensors") or f == HF_INDEX for f in os.listdir(dst_dir)):
+        raise CheckpointError(f"{os.fspath(dst_dir)!r} already holds safetensors files; pass overwrite=True")
+    if isinstance(src, dict):
+        from .flatten import flatten
+
+        flat = {k: leaf.value for k, leaf in flatten(src).leaves.items()
+                if isinstance(leaf.value, torch.Tensor) and k.startswith(prefix)}
+        tensors = [(k[len(prefix):], md.dtype_name(v.dtype), tuple(v.shape)) for k, v in flat.items()]
+        produce: Callable[[str], torch.Tensor] = lambda name: flat[prefix + name]
+        close = lambda: None
+    else:
+        reader = _reader(src)
+        meta = _read_metadata(reader)
+        entries = {e.key[len(prefix):]: e for e in _tensor_entries(meta, prefix)}
+        tensors = [(name, e.dtype, tuple(e.shape)) for name, e in entries.items()]
+        produce = lambda name: read_box(entries[name], reader, verify=verify)[0]
+        close = reader.close
+    if not tensors:
+        raise CheckpointError(f"no tensors to export (prefix {prefix!r})")
+    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for t in tensors:
+        n = md.itemsize(t[1])
+        for s in t[2]:
+            n *= s
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    total = len(shards)
+    weight_map, total_size = {}, 0
+    try:
+        for i, shard in enumerate(shards, 1):
+            name = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
+            _write_safetensors(os.path.join(dst_dir, name), shard, produce, {"format": "pt"})
+            for tname, dtype, shape in shard:
+                weight_map[tname] = name
+                n = md.itemsize(dtype)
+                for s in shape:
+                    n *= s
+                total_size += n
+    finally:
+        close()
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    with open(os.path.join(dst_dir, HF_INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    return index
+
+
+def _hf_files(src: str | os.PathLike) -> list[str]:
+    src = os.fspath(src)
+    if os.path.isfile(src):
+        return [src]
+    index = os.path.join(src, HF_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+        for n in names:
+            md.validate_file_name(n, where=index)
+        return [os.path.join(src, n) for n in names]
+    files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{src!r} holds no safetensors files and no {HF_INDEX}")
+    return [os.path.join(src, f) for f in files]
+
+
+def parse_checkpoint_from_huggingface(src: str | os.PathLike, *, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Read a Hugging Face safetensors checkpoint (a directory or one file) into a state dict.
+
+    Keys get ``prefix`` prepended (e.g. ``"model."`` to match ``{"model": model.state_dict()}``).
+    """
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in _hf_files(src):
+        for k, v in load_file(path).items():
+            out[prefix + k] = v
+    return out
+
+
+def convert_full_checkpoint_to_dcp(
+    src: str | os.PathLike,
+    dst_path: str | os.PathLike,
+    *,
+    prefix: str = "",
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+) -> md.Metadata:
+    """Convert a full checkpoint (HF safetensors dir/file, or a torch ``.pt``/``.bin``) to DCP.
+
+    safetensors sources stream one tensor at a time. torch files are opened with
+    ``torch.load(weights_only=True, mmap=True)`` — tensors are paged in as they are written;
+    a file that needs full unpickling is refused unless ``allow_pickle=True``.
+    """
+    src = os.fspath(src)
+    is_st = os.path.isdir(src) or src.endswith(".safetensors")
+    if is_st:
+        from safetensors import safe_open
+
+        where: dict[str, tuple[str, str]] = {}
+        entries: dict[str, EntrySpec] = {}
+        items: list[WriteItem] = []
+        for path in _hf_files(src):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    dtype = _st_dtype(sl.get_dtype(), name, path)
+                    shape = tuple(sl.get_shape())
+                    key = prefix + name
+                    where[key] = (path, name)
+                    entries[key] = EntrySpec("tensor", _prefixed_path(prefix, name), dtype, shape)
+                    nbytes = md.itemsize(dtype)
+                    for s in shape:
+                        nbytes *= s
+                    if nbytes:
+                        items.append(WriteItem(key, Box.full(shape), nbytes))
+
+        def produce(item: WriteItem) -> torch.Tensor:
+            path, name = where[item.key]
+            with safe_open(path, framework="pt") as f:
+                return f.get_tensor(name)
+
+        return write_streaming(dst_path, entries, [items], produce, overwrite=overwrite)
+    try:
+        sd = torch.load(src, map_location="cpu", weights_only=not allow_pickle, mmap=True)
+    except Exception as exc:  # torch raises UnpicklingError subclasses for non-weights files
+        if allow_pickle:
+            raise
+        raise UnsupportedValueError(
+            f"{src!r} cannot be loaded with weights_only=True ({exc.__class__.__name__}); it holds "
+            "arbitrary pickled objects. Pass allow_pickle=True only if you trust the file") from None
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"{src!r} holds a {type(sd).__name__}, expected a state dict")
+    if prefix:
+        sd = {prefix + k: v for k, v in sd.items()}
+    return full_state_dict_to_dcp_format(sd, dst_path, overwrite=overwrite, allow_pickle=allow_pickle)
+
+
+def _prefixed_path(prefix: str, name: str) -> tuple[str, ...]:
+    """``("model", "layers.0.weight")`` for prefix ``"model."``: flat names stay one key."""
+    return (*(p for p in prefix.split(".") if p), name)
+
+
+_ST_TO_NAME = {v[1]: k for k, v in md._DTYPES.items() if v[1]}
+
+
+def _st_dtype(st: str, name: str, path: str) -> str:
+    try:
+        return _ST_TO_NAME[st]
+    except KeyError:
+        raise UnsupportedValueError(f"{path}: tensor {name!r} has unsupported dtype {st}") from None
+
+
+# ---------------------------------------------------------------------------- torch DCP import
+
+
+def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *, trust: bool = False,
+                     overwrite: bool = False) -> md.Metadata:
+    """Convert a checkpoint written by ``torch.distributed.checkpoint`` into this format.
+
+    torch's ``.metadata`` is a pickle, and loading a pickle can run code; this therefore
+    requires ``trust=True``. Tensors stream one at a time (peak memory: the largest tensor);
+    non-tensor values come through torch's own reader.
+    """
+    if not trust:
+        raise UnsupportedValueError(
+            f"{os.fspath(src_path)!r} is a torch.distributed.checkpoint checkpoint; its metadata is a "
+            "Python pickle, and unpickling can execute code. Pass trust=True (CLI: --trust) only if you "
+            "trust where it came from")
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    reader = tdcp.FileSystemReader(os.fspath(src_path))
+    tmeta = reader.read_metadata()
+    entries: dict[str, EntrySpec] = {}
+    items: list[WriteItem] = []
+    objects: list[str] = []
+    paths = tmeta.planner_data if isinstance(tmeta.planner_data, dict) else {}
+
+    def path_of(key: str) -> tuple[Any, ...]:
+        # torch records how it flattened nested dicts: {fqn: (part, part, ...)}
+        p = paths.get(key)
+        if isinstance(p, tuple) and p and all(isinstance(x, str) for x in p):
+            return p
+        return (key,)
+
+    for key, m in tmeta.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            dtype = md.dtype_name(m.properties.dtype)
+            shape = tuple(m.size)
+            entries[key] = EntrySpec("tensor", path_of(key), dtype, shape)
+            nbytes = md.itemsize(dtype)
+            for s in shape:
+                nbytes *= s
+            if nbytes:
+                items.append(WriteItem(key, Box.full(shape), nbytes))
+        elif isinstance(m, BytesStorageMetadata):
+            objects.append(key)
+
+    def load_keys(keys: Iterable[str], template: dict[str, Any]) -> dict[str, Any]:
+        planner = tdcp.DefaultLoadPlanner(allow_partial_load=True)
+        sd = {k: template[k] for k in keys}
+        tdcp.load(sd, storage_reader=tdcp.FileSystemReader(os.fspath(src_path)), planner=planner, no_dist=True)
+        return sd
+
+    values = load_keys(objects, {k: None for k in objects}) if objects else {}
+    for key in objects:
+        v = values[key]
+        if isinstance(v, torch.Tensor):
+            entries[key] = EntrySpec("tensor", path_of(key), md.dtype_name(v.dtype), tuple(v.shape))
+            if v.numel():
+                items.append(WriteItem(key, Box.full(tuple(v.shape)), v.numel() * v.element_size()))
+        elif md.is_json_value(v):
+            entries[key] = EntrySpec("object", path_of(key))
+        else:
+            raise UnsupportedValueError(f"{key!r}: torch checkpoint value of type {type(v).__name__} "
+                                        "is neither a tensor nor a plain value")
+
+    def produce(item: WriteItem) -> Any:
+        if item.key in values:
+            return values[item.key]
+        e = entries[item.key]
+        return load_keys([item.key], {item.key: torch.empty(e.shape, dtype=md.torch_dtype(e.dtype))})[item.key]
+
+    return write_streaming(dst_path, entries, [items], produce, overwrite=overwrite)

@@ -1,0 +1,199 @@
+"""Offline transforms and format conversions, in one process, streaming."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_same, make_dtensor, make_tensor
+from multiprocess import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hyper_parallel.core.distributed_checkpoint import (
+    CheckpointError,
+    Layout,
+    UnsupportedValueError,
+    convert_full_checkpoint_to_dcp,
+    dcp_to_full_state_dict,
+    full_state_dict_to_dcp_format,
+    import_torch_dcp,
+    load,
+    offline_transform,
+    parse_checkpoint_from_huggingface,
+    save,
+    save_layout,
+    save_state_dict_as_huggingface_format,
+)
+
+# A transformer-shaped TP parameter set: column-parallel Shard(0), row-parallel Shard(1), norms replicated.
+HIDDEN, FFN, LAYERS = 2048, 5632, 6  # ~0.9 GiB of fp32
+SHAPES = {}
+for i in range(LAYERS):
+    SHAPES[f"layers.{i}.attn.wqkv.weight"] = ((3 * HIDDEN, HIDDEN), Shard(0))
+    SHAPES[f"layers.{i}.attn.wo.weight"] = ((HIDDEN, HIDDEN), Shard(1))
+    SHAPES[f"layers.{i}.mlp.w1.weight"] = ((FFN, HIDDEN), Shard(0))
+    SHAPES[f"layers.{i}.mlp.w2.weight"] = ((HIDDEN, FFN), Shard(1))
+    SHAPES[f"layers.{i}.norm.weight"] = ((HIDDEN,), Replicate())
+LARGEST = max(4 * s[0] * (s[1] if len(s) > 1 else 1) for s, _ in SHAPES.values())
+
+
+def pattern(shape: tuple[int, ...], box_offsets: tuple[int, ...], box_sizes: tuple[int, ...],
+            seed: int) -> torch.Tensor:
+    """A region of a deterministic tensor, computed without materialising the whole tensor."""
+    idx = torch.zeros(box_sizes, dtype=torch.int64)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        ar = torch.arange(box_offsets[d], box_offsets[d] + box_sizes[d], dtype=torch.int64)
+        idx += (ar * stride).reshape([-1 if i == d else 1 for i in range(len(shape))])
+        stride *= shape[d]
+    return (((idx * 2654435761 + seed * 40503) % 65521).to(torch.float32) / 65521.0) - 0.5
+
+
+def tp_state(ws: int) -> dict:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    out = {}
+    for i, (k, (shape, p)) in enumerate(SHAPES.items()):
+        sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, [p])
+        local = pattern(shape, tuple(offsets), tuple(sizes), i)
+        out[k] = DTensor.from_local(local, mesh, [p], shape=torch.Size(shape),
+                                    stride=torch.empty(shape, device="meta").stride(), run_check=False)
+    return out
+
+
+def rank_save_tp(rank: int, ws: int, path: str) -> None:
+    save(tp_state(ws), path, sync_files=False)
+
+
+def rank_load_tp(rank: int, ws: int, path: str) -> int:
+    want = tp_state(ws)
+    target = {k: DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, shape=v.shape,
+                                    stride=v.stride(), run_check=False) for k, v in want.items()}
+    load(target, path)
+    for k in SHAPES:
+        assert torch.equal(target[k].to_local(), want[k].to_local()), f"{k} differs on rank {rank}"
+    return sum(v.to_local().numel() for v in target.values())
+
+
+def test_tp8_to_tp4_offline_in_bounded_memory_then_loads_on_four_ranks(tmp_path):
+    src, dst = str(tmp_path / "tp8"), str(tmp_path / "tp4")
+    run_ranks(rank_save_tp, 8, src, timeout_s=300)
+    total = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+    assert total > 800 << 20
+    script = (
+        "import resource, sys\n"
+        "from hyper_parallel.core.distributed_checkpoint import offline_transform\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "offline_transform(sys.argv[1], sys.argv[2], src_layout={'tp': 8}, dst_layout={'tp': 4})\n"
+        "print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, src, dst], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    _, peak_kib = map(int, out.stdout.split())
+    peak = peak_kib * 1024
+    assert peak < 2 * LARGEST + (300 << 20), f"peak RSS {peak >> 20} MiB, largest tensor {LARGEST >> 20} MiB"
+    print(f"\noffline TP8->TP4 of {total >> 20} MiB: peak RSS {peak >> 20} MiB (largest tensor {LARGEST >> 20} MiB)")
+    run_ranks(rank_load_tp, 4, dst, timeout_s=300)
+
+
+def rank_save_small(rank: int, ws: int, path: str) -> None:
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+    save({"w": make_dtensor(make_tensor((4, 6)), mesh, [Shard(0)]), "n": make_tensor((6,), seed=1)}, path)
+
+
+def test_layouts_are_checked_and_destinations_protected(tmp_path):
+    src = str(tmp_path / "a")
+    run_ranks(rank_save_small, 2, src)
+    mesh = Layout((4,), ("tp",))
+    with pytest.raises(ValueError, match="src_layout"):
+        offline_transform(src, str(tmp_path / "x"), src_layout={"tp": 4}, dst_layout={"tp": 1})
+    with pytest.raises(ValueError, match="src_layout"):
+        offline_transform(src, str(tmp_path / "x"), src_layout={"w": Layout((2,), ("tp",))("None", "tp")},
+                          dst_layout={"tp": 1})
+    # a layout file as dst_layout: 'w' split over columns on 4 ranks
+    save_layout({"w": mesh("None", "tp")}, str(tmp_path / "tp4.json"))
+    meta = offline_transform(src, str(tmp_path / "b"), src_layout={"tp": 2}, dst_layout=str(tmp_path / "tp4.json"))
+    assert meta.entries["w"].layout["placements"] == ["S(1)"]
+    assert_same({"w": make_tensor((4, 6)), "n": make_tensor((6,), seed=1)}, load(path=str(tmp_path / "b")))
+    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+        offline_transform(src, str(tmp_path / "b"), dst_layout={"tp": 1})
+    offline_transform(src, str(tmp_path / "b"), dst_layout={"tp": 1}, overwrite=True)
+    with pytest.raises(ValueError):  # a rule whose number of dims does not fit the tensor
+        offline_transform(src, str(tmp_path / "d"), dst_layout={"w": mesh("tp", "None", "None")})
+
+
+def test_dcp_to_hf_safetensors_and_back_is_bit_exact(tmp_path):
+    sd = {"model": {f"layer{i}.weight": make_tensor((64, 32), torch.bfloat16, seed=i) for i in range(6)}, "step": 3}
+    save(sd, str(tmp_path / "dcp"))
+    index = save_state_dict_as_huggingface_format(str(tmp_path / "dcp"), str(tmp_path / "hf"),
+                                                  max_shard_size=3 * 64 * 32 * 2, prefix="model.")
+    files = sorted(f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert set(index["weight_map"]) == set(sd["model"])
+    assert json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text()) == index
+    assert_same(sd["model"], parse_checkpoint_from_huggingface(str(tmp_path / "hf")))
+    convert_full_checkpoint_to_dcp(str(tmp_path / "hf"), str(tmp_path / "dcp2"), prefix="model.")
+    assert_same({"model": sd["model"]}, load(path=str(tmp_path / "dcp2")))
+
+
+def test_full_state_dict_to_dcp_and_back(tmp_path):
+    sd = {"a": make_tensor((5, 5)), "b": {"c": make_tensor((3,), torch.int32)}, "n": 1}
+    full_state_dict_to_dcp_format(sd, str(tmp_path / "c"))
+    assert_same(sd, dcp_to_full_state_dict(str(tmp_path / "c")))
+    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+        full_state_dict_to_dcp_format(sd, str(tmp_path / "c"))
+
+
+def test_torch_files_need_opt_in_for_pickles(tmp_path):
+    torch.save({"w": make_tensor((4, 4))}, tmp_path / "weights.pt")
+    convert_full_checkpoint_to_dcp(str(tmp_path / "weights.pt"), str(tmp_path / "c1"))
+    assert torch.equal(load(path=str(tmp_path / "c1"))["w"], make_tensor((4, 4)))
+
+    # a datetime needs full unpickling: refused by default, accepted (and kept pickled) on opt-in
+    torch.save({"w": make_tensor((2,)), "when": datetime.date(2020, 1, 2)}, tmp_path / "pickled.pt")
+    with pytest.raises(UnsupportedValueError, match="allow_pickle"):
+        convert_full_checkpoint_to_dcp(str(tmp_path / "pickled.pt"), str(tmp_path / "c2"))
+    convert_full_checkpoint_to_dcp(str(tmp_path / "pickled.pt"), str(tmp_path / "c2"), allow_pickle=True)
+    assert load(path=str(tmp_path / "c2"), allow_pickle=True)["when"] == datetime.date(2020, 1, 2)
+
+
+def rank_torch_dcp_save(rank: int, ws: int, path: str) -> None:
+    import torch.distributed.checkpoint as tdcp
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {"w": make_dtensor(make_tensor((9, 4)), mesh, [Shard(0)]), "b": make_tensor((3,), seed=1),
+          "extra": {"step": 7}}
+    tdcp.save(sd, checkpoint_id=path)
+
+
+def test_torch_dcp_checkpoints_import_with_trust(tmp_path):
+    src = str(tmp_path / "torch")
+    run_ranks(rank_torch_dcp_save, 2, src)
+    with pytest.raises(UnsupportedValueError, match="trust=True"):
+        import_torch_dcp(src, str(tmp_path / "ours"))
+    import_torch_dcp(src, str(tmp_path / "ours"), trust=True)
+    out = load(path=str(tmp_path / "ours"))
+    assert torch.equal(out["w"], make_tensor((9, 4))) and torch.equal(out["b"], make_tensor((3,), seed=1))
+    assert out["extra"]["step"] == 7
+
+
+def test_exported_hf_directory_loads_with_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    save({"model": model.state_dict()}, str(tmp_path / "dcp"))
+    save_state_dict_as_huggingface_format(str(tmp_path / "dcp"), str(tmp_path / "hf"), prefix="model.")
+    config.save_pretrained(str(tmp_path / "hf"))
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+
+
