@@ -1,9 +1,13 @@
-"""Command line for distributed checkpoints: inspect, verify, and (when available) transform.
+"""Command line for distributed checkpoints: inspect, verify, transform and convert.
 
-Usage::
+Usage (SRC first, DST a new directory, as in ``cp``)::
 
     hyper-dcp inspect PATH [--json]
     hyper-dcp verify PATH [--json]
+    hyper-dcp transform SRC DST --mesh tp=4 | --layout strategy.json
+    hyper-dcp export-hf SRC DST [--prefix model.] [--max-shard-size 5GB]
+    hyper-dcp import-hf SRC DST [--prefix model.]
+    hyper-dcp import-torch-dcp SRC DST --trust
     python -m hyper_parallel.core.distributed_checkpoint inspect PATH
 
 Progress bars appear on long work when stderr is a terminal; ``--json`` prints one JSON
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +110,75 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _mesh_arg(text: str) -> dict[str, int]:
+    """``tp=4`` or ``dp=2,tp=4`` -> ``{"dp": 2, "tp": 4}``."""
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(f"--mesh wants name=size[,name=size...], found {text!r}")
+        out[name.strip()] = int(size)
+    return out
+
+
+def _report(args: argparse.Namespace, what: str, dst: str, meta: Any, seconds: float) -> int:
+    info = {"command": what, "destination": dst, "seconds": round(seconds, 3)}
+    if meta is not None:
+        info.update(keys=len(meta.entries), files=len(meta.files),
+                    bytes=sum(e.nbytes for e in meta.entries.values()))
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        extra = f": {info['keys']} keys, {_human(info['bytes'])} in {info['files']} files" if meta is not None else ""
+        print(f"{what} -> {dst}{extra} ({seconds:.2f} s)")
+    return 0
+
+
+def cmd_transform(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.offline_transform import offline_transform
+
+    if (args.layout is None) == (args.mesh is None):
+        raise ValueError("transform needs exactly one of --layout FILE or --mesh name=size")
+    t0 = time.perf_counter()
+    meta = offline_transform(args.src, args.dst, src_layout=args.src_mesh,
+                             dst_layout=args.layout if args.layout is not None else args.mesh,
+                             max_memory=args.max_memory, overwrite=args.overwrite)
+    return _report(args, "transform", args.dst, meta, time.perf_counter() - t0)
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.offline_transform import save_state_dict_as_huggingface_format
+
+    t0 = time.perf_counter()
+    index = save_state_dict_as_huggingface_format(args.src, args.dst, max_shard_size=args.max_shard_size,
+                                                  prefix=args.prefix, overwrite=args.overwrite)
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"command": "export-hf", "destination": args.dst, "seconds": round(seconds, 3),
+                          "tensors": len(index["weight_map"]), "bytes": index["metadata"]["total_size"]}, indent=1))
+    else:
+        print(f"export-hf -> {args.dst}: {len(index['weight_map'])} tensors, "
+              f"{_human(index['metadata']['total_size'])} ({seconds:.2f} s)")
+    return 0
+
+
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.offline_transform import convert_full_checkpoint_to_dcp
+
+    t0 = time.perf_counter()
+    meta = convert_full_checkpoint_to_dcp(args.src, args.dst, prefix=args.prefix,
+                                          allow_pickle=args.allow_pickle, overwrite=args.overwrite)
+    return _report(args, "import", args.dst, meta, time.perf_counter() - t0)
+
+
+def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.offline_transform import import_torch_dcp
+
+    t0 = time.perf_counter()
+    meta = import_torch_dcp(args.src, args.dst, trust=args.trust, overwrite=args.overwrite)
+    return _report(args, "import-torch-dcp", args.dst, meta, time.perf_counter() - t0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyper-dcp", description="Inspect, verify and transform checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +190,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(fn=cmd_verify)
+
+    def src_dst(p: argparse.ArgumentParser) -> None:
+        p.add_argument("src")
+        p.add_argument("dst", help="a new directory (see --overwrite)")
+        p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
+        p.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    p = sub.add_parser("transform", help="rewrite a checkpoint for another parallel layout")
+    src_dst(p)
+    p.add_argument("--layout", help="a layout strategy JSON file (see save_layout)")
+    p.add_argument("--mesh", type=_mesh_arg, help="destination mesh, e.g. tp=4 or dp=2,tp=4")
+    p.add_argument("--src-mesh", type=_mesh_arg, help="check the source was saved on this mesh")
+    p.add_argument("--max-memory", type=int, default=None, help="bytes of tensor data held at once")
+    p.set_defaults(fn=cmd_transform)
+    p = sub.add_parser("export-hf", help="export tensors as Hugging Face sharded safetensors")
+    src_dst(p)
+    p.add_argument("--prefix", default="", help="export keys starting with it, without it (e.g. model.)")
+    p.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file (e.g. 5GB, 512MiB)")
+    p.set_defaults(fn=cmd_export_hf)
+    p = sub.add_parser("import-hf", help="import HF safetensors (dir or file) or a torch .pt/.bin file")
+    src_dst(p)
+    p.add_argument("--prefix", default="", help="prepend to every key (e.g. model.)")
+    p.add_argument("--allow-pickle", action="store_true", help="allow torch files that need full unpickling")
+    p.set_defaults(fn=cmd_import_hf)
+    p = sub.add_parser("import-torch-dcp", help="import a torch.distributed.checkpoint checkpoint")
+    src_dst(p)
+    p.add_argument("--trust", action="store_true", help="its metadata is a pickle: load it only if you trust it")
+    p.set_defaults(fn=cmd_import_torch_dcp)
     return parser
 
 

@@ -66,3 +66,24 @@ def test_verify_fails_on_a_missing_data_file(ckpt):
 def test_a_path_that_is_not_a_checkpoint_is_a_clear_error(tmp_path):
     out = run("inspect", str(tmp_path))
     assert out.returncode == 2 and "not a checkpoint" in out.stderr
+
+
+def test_transform_export_and_import_round_trip(ckpt, tmp_path):
+    out = run("transform", ckpt, str(tmp_path / "t"), "--mesh", "tp=2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["keys"] == 3
+    out = run("export-hf", str(tmp_path / "t"), str(tmp_path / "hf"), "--prefix", "model.")
+    assert out.returncode == 0, out.stderr
+    assert os.path.exists(tmp_path / "hf" / "model.safetensors")
+    out = run("import-hf", str(tmp_path / "hf"), str(tmp_path / "back"), "--prefix", "model.")
+    assert out.returncode == 0, out.stderr
+    from hyper_parallel.core.distributed_checkpoint import load
+    a, b = load(path=ckpt), load(path=str(tmp_path / "back"))
+    assert torch.equal(a["model"]["w"], b["model"]["w"]) and torch.equal(a["model"]["b"], b["model"]["b"])
+    again = run("transform", ckpt, str(tmp_path / "t"), "--mesh", "tp=2")
+    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
+
+
+def test_import_torch_dcp_requires_trust(tmp_path):
+    out = run("import-torch-dcp", str(tmp_path), str(tmp_path / "x"))
+    assert out.returncode == 2 and "--trust" in out.stderr
