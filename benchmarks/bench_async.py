@@ -44,6 +44,7 @@ if ROOT not in sys.path:
 METRICS = [
     ("sync_save", "sync save (committed)"),
     ("eager_blocking", "async eager: blocking"),
+    ("eager_copies", "async eager: snapshot copies (in blocking)"),
     ("eager_total", "async eager: total (committed)"),
     ("lazy_blocking", "async lazy: blocking"),
     ("lazy_total", "async lazy: total (committed)"),
@@ -130,6 +131,8 @@ def bench_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict:
         if record:
             times[f"{kind}_blocking"].append(t1 - t0)
             times[f"{kind}_total"].append(t2 - t0)
+            if kind == "eager":
+                times["eager_copies"].append(resp.staging_s)
 
     def timed_torch(record: bool) -> None:
         dist.barrier()
