@@ -23,7 +23,7 @@ from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .flatten import Flat, flatten, unflatten
 from .loader import read_plan
 from .planner import LoadPlanner, SavePlan, SavePlanner
-from .saver import build_metadata, data_file_names, write_plan
+from .saver import build_metadata, commit_metadata, data_file_names, write_plan
 from .standard_planner import StandardPlanner, plan_digest
 from .storage import StorageReader, StorageWriter
 
@@ -172,14 +172,7 @@ def save(
 
     def commit(results: list[Any]) -> md.Metadata:
         meta = build_metadata(mine, results, save_id, coord.world_size, user_metadata or {})
-        previous = storage_writer.read_committed()
-        storage_writer.commit(meta.to_json())
-        if previous is not None:
-            try:
-                old = set(md.Metadata.from_json(previous).files)
-            except md.MetadataError:
-                old = set()
-            storage_writer.remove(sorted(old - set(meta.files)))
+        commit_metadata(storage_writer, meta)
         return meta
 
     try:

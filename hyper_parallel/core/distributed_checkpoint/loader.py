@@ -92,6 +92,7 @@ def _read_item(
         g1 = min(b1, g0 + per_group)
         row_lo, row_hi = g0 * br, min(rows, g1 * br)
         nbytes = (row_hi - row_lo) * row_bytes
+        scratch = block = data = None  # drop the previous group's buffer before the next one
         scratch = torch.empty(nbytes, dtype=torch.uint8)
         data = tensor_bytes(scratch)
         reader.read_into(chunk.file, chunk.start + row_lo * row_bytes, data)
@@ -146,6 +147,7 @@ def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: Sto
     total_slabs = inner.sizes[0] if d else 1
     for s0 in range(0, total_slabs, slabs_per_group):
         s1 = min(total_slabs, s0 + slabs_per_group)
+        scratch = block = data = None  # drop the previous group's buffer before the next one
         scratch = torch.empty((s1 - s0) * slab, dtype=torch.uint8)
         data = tensor_bytes(scratch)
         for k, off in enumerate(offsets[s0 * runs_per_slab: s1 * runs_per_slab]):

@@ -23,8 +23,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import metadata as md
-from .box import Box
-from .errors import StateDictMismatchError, UnsupportedValueError
+from .box import Box, uncovered
+from .errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
+from .layout import TensorLayout
 from .planner import (
     EntrySpec,
     LoadPlan,
@@ -71,6 +72,11 @@ def dtensor_box(t: DTensor, key: str) -> Box | None:
         )
     if t.device_mesh.get_coordinate() is None:
         return None
+    if any(type(p).__name__ == "_StridedShard" for p in t.placements):
+        try:  # uneven strided shards are not contiguous boxes: refuse rather than save wrong data
+            TensorLayout.from_dtensor(t)._check_strided_tiles(tuple(t.shape))
+        except ValueError as exc:
+            raise UnsupportedValueError(f"{key!r}: {exc}") from None
     chunks = t.__create_chunk_list__()
     if len(chunks) != 1:
         raise UnsupportedValueError(f"{key!r}: expected one local chunk per rank, found {len(chunks)}")
@@ -299,12 +305,12 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                 reads.append(ReadItem(key, chunk, region))
                 covered += region.numel
         if covered != box.numel:  # saved chunks are disjoint (metadata validation checks it)
-            saved = ", ".join(str(Box(c.offsets, c.sizes)) for c in entry.chunks[:8])
-            more = f" and {len(entry.chunks) - 8} more" if len(entry.chunks) > 8 else ""
-            raise StateDictMismatchError(
-                f"{key!r}: the saved chunks do not cover the target region {box} exactly "
-                f"({covered} of {box.numel} elements covered; saved chunks: {saved or 'none'}{more}). "
-                "The checkpoint is missing data for this key (a rank's chunk was lost?)"
+            missing = uncovered(box, [r.region for r in reads])
+            shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CorruptCheckpointError(
+                f"{key!r}: the checkpoint holds no data for region(s) {shown} of the target region {box} "
+                f"({box.numel - covered} of {box.numel} elements missing); a rank's chunk is missing from "
+                "the checkpoint"
             )
         return reads
 
