@@ -20,7 +20,7 @@ from . import metadata as md
 from .coordination import Coordinator
 from .errors import StateDictMismatchError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
-from .flatten import Flat, flatten, unflatten
+from .flatten import FlatStateDict, flatten, unflatten
 from .loader import read_plan
 from .planner import LoadPlanner, SavePlan, SavePlanner
 from .saver import build_metadata, commit_metadata, data_file_names, write_plan
@@ -32,18 +32,6 @@ PathLike = str | os.PathLike
 _PLAN_CACHE: OrderedDict[Any, list[SavePlan]] = OrderedDict()
 _PLAN_CACHE_SIZE = 8
 _PLAN_CACHE_LOCK = threading.Lock()  # async_save's writer thread saves while the caller may too
-
-
-class FlatStateDict(dict):
-    """``{key: value}`` handed to planners; ``paths`` remembers where each key sat."""
-
-    paths: dict[str, tuple]
-
-
-def _flat_values(flat: Flat) -> FlatStateDict:
-    values = FlatStateDict((k, leaf.value) for k, leaf in flat.leaves.items())
-    values.paths = {k: leaf.path for k, leaf in flat.leaves.items()}
-    return values
 
 
 def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage: Any) -> str | None:
@@ -148,7 +136,8 @@ def save(
     local: list[SavePlan] = []
 
     def plan_locally() -> tuple[str, str]:
-        planner.set_up_save(_flat_values(flatten(state_dict)), coord.is_coordinator)
+        flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
+        planner.set_up_save(flat, coord.is_coordinator)
         local.append(planner.create_local_save_plan())
         storage_writer.prepare()
         return plan_digest(local[0]), uuid.uuid4().hex[:16]
@@ -266,7 +255,7 @@ def load(
 
         def plan_and_read() -> int:
             meta = md.Metadata.from_json(meta_bytes, where=f"{where or 'checkpoint'}/{md.METADATA_FILE}")
-            planner.set_up_load(_flat_values(flat) if flat else None, meta, coord.is_coordinator)
+            planner.set_up_load(FlatStateDict.of(flat) if flat else None, meta, coord.is_coordinator)
             plan = planner.create_local_load_plan()
             _check_keys(planner, strict)
             stats = read_plan(plan, planner, storage_reader, thread_count, verify=verify)

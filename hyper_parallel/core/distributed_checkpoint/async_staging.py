@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 from . import metadata as md
 from .api import save
 from .errors import CheckpointError
-from .flatten import flatten, unflatten
+from .flatten import FlatStateDict, flatten
 from .planner import SavePlanner
 from .storage import StorageWriter
 
@@ -613,10 +613,10 @@ class AsyncCheckpointer:
         if job.error is not None:
             return {"snapshot": _Unstageable(job.error)}
         staged = job.buffer.staged if job.buffer is not None else {}
-        items = {}
-        for key, path in job.paths.items():
-            items[path] = staged[key] if key in staged else job.values[key]
-        return unflatten(items) if items else {}
+        # Already flat, with the original paths: save() must not re-flatten (that would lose
+        # the keys of Stateful objects whose state holds no tensors).
+        return FlatStateDict.from_items(
+            {key: (path, staged[key] if key in staged else job.values[key]) for key, path in job.paths.items()})
 
     def _ensure_threads(self) -> None:
         """Start the writer and stager threads (again after close(), or in a forked child)."""

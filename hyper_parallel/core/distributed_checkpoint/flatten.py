@@ -64,6 +64,26 @@ class Flat:
     statefuls: list[tuple[Any, Any]]  # (object, the state dict it produced)
 
 
+class FlatStateDict(dict):
+    """``{key: value}`` as planners receive it; ``paths`` remembers where each key sat.
+
+    ``save`` accepts one directly (already flat: no Stateful calls, no re-flattening), which
+    is how a staged snapshot keeps the exact keys of the state dict it was taken from.
+    """
+
+    paths: dict[str, tuple[PathPart, ...]]
+
+    @classmethod
+    def of(cls, flat: Flat) -> FlatStateDict:
+        return cls.from_items({k: (leaf.path, leaf.value) for k, leaf in flat.leaves.items()})
+
+    @classmethod
+    def from_items(cls, items: dict[str, tuple[tuple[PathPart, ...], Any]]) -> FlatStateDict:
+        out = cls((k, v) for k, (_, v) in items.items())
+        out.paths = {k: p for k, (p, _) in items.items()}
+        return out
+
+
 def flatten(state_dict: Any) -> Flat:
     """Flatten a (nested) state dict; raises on keys that collide once joined by dots."""
     if not isinstance(state_dict, dict):

@@ -541,3 +541,26 @@ def test_the_hook_blocks_a_step_only_until_staged(monkeypatch, tmp_path):
     resp.result(timeout=30)
     assert torch.equal(load(path=str(tmp_path / "c"))["p"], torch.zeros(4))
     ckpt.close()
+
+
+class _Position:
+    """A Stateful whose state holds no tensors (a data loader position)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+
+
+def test_async_and_sync_saves_write_the_same_keys_for_tensorless_statefuls(tmp_path):
+    sd = {"extra": {"data": _Position(7)}, "w": torch.ones(3)}
+    async_save(sd, str(tmp_path / "a"), no_dist=True).result()
+    save(sd, str(tmp_path / "s"), no_dist=True)
+    for name in ("a", "s"):
+        target = {"extra": {"data": _Position(0)}, "w": torch.zeros(3)}
+        load(target, str(tmp_path / name))
+        assert target["extra"]["data"].n == 7 and torch.equal(target["w"], torch.ones(3)), name
