@@ -6,7 +6,8 @@
 2. 2 processes (FSDP2, 2 shards: a different layout) resume from it, re-run steps 31-35
    (their losses must match the first run's within 1e-5 relative), and train on to 50.
 3. The final checkpoint (2 shards) is rewritten offline, in this process, for a 4-rank
-   layout (``reshard``), and checked to hold the same values.
+   layout (``offline_transform``), verified byte by byte (``verify_checkpoint``), and
+   checked to hold the same values.
 
 Run: ``bash scripts/demo.sh`` (installs, then runs this), or ``python examples/demo.py``.
 Output goes to ``demo_output/`` (replaced on every run).
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from train_fsdp import Config, directory_bytes, latest_checkpoint, launch  # noqa: E402
 
-from hyper_parallel.core.distributed_checkpoint import load  # noqa: E402
+from hyper_parallel.core.distributed_checkpoint import load, offline_transform, verify_checkpoint  # noqa: E402
 
 REL_TOL = 1e-5
 
@@ -57,12 +58,11 @@ def tensors_equal(a: object, b: object) -> bool:
 
 def convert_offline(src: str, dst: str, shards: int) -> dict:
     """Rewrite ``src`` for a ``shards``-rank FSDP layout, in this process; verify the values."""
-    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
-
     started = time.perf_counter()
-    reshard(src, dst, dst_mesh={"dp": shards})
+    offline_transform(src, dst, dst_layout={"dp": shards})
     seconds = time.perf_counter() - started
-    same = tensors_equal(load(path=src), load(path=dst))
+    report = verify_checkpoint(dst)
+    same = report.ok and tensors_equal(load(path=src), load(path=dst))
     files = [f for f in os.listdir(dst) if not f.startswith(".")]
     return {"seconds": seconds, "same": same, "files": len(files), "bytes": directory_bytes(dst)}
 
@@ -105,14 +105,9 @@ def main() -> None:
 
     final_step, final_path = latest_checkpoint(cfg.ckpt_dir)
     print(f"\n[3] offline conversion of {os.path.basename(final_path)}: 2 shards -> 4 shards, no processes")
-    try:
-        conv = convert_offline(final_path, os.path.join(args.out, "converted_4_shards"), 4)
-    except ImportError:
-        conv = None
-        print("    skipped: this build has no reshard/offline_transform")
-    else:
-        print(f"    reshard wrote {conv['files']} data files ({human(conv['bytes'])}) in {conv['seconds']:.2f} s; "
-              f"values {'identical' if conv['same'] else 'DIFFERENT'} to the source")
+    conv = convert_offline(final_path, os.path.join(args.out, "converted_4_shards"), 4)
+    print(f"    offline_transform wrote {conv['files']} data files ({human(conv['bytes'])}) in "
+          f"{conv['seconds']:.2f} s; verified, values {'identical' if conv['same'] else 'DIFFERENT'} to the source")
 
     print("\n== summary ==")
     print("  step | loss, 4 processes | loss, 2 processes (resumed)")
@@ -132,10 +127,10 @@ def main() -> None:
     print(f"  load (resume, 4 -> 2 shards): {r['load_s']:.2f} s")
     print(f"  checkpoint size: {human(size)} per checkpoint "
           f"({len([f for f in os.listdir(final_path) if not f.startswith('.')])} data files + .metadata)")
-    if conv is not None:
+    if conv:
         print(f"  offline conversion: {conv['seconds']:.2f} s, {'verified' if conv['same'] else 'MISMATCH'}")
     print(f"  wall time: {time.perf_counter() - t0:.1f} s")
-    ok = worst <= REL_TOL and (conv is None or conv["same"]) and not math.isnan(second["losses"][final_step])
+    ok = worst <= REL_TOL and conv["same"] and not math.isnan(second["losses"][final_step])
     if not ok:
         raise SystemExit("demo FAILED: see above")
 
