@@ -255,7 +255,8 @@ def load(
 
         def plan_and_read() -> int:
             meta = md.Metadata.from_json(meta_bytes, where=f"{where or 'checkpoint'}/{md.METADATA_FILE}")
-            planner.set_up_load(FlatStateDict.of(flat) if flat else None, meta, coord.is_coordinator)
+            planner.set_up_load(FlatStateDict.of(flat) if flat else None, meta, coord.is_coordinator,
+                                rank=coord.rank)
             plan = planner.create_local_load_plan()
             _check_keys(planner, strict)
             stats = read_plan(plan, planner, storage_reader, thread_count, verify=verify)

@@ -234,10 +234,10 @@ def read_box(
     box = box if box is not None else Box.full(shape)
     dest = out if out is not None else torch.empty(box.sizes, dtype=md.torch_dtype(entry.dtype))
     reads, covered = [], 0
-    for chunk in entry.chunks:
-        region = Box(chunk.offsets, chunk.sizes).intersect(box)
+    for group in md.replicas(entry.chunks):
+        region = Box(group[0].offsets, group[0].sizes).intersect(box)
         if region is not None:
-            reads.append(ReadItem(entry.key, chunk, region))
+            reads.append(ReadItem(entry.key, group[0], region))
             covered += region.numel
     if covered != box.numel:
         raise CorruptCheckpointError(

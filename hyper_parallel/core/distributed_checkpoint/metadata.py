@@ -13,6 +13,8 @@
 A chunk is a box of the global tensor (``offsets``/``sizes``) stored row-major at bytes
 ``[start, start+length)`` of ``files[file_index]``. Its bytes are checksummed in blocks of
 ``block_rows`` rows of dim 0 (the whole chunk for 0-d tensors), one crc32c per block.
+Distinct boxes of a key never overlap; the same box may appear in several files (replicas,
+so that every rank of a resharded job finds all it loads in its own file).
 
 Kinds: ``tensor``, ``ndarray`` (numpy, returned as numpy), ``bytes``, ``pickle`` (opt-in
 only), ``object`` (a JSON-representable value kept with its type: int stays int, tuple stays
@@ -321,6 +323,7 @@ def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
         raise _fail(where, key, "chunks must be a list")
     chunks = []
     volume = 0
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for c in chunks_raw:
         if not isinstance(c, list) or len(c) != 7:
             raise _fail(where, key, f"a chunk must be a list of 7 fields, found {c!r:.200}")
@@ -345,7 +348,9 @@ def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
             raise _fail(where, key, f"chunk needs {-(-rows // block_rows)} checksums, found {crcs!r:.100}")
         crcs = tuple(_int(x, where, key, "crc32c", hi=0xFFFFFFFF) for x in crcs)
         chunks.append(ChunkRecord(offsets, sizes, files[fidx], start, length, block_rows, crcs))
-        volume += n
+        if (offsets, sizes) not in seen:  # a repeated box is a replica, stored in another file
+            seen.add((offsets, sizes))
+            volume += n
     if volume > numel:
         raise _fail(where, key, f"chunks hold {volume} elements but the tensor has {numel}: they overlap")
     _check_disjoint(chunks, where, key)
@@ -354,13 +359,21 @@ def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
     return Entry(key, kind, path, dtype, shape, chunks, layout)
 
 
+def replicas(chunks: list[ChunkRecord]) -> list[list[ChunkRecord]]:
+    """Chunks grouped by box: each group holds one box's replicas (usually just one)."""
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[ChunkRecord]] = {}
+    for c in chunks:
+        groups.setdefault((c.offsets, c.sizes), []).append(c)
+    return list(groups.values())
+
+
 def _check_disjoint(chunks: list[ChunkRecord], where: str, key: str) -> None:
-    # Sweep along dim 0: only chunks whose dim-0 ranges overlap can overlap.
-    if len(chunks) < 2 or not chunks[0].sizes:
-        if len(chunks) > 1:
-            raise _fail(where, key, "a 0-d tensor has more than one chunk")
+    # Distinct boxes must not overlap (equal boxes are replicas). Sweep along dim 0: only
+    # boxes whose dim-0 ranges overlap can overlap.
+    distinct = {(c.offsets, c.sizes) for c in chunks}
+    if len(distinct) < 2 or not chunks[0].sizes:
         return
-    boxes = sorted((Box(c.offsets, c.sizes) for c in chunks), key=lambda b: b.offsets[0])
+    boxes = sorted((Box(o, s) for o, s in distinct), key=lambda b: b.offsets[0])
     active: list[Box] = []
     for box in boxes:
         active = [a for a in active if a.ends[0] > box.offsets[0]]

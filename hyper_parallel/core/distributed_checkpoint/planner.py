@@ -15,8 +15,9 @@ Save protocol — the framework calls, on every rank, in this order:
 
 Load protocol — on every rank, in this order:
 
-0. ``set_up_load(state_dict, metadata, is_coordinator)`` with the flattened target map, or
-   ``None`` when the caller gave no target (load everything as full CPU tensors).
+0. ``set_up_load(state_dict, metadata, is_coordinator, rank)`` with the flattened target map,
+   or ``None`` when the caller gave no target (load everything as full CPU tensors). ``rank``
+   lets the planner prefer replicas stored in this rank's own data file.
 1. ``create_local_load_plan() -> LoadPlan``: which saved chunks overlap which targets.
 2. ``resolve_target(key) -> torch.Tensor``: the destination tensor (a rank's local shard) that
    the loader fills in place for a key; its global box is in the plan.
@@ -105,7 +106,7 @@ class LoadPlanner(abc.ABC):
 
     @abc.abstractmethod
     def set_up_load(
-        self, state_dict: dict[str, Any] | None, metadata: Metadata, is_coordinator: bool
+        self, state_dict: dict[str, Any] | None, metadata: Metadata, is_coordinator: bool, rank: int = 0
     ) -> None: ...
 
     @abc.abstractmethod

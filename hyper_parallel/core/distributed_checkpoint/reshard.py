@@ -4,9 +4,9 @@
 data files, ``.metadata`` committed last) in which every tensor keeps its sharding pattern —
 its placement per mesh dim NAME — on the destination mesh, and each destination rank's
 shards sit in that rank's own data file. A job with the new parallelism then reads each
-rank's data from one place. (Boxes that several destination ranks hold — replicated
-tensors, plain tensors — are stored once, in the file of one of their holders, because
-saved chunks may not overlap.)
+rank's data from one place. Boxes that several destination ranks hold (replicated tensors,
+plain tensors) are stored in each holder's file as replicas of one chunk, so no rank reads
+another's file (``copy_replicas=False`` stores them once instead, to save space).
 
 How it runs: every process computes the same plan from the source metadata (destination
 boxes per rank, replicas given to the least-loaded holder, boxes larger than the memory
@@ -30,16 +30,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import torch
-
 from . import metadata as md
 from .box import Box, uncovered
 from .coordination import Coordinator
 from .errors import CorruptCheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .layout import Layout, TensorLayout, match_layout
-from .loader import read_plan
-from .planner import EntrySpec, LoadPlan, ReadItem, SavePlan, WriteItem
+from .loader import read_box
+from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, commit_metadata, data_file_names, write_plan
 from .storage import StorageReader, StorageWriter
 
@@ -98,6 +96,7 @@ def plan_reshard(
     rules: Mapping[str, TensorLayout] | None = None,
     max_chunk_bytes: int | None = None,
     where: str = "source checkpoint",
+    copy_replicas: bool = True,
 ) -> ReshardPlan:
     """Plan a reshard of ``meta`` onto ``dst_mesh`` (see :func:`reshard`); deterministic.
 
@@ -153,22 +152,24 @@ def plan_reshard(
             raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
         for box, ranks in holders.items():
             boxes.append((key, box, ranks, box.numel * itemsize))
-    # Boxes one rank holds are forced; replicas then go, largest first, to the lightest holder.
+    # Every holder gets its copy (copy_replicas), or: boxes one rank holds are forced, and
+    # replicas go, largest first, to the lightest holder.
     load = dict.fromkeys(sorted(dst_ranks), 0)
     items: dict[int, list[WriteItem]] = {r: [] for r in sorted(dst_ranks)}
     for key, box, ranks, nbytes in sorted(boxes, key=lambda b: (len(b[2]) > 1, -b[3], b[0], b[1].offsets)):
-        rank = min(ranks, key=lambda r: (load[r], r))
-        load[rank] += nbytes
+        writers = ranks if copy_replicas else [min(ranks, key=lambda r: (load[r], r))]
         itemsize = nbytes // box.numel
         pieces = box.split(max(1, max_chunk_bytes // itemsize)) if max_chunk_bytes else [box]
-        items[rank].extend(WriteItem(key, p, p.numel * itemsize) for p in pieces)
+        for rank in writers:
+            load[rank] += nbytes
+            items[rank].extend(WriteItem(key, p, p.numel * itemsize) for p in pieces)
     return ReshardPlan(entries, items, min(dst_ranks), objects, layouts, dropped)
 
 
 def _check_coverage(key: str, entry: md.Entry, shape: tuple[int, ...], where: str) -> None:
     full = Box.full(shape)
-    if sum(Box(c.offsets, c.sizes).numel for c in entry.chunks) == full.numel:
-        return  # chunks are disjoint (metadata validation checks it), so they cover it all
+    if sum(Box(g[0].offsets, g[0].sizes).numel for g in md.replicas(entry.chunks)) == full.numel:
+        return  # distinct boxes are disjoint (metadata validation checks it), so they cover it all
     missing = uncovered(full, [Box(c.offsets, c.sizes) for c in entry.chunks])
     shown = ", ".join(str(b) for b in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
     raise CorruptCheckpointError(
@@ -182,7 +183,6 @@ class _SourceData:
 
     def __init__(self, meta: md.Metadata, reader: StorageReader, buffer_bytes: int, verify: bool):
         self.meta, self.reader, self.buffer_bytes, self.verify = meta, reader, buffer_bytes, verify
-        self._dest: torch.Tensor | None = None
         self.bytes_read = 0
         self.bytes_needed = 0
 
@@ -190,21 +190,10 @@ class _SourceData:
         entry = self.meta.entries[item.key]
         if entry.kind == "object":
             return entry.value
-        reads = []
-        for chunk in entry.chunks:
-            region = Box(chunk.offsets, chunk.sizes).intersect(item.box)
-            if region is not None:
-                reads.append(ReadItem(item.key, chunk, region))
-        self._dest = torch.empty(item.box.sizes, dtype=md.torch_dtype(entry.dtype))
-        stats = read_plan(LoadPlan(reads, {item.key: item.box}), self, self.reader, thread_count=1,
-                          buffer_bytes=self.buffer_bytes, verify=self.verify)
+        dest, stats = read_box(entry, self.reader, item.box, verify=self.verify, buffer_bytes=self.buffer_bytes)
         self.bytes_read += stats.bytes_read
         self.bytes_needed += stats.bytes_needed
-        dest, self._dest = self._dest, None
         return dest
-
-    def resolve_target(self, key: str) -> torch.Tensor:
-        return self._dest
 
 
 def _share(plan: ReshardPlan, world: int) -> list[list[int]]:
@@ -234,6 +223,7 @@ def reshard(
     storage_writer: StorageWriter | None = None,
     coordinator_rank: int = 0,
     timeout: timedelta | float | None = None,
+    copy_replicas: bool = True,
 ) -> md.Metadata | None:
     """Write a copy of a checkpoint laid out for ``dst_mesh``: one data file per destination rank.
 
@@ -273,6 +263,9 @@ def reshard(
         storage_reader / storage_writer: custom storage backends for source / destination.
         coordinator_rank: the group rank that reads the source metadata and commits.
         timeout: bound on each cross-rank exchange (seconds or timedelta).
+        copy_replicas: store a box that several destination ranks hold (a replicated tensor)
+            in each of their files, so every rank reads only its own file (default). False
+            stores it once, in the least-loaded holder's file.
 
     Returns:
         The new checkpoint's :class:`Metadata` on the coordinator, None on other ranks.
@@ -324,7 +317,8 @@ def reshard(
         def plan() -> None:
             meta = md.Metadata.from_json(meta_bytes, where=where)
             state["meta"] = meta
-            state["plan"] = plan_reshard(meta, dst, src_mesh, rules, max(1, max_memory // 4), where)
+            state["plan"] = plan_reshard(meta, dst, src_mesh, rules, max(1, max_memory // 4), where,
+                                         copy_replicas=copy_replicas)
             storage_writer.prepare()
 
         coord.exchange("reshard (planning)", plan)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -226,10 +227,11 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     # ------------------------------------------------------------------ load
 
     def set_up_load(
-        self, state_dict: dict[str, Any] | None, metadata: md.Metadata, is_coordinator: bool
+        self, state_dict: dict[str, Any] | None, metadata: md.Metadata, is_coordinator: bool, rank: int = 0
     ) -> None:
         self.metadata = metadata
         self.is_coordinator = is_coordinator
+        self.rank = rank
         self._paths = dict(getattr(state_dict, "paths", {})) if state_dict is not None else {}
         self._targets = self.transform_state_dict(state_dict) if state_dict is not None else None
         self.missing_keys: list[str] = []
@@ -299,10 +301,10 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     def _reads(self, key: str, entry: md.Entry, box: Box) -> list[ReadItem]:
         reads = []
         covered = 0
-        for chunk in entry.chunks:
-            region = Box(chunk.offsets, chunk.sizes).intersect(box)
+        for group in md.replicas(entry.chunks):
+            region = Box(group[0].offsets, group[0].sizes).intersect(box)
             if region is not None:
-                reads.append(ReadItem(key, chunk, region))
+                reads.append(ReadItem(key, pick_replica(group, self.rank), region))
                 covered += region.numel
         if covered != box.numel:  # saved chunks are disjoint (metadata validation checks it)
             missing = uncovered(box, [r.region for r in reads])
@@ -355,6 +357,20 @@ def _describe(v: Any) -> str:
         kind = "DTensor" if isinstance(v, DTensor) else type(v).__name__
         return f"{kind} {str(v.dtype).replace('torch.', '')} shape {list(v.shape)}"
     return type(v).__name__
+
+
+_FILE_RANK = re.compile(r"^data-r(\d+)-")
+
+
+def pick_replica(group: list[md.ChunkRecord], rank: int) -> md.ChunkRecord:
+    """The replica in ``rank``'s own data file if there is one, else one spread by rank."""
+    if len(group) == 1:
+        return group[0]
+    for c in group:
+        m = _FILE_RANK.match(c.file)
+        if m and int(m.group(1)) == rank:
+            return c
+    return group[rank % len(group)]
 
 
 def plan_digest(plan: SavePlan) -> str:

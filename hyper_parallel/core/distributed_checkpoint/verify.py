@@ -104,12 +104,11 @@ def verify_checkpoint(
     by_file: dict[str, dict[str, md.ChunkRecord]] = {}
     dtypes: dict[str, str] = {}
     for key, entry in meta.entries.items():
-        covered = 0
+        covered = sum(math.prod(g[0].sizes) for g in md.replicas(entry.chunks))
         for c in entry.chunks:
             name = f"{key}@{','.join(map(str, c.offsets))}"
             by_file.setdefault(c.file, {})[name] = c
             dtypes[name] = entry.dtype
-            covered += math.prod(c.sizes)
         if entry.kind != "object" and covered != math.prod(entry.shape or ()):
             report.problems.append(
                 f"{key!r}: chunks cover {covered} of {math.prod(entry.shape or ())} elements")

@@ -16,6 +16,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     decode_value,
     encode_value,
     is_json_value,
+    replicas,
     seal_json,
 )
 
@@ -64,7 +65,7 @@ def test_any_changed_byte_of_metadata_is_detected():
     (lambda d: d["entries"]["w"]["chunks"][0].__setitem__(3, -5), "chunk start"),
     (lambda d: d["entries"]["w"]["chunks"][0].__setitem__(4, 10 ** 12), "chunk length"),
     (lambda d: d["entries"]["w"]["chunks"][0].__setitem__(0, [3, 0]), "outside shape"),
-    (lambda d: d["entries"]["w"]["chunks"][1].__setitem__(0, [0, 0]), "overlap"),
+    (lambda d: d["entries"]["w"]["chunks"][1].__setitem__(0, [1, 0]), "overlap"),
     (lambda d: d["entries"]["w"]["chunks"][0].__setitem__(2, 7), "file index"),
     (lambda d: d["entries"]["w"].__setitem__("dtype", "object"), "dtype"),
     (lambda d: d["entries"]["w"].__setitem__("kind", "exec"), "kind"),
@@ -77,6 +78,13 @@ def test_any_changed_byte_of_metadata_is_detected():
 def test_hostile_metadata_is_rejected_with_a_clear_message(mutate, message):
     with pytest.raises(MetadataError, match=message):
         Metadata.from_json(_mutated(mutate))
+
+
+def test_the_same_box_in_two_files_is_a_replica_not_an_overlap():
+    raw = _mutated(lambda d: d["entries"]["w"]["chunks"].append(
+        [[0, 0], [2, 3], 1, 512, 24, 2, [5]]))
+    chunks = Metadata.from_json(raw).entries["w"].chunks
+    assert len(chunks) == 3 and [len(g) for g in replicas(chunks)] == [2, 1]
 
 
 json_values = st.recursive(

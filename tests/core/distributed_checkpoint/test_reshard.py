@@ -25,6 +25,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     save,
 )
+from hyper_parallel.core.distributed_checkpoint import metadata as md
 from hyper_parallel.core.distributed_checkpoint.box import uncovered
 from hyper_parallel.core.distributed_checkpoint.reshard import Box, reshard
 
@@ -101,14 +102,17 @@ def test_each_destination_rank_finds_its_shards_in_its_own_file(tp8_checkpoint, 
         if entry.kind == "object":
             continue
         tl = TensorLayout.from_record(entry.layout, ndim=len(entry.shape))
-        replicated = all(p == "R" for p in entry.layout["placements"])
-        if replicated:  # every rank needs all of it; chunks may not overlap, so it is stored once
-            assert len({c.file for c in entry.chunks}) == 1, key
-            continue
-        for rank in range(4):
+        for rank in range(4):  # everything a rank loads (replicated tensors too) is in its own file
             box = tl.chunk_box(rank, entry.shape)
-            used = {c.file for c in entry.chunks if box.numel and Box(c.offsets, c.sizes).intersect(box)}
-            assert used <= {f for f in files if f.startswith(f"data-r{rank:05d}-")}, (key, rank, used)
+            own = [Box(c.offsets, c.sizes).intersect(box) for c in entry.chunks
+                   if c.file.startswith(f"data-r{rank:05d}-")]
+            assert sum(b.numel for b in own if b is not None) == box.numel, (key, rank)
+    # replicated tensors are copies in every file; copy_replicas=False stores them once
+    norms = [k for k, e in meta.entries.items() if e.layout and all(p == "R" for p in e.layout["placements"])]
+    assert norms and all(len({c.file for c in meta.entries[k].chunks}) == 4 for k in norms)
+    once = reshard(src, str(tmp_path / "tp4-once"), dst_mesh={"tp": 4}, copy_replicas=False)
+    assert all(len({c.file for c in once.entries[k].chunks}) == 1 for k in norms)
+    assert_same(expected, load(path=str(tmp_path / "tp4-once")))
 
 
 def test_mesh_dims_are_matched_by_name_new_ones_replicate_missing_ones_warn(tmp_path):
@@ -129,7 +133,7 @@ def test_mesh_dims_are_matched_by_name_new_ones_replicate_missing_ones_warn(tmp_
     # a mesh without "dp": the split is dropped (stored whole), with a warning naming the keys
     with pytest.warns(UserWarning, match=r"\['dp'\].*'w'"):
         tp = reshard(str(tmp_path / "dp4"), str(tmp_path / "tp"), dst_mesh={"tp": 2})
-    assert tp.entries["w"].layout["placements"] == ["R"] and len(tp.entries["w"].chunks) == 1
+    assert tp.entries["w"].layout["placements"] == ["R"] and len(md.replicas(tp.entries["w"].chunks)) == 1
     assert_same(full, load(path=str(tmp_path / "tp")))
 
 
@@ -173,8 +177,8 @@ def test_memory_budget_bounds_every_chunk_and_still_loads_exactly(tmp_path):
     lengths = [c.length for e in meta.entries.values() for c in e.chunks]
     assert max(lengths) <= budget // 4, max(lengths)
     rows_per_chunk = (budget // 4) // (48 * 4)
-    assert len(meta.entries["big"].chunks) == -(-64 // rows_per_chunk)
-    assert len({c.file for c in meta.entries["big"].chunks}) == 1  # replicated: stored once
+    assert len(md.replicas(meta.entries["big"].chunks)) == -(-64 // rows_per_chunk)
+    assert len({c.file for c in meta.entries["big"].chunks}) == 2  # replicated: a copy per rank file
     assert_same(full, load(path=str(tmp_path / "r")))
 
 
