@@ -1,0 +1,260 @@
+#!/usr/bin/env python
+"""DCP benchmark: hyper-parallel vs torch.distributed.checkpoint vs this machine's limits.
+
+One invocation, one state dict, one storage directory, one world size:
+
+1. ``2N`` gloo ranks save the checkpoints (ours and torch's) that scenario "2N -> N" loads.
+2. ``N`` gloo ranks, started once, run in turn: the raw limits (memcpy into fresh and into
+   reused memory; sequential write with and without fsync, one file per rank; cold and warm
+   sequential read into preallocated memory); sync save (ours, torch DCP; fsync on); load in
+   the same layout; resharded loads (Shard(0)->Shard(1) with verify on and off, 2N ranks ->
+   N, N ranks -> 1 process with no_dist); torch.save / safetensors single-process
+   references; async save with a matmul loop running (ours if ``async_save`` exists, and
+   torch's ``dcp.async_save``). Loads start from a cold page cache.
+3. One process: offline transform (``reshard.reshard``) throughput and peak RSS.
+4. One process: planning + metadata time and size for simulated ranks x tensors.
+
+Results: markdown on stdout and in ``<out>/latest.md``, JSON in ``<out>/latest.json``, a
+chart in ``<out>/latest.png`` (needs matplotlib, a dev extra), and each target of the issue
+printed as met / not met.
+
+Usage::
+
+    python benchmarks/bench_dcp.py                    # 1 GiB, 2 ranks, 3 repetitions
+    python benchmarks/bench_dcp.py --quick            # 64 MiB, 1 repetition, < 60 s
+    python benchmarks/bench_dcp.py --size 4GiB --world-size 4 --reps 5 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from datetime import datetime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from benchmarks import dcp_report as report  # noqa: E402
+from benchmarks.dcp_common import GiB, MiB, parse_size, transformer_specs  # noqa: E402
+
+STEPS = ("prep", "limits", "sync_save", "load_same", "load_reshard_s0_s1", "load_reshard_2n_n", "load_n_1",
+         "reference", "async_save", "offline", "planning")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default=None, help="global state size, e.g. 1GiB (default), 64MiB")
+    ap.add_argument("--world-size", type=int, default=2, help="ranks (gloo processes), default 2")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per measurement (default 3)")
+    ap.add_argument("--quick", action="store_true", help="64 MiB, 1 repetition, small planning: < 60 s")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints go (a fresh subfolder)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="results folder")
+    ap.add_argument("--cold", choices=("auto", "drop_caches", "fadvise"), default="auto",
+                    help="how to empty the page cache before a load (auto: drop_caches if permitted)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed saves of each library first (default 1)")
+    ap.add_argument("--io-chunk", default="64MiB", help="bytes per write/read call of the raw limits")
+    ap.add_argument("--compute-n", type=int, default=768, help="matmul size of the async compute loop (0: none)")
+    ap.add_argument("--compute-s", type=float, default=None, help="seconds of idle compute rate per async run")
+    ap.add_argument("--plan-ranks", default=None, help="simulated ranks, default 1024,2048,4096,8192")
+    ap.add_argument("--plan-tensors", type=int, default=None, help="simulated tensors, default 1000")
+    ap.add_argument("--plan-budget-s", type=float, default=None,
+                    help="a planning point predicted to take longer is extrapolated, not run (default 300)")
+    ap.add_argument("--ours-save-threads", type=int, default=None, help="save(thread_count=); default: ours")
+    ap.add_argument("--ours-load-threads", type=int, default=None, help="load(thread_count=); default: ours")
+    ap.add_argument("--skip", default="", help=f"comma-separated steps to skip: {','.join(STEPS)}")
+    ap.add_argument("--profile", action="store_true",
+                    help="also run our save and loads once under py-spy (rank 0) and summarise")
+    ap.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames too)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds for each group of ranks")
+    a = ap.parse_args(argv)
+    quick = a.quick
+    a.size_bytes = parse_size(a.size or ("64MiB" if quick else "1GiB"))
+    a.reps = a.reps or (1 if quick else 3)
+    a.warmup = a.warmup if a.warmup is not None else (0 if quick else 1)
+    a.compute_s = a.compute_s if a.compute_s is not None else (0.3 if quick else 1.5)
+    a.plan_ranks = a.plan_ranks or ("128,256,512" if quick else "1024,2048,4096,8192")
+    a.plan_tensors = a.plan_tensors or (100 if quick else 1000)
+    a.plan_budget_s = a.plan_budget_s or (20.0 if quick else 300.0)
+    a.io_chunk_bytes = parse_size(a.io_chunk)
+    a.skip_set = {s.strip() for s in a.skip.split(",") if s.strip()}
+    unknown = a.skip_set - set(STEPS)
+    if unknown:
+        ap.error(f"unknown --skip steps {sorted(unknown)}; known: {', '.join(STEPS)}")
+    if a.world_size < 1:
+        ap.error("--world-size must be >= 1")
+    return a
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def _fs_type(path: str) -> str:
+    best, fs = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, typ, *_ = line.split()
+                if path.startswith(mnt) and len(mnt) > len(best):
+                    best, fs = mnt, f"{typ} on {dev}"
+    except OSError:
+        pass
+    return fs
+
+
+def machine_info(storage: str) -> dict:
+    import torch
+
+    mem_total = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_total = int(line.split()[1]) * 1024
+    git = _run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"])
+    dirty = _run(["git", "-C", ROOT, "status", "--porcelain", "--", "hyper_parallel"])
+    return {
+        "nproc": os.cpu_count(), "mem_total": mem_total, "kernel": f"Linux {platform.release()}",
+        "python": platform.python_version(), "torch": torch.__version__,
+        "git": git + (" + uncommitted changes in hyper_parallel/" if dirty else ""),
+        "fs": _fs_type(os.path.realpath(storage)),
+        "uptime_start": _run(["uptime"]), "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def _subprocess_json(args: list[str], timeout: float) -> dict:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+    sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "".join(
+        ln + "\n" for ln in proc.stderr.splitlines() if ln.startswith("[bench]")))
+    if proc.returncode:
+        return {"error": f"{args[0]} exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(proc.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from benchmarks.dcp_ranks import RanksFailed, run_ranks
+
+    started = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    t_start = time.monotonic()
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.dir, exist_ok=True)
+    storage = tempfile.mkdtemp(prefix="hp-dcp-bench-", dir=a.dir)
+    machine = machine_info(storage)
+    specs = transformer_specs(a.size_bytes)
+    total = sum(s.nbytes for s in specs)
+    ws = a.world_size
+    print(f"[bench] {total / GiB:.3f} GiB in {len(specs)} tensors, {ws} ranks, {a.reps} reps, storage {storage}; "
+          f"load average {machine['loadavg_start']}", file=sys.stderr, flush=True)
+    cfg = {
+        "dir": storage, "out": os.path.abspath(a.out), "specs": [asdict(s) for s in specs], "reps": a.reps,
+        "warmup": a.warmup, "warmup_async": a.warmup, "cold": a.cold, "io_chunk": a.io_chunk_bytes,
+        "compute_n": a.compute_n, "compute_s": a.compute_s, "profile": a.profile,
+        "profile_native": a.profile_native, "ours_save_threads": a.ours_save_threads,
+        "ours_load_threads": a.ours_load_threads, "skip": sorted(a.skip_set),
+        "prep_paths": {"ours": os.path.join(storage, f"prep-{2 * ws}ranks-ours"),
+                       "torch": os.path.join(storage, f"prep-{2 * ws}ranks-torch")},
+    }
+    notes: list[str] = []
+    doc: dict = {"started": started, "command": "python benchmarks/bench_dcp.py " + shlex.join(
+        argv if argv is not None else sys.argv[1:]), "notes": notes}
+    try:
+        if "prep" not in a.skip_set and "load_reshard_2n_n" not in a.skip_set:
+            try:
+                prep = run_ranks("prep_ranks", 2 * ws, cfg, timeout_s=a.timeout)
+                notes.append(f"{2 * ws}-rank checkpoints saved for the {2 * ws} -> {ws} loads: ours "
+                             f"{prep[0]['records']['prep']['ours'][0]['wall_s']:.2f} s, torch "
+                             f"{prep[0]['records']['prep']['torch'][0]['wall_s']:.2f} s (not a result: "
+                             f"{2 * ws} ranks on {os.cpu_count()} cores)")
+            except RanksFailed as exc:
+                notes.append(f"preparing the {2 * ws}-rank checkpoints failed: {str(exc)[:600]}")
+                print(exc, file=sys.stderr)
+        per_rank = run_ranks("main_ranks", ws, cfg, timeout_s=a.timeout)
+        for r in per_rank:
+            notes.extend(n for n in r["notes"] if n not in notes)
+        merged = report.merge_ranks(per_rank)
+        results = report.build_results(merged, total, ws, [r["local_bytes"] for r in per_rank])
+        kept = per_rank[0]["kept"]
+
+        if "offline" in a.skip_set:
+            results["offline"] = {"available": False, "note": "skipped (--skip offline)"}
+        elif "ours" not in kept:
+            results["offline"] = {"available": False, "note": "no checkpoint of ours to transform"}
+        else:
+            results["offline"] = _subprocess_json(
+                ["benchmarks.dcp_offline", kept["ours"], os.path.join(storage, "offline-out"),
+                 "--dst-mesh", f"dp={2 * ws}", "--cold", a.cold], timeout=a.timeout)
+            if results["offline"].get("error"):
+                results["offline"]["note"] = results["offline"]["error"]
+            elif results["offline"].get("available"):
+                print(f"[bench] offline reshard: {results['offline']['wall_s']:.2f} s, "
+                      f"{results['offline']['GiBps']:.2f} GiB/s", file=sys.stderr, flush=True)
+        if "planning" in a.skip_set:
+            results["planning"] = {"note": "skipped (--skip planning)"}
+        else:
+            results["planning"] = report.planning_fit(_subprocess_json(
+                ["benchmarks.dcp_planning", "--ranks", a.plan_ranks, "--tensors", str(a.plan_tensors),
+                 "--budget-s", str(a.plan_budget_s)], timeout=a.timeout))
+    finally:
+        if not a.keep:
+            shutil.rmtree(storage, ignore_errors=True)
+    machine["uptime_end"] = _run(["uptime"])
+    machine["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    reads = results["limits"].get("read_cold", {})
+    machine["cold_method"] = reads.get("cold_method") or a.cold
+    resident = [x for e in results["scenarios"].values() if isinstance(e, dict)
+                for x in e.get("resident_before", []) or []]
+    resident += [x for x in reads.get("resident_before", []) if x is not None]
+    machine["resident_before_max"] = f"{max(resident):.1%} max" if resident else "n/a"
+    doc.update({
+        "config": {"size_bytes": total, "tensors": len(specs), "world_size": ws, "reps": a.reps,
+                   "warmup": a.warmup, "quick": a.quick, "dir": a.dir, "io_chunk_mib": a.io_chunk_bytes / MiB,
+                   "compute_n": a.compute_n, "compute_s": a.compute_s, "ours_save_threads": a.ours_save_threads,
+                   "ours_load_threads": a.ours_load_threads, "plan_ranks": a.plan_ranks,
+                   "plan_tensors": a.plan_tensors, "skip": sorted(a.skip_set),
+                   "specs": [asdict(s) for s in specs]},
+        "machine": machine, "raw": merged, "results": results, "elapsed_s": time.monotonic() - t_start,
+    })
+    doc["targets"] = report.targets(results)
+    if a.profile:
+        doc["profile"] = {}
+        for name in ("ours-save", "ours-load", "ours-load-s0-s1", "ours-load-s0-s1-noverify"):
+            prof = report.profile_summary(os.path.join(a.out, f"profile-{name}.txt"))
+            if prof:
+                doc["profile"][name] = prof
+    png = report.chart(doc, os.path.join(a.out, "latest.png"))
+    if png is None:
+        notes.append("no chart: matplotlib is not installed (pip install -e '.[dev]')")
+    md = report.markdown(doc)
+    with open(os.path.join(a.out, "latest.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(a.out, "latest.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(md)
+    print(report.targets_text(doc))
+    print(f"\n[bench] {doc['elapsed_s']:.0f} s; results in {a.out}/latest.{{md,json}}"
+          + (", latest.png" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

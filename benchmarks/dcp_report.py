@@ -1,0 +1,557 @@
+"""Turn the DCP benchmark's raw records into results: statistics, targets, markdown, a chart."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from benchmarks.dcp_common import GiB, MiB, human_bytes, summary
+
+# scenario -> (title, raw-limit key it is compared with)
+LOADS = {
+    "load_same": ("load, same layout (cold)", "read_cold"),
+    "load_reshard_s0_s1": ("load resharded Shard(0)->Shard(1) (cold)", "read_cold"),
+    "load_reshard_2n_n": ("load resharded {n2} ranks -> {n} (cold)", "read_cold"),
+    "load_n_1": ("load {n} ranks -> 1 process, no_dist (cold)", "read_cold"),
+}
+LIMITS = {
+    "write": "sequential write, no fsync",
+    "write_fsync": "sequential write + fsync",
+    "read_cold": "sequential read (readinto), cold cache",
+    "read_warm": "sequential read (readinto), warm cache",
+    "memcpy_fresh": "memcpy into fresh memory",
+    "memcpy_reused": "memcpy into reused memory",
+}
+REFERENCES = {
+    "torch_save": "torch.save + fsync (1 process, whole state)",
+    "safetensors_save": "safetensors save_file + fsync (1 process)",
+    "torch_load": "torch.load (1 process, cold)",
+    "safetensors_load": "safetensors load_file (1 process, cold)",
+}
+
+
+# ---------------------------------------------------------------------------- merging ranks
+
+
+def merge_ranks(per_rank: list[dict]) -> dict[str, dict[str, list[dict]]]:
+    """Combine every rank's records rep by rep: one wall time, summed byte counters."""
+    merged: dict[str, dict[str, list[dict]]] = {}
+    first = per_rank[0]["records"]
+    for scenario, variants in first.items():
+        for variant, reps in variants.items():
+            out = []
+            for i, rec in enumerate(reps):
+                same = [r["records"].get(scenario, {}).get(variant, [])[i] for r in per_rank
+                        if i < len(r["records"].get(scenario, {}).get(variant, []))]
+                m = dict(rec)
+                for k in ("bytes_read", "rchar", "disk_read", "disk_write"):
+                    if any(k in s for s in same):
+                        m[k] = sum(s.get(k, 0) for s in same)
+                if "correct" in rec:
+                    m["correct"] = all(s.get("correct", True) for s in same)
+                for k in ("blocking_s", "committed_s", "rank_s"):
+                    if k in rec:
+                        m[k] = max(s[k] for s in same)
+                if "kept" in rec:
+                    kept = [s["kept"] for s in same if s.get("kept") is not None]
+                    m["kept"] = sum(kept) / len(kept) if kept else None
+                if variant == "_error":
+                    m["errors"] = sorted({s.get("error", "") for s in same})
+                out.append(m)
+            merged.setdefault(scenario, {})[variant] = out
+    for r in per_rank[1:]:  # errors seen only on other ranks
+        for scenario, variants in r["records"].items():
+            if "_error" in variants and "_error" not in merged.get(scenario, {}):
+                merged.setdefault(scenario, {})["_error"] = variants["_error"]
+    return merged
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def _rate(nbytes: int, reps: list[dict]) -> dict:
+    return summary([nbytes / r["wall_s"] / GiB for r in reps if r.get("wall_s")])
+
+
+def _secs(reps: list[dict], key: str = "wall_s") -> dict:
+    return summary([r[key] for r in reps if r.get(key) is not None])
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+        return None
+    return a / b
+
+
+def build_results(merged: dict, total: int, ws: int, local_bytes: list[int]) -> dict:
+    """Statistics per scenario from the merged records (GiB/s of the global state)."""
+    res: dict[str, Any] = {}
+    lim = merged.get("limits", {})
+    res["limits"] = {}
+    for key in LIMITS:
+        if key in lim:
+            entry = {"GiBps": _rate(total, lim[key]), "seconds": _secs(lim[key])}
+            if key == "read_cold":
+                entry["resident_before"] = [r.get("resident_before") for r in lim[key]]
+                entry["cold_method"] = lim[key][0].get("cold_method")
+            res["limits"][key] = entry
+    if "_error" in lim:
+        res["limits"]["error"] = lim["_error"][0].get("errors") or lim["_error"][0].get("error")
+    limit_of = {k: v["GiBps"]["median"] for k, v in res["limits"].items() if isinstance(v, dict)}
+
+    sc: dict[str, Any] = {}
+    save = merged.get("sync_save", {})
+    sc["sync_save"] = _throughput("sync save (fsync)", save, total, limit_of.get("write_fsync"), "write_fsync")
+    for key, (title, limit_key) in LOADS.items():
+        title = title.format(n=ws, n2=2 * ws)
+        data = merged.get(key, {})
+        entry = _throughput(title, data, total, limit_of.get(limit_key), limit_key)
+        entry["bytes"] = {v: _bytes(reps, total) for v, reps in data.items() if v != "_error"}
+        entry["correct"] = {v: all(r.get("correct", True) for r in reps) for v, reps in data.items() if v != "_error"}
+        entry["resident_before"] = sorted({r.get("resident_before") for reps in data.values() for r in reps
+                                           if r.get("resident_before") is not None})
+        sc[key] = entry
+    ref = merged.get("reference", {})
+    sc["reference"] = {"title": "single-process references (whole state in 1 process)",
+                       "variants": {k: {"title": t, "GiBps": _rate(total, ref[k]), "seconds": _secs(ref[k])}
+                                    for k, t in REFERENCES.items() if k in ref}}
+    if "_error" in ref:
+        sc["reference"]["error"] = ref["_error"][0].get("errors")
+    sc["async_save"] = _async(merged.get("async_save", {}), res["limits"], sc["sync_save"], local_bytes)
+    res["scenarios"] = sc
+    return res
+
+
+def _throughput(title: str, data: dict, total: int, limit: float | None, limit_key: str) -> dict:
+    entry: dict[str, Any] = {"title": title, "limit": limit_key, "limit_GiBps": limit, "variants": {}}
+    for variant, reps in data.items():
+        if variant == "_error":
+            entry["error"] = reps[0].get("errors") or reps[0].get("error")
+            continue
+        entry["variants"][variant] = {"GiBps": _rate(total, reps), "seconds": _secs(reps)}
+    ours = entry["variants"].get("ours", {}).get("GiBps", {}).get("median")
+    theirs = entry["variants"].get("torch", {}).get("GiBps", {}).get("median")
+    entry["ours_vs_torch"] = _ratio(ours, theirs)
+    entry["ours_vs_limit"] = _ratio(ours, limit)
+    entry["torch_vs_limit"] = _ratio(theirs, limit)
+    nov = entry["variants"].get("ours_noverify", {}).get("GiBps", {}).get("median")
+    if nov is not None:
+        entry["ours_noverify_vs_torch"] = _ratio(nov, theirs)
+        entry["ours_noverify_vs_limit"] = _ratio(nov, limit)
+    return entry
+
+
+def _bytes(reps: list[dict], needed: int) -> dict:
+    r = reps[0]
+    out = {"needed": needed, "syscall_read": r.get("rchar"), "storage_read": r.get("disk_read")}
+    if "bytes_read" in r:
+        out["reader_bytes_read"] = r["bytes_read"]
+    read = r.get("bytes_read", r.get("rchar"))
+    out["read_over_needed"] = _ratio(read, needed)
+    return out
+
+
+def _async(data: dict, limits: dict, sync_save: dict, local_bytes: list[int]) -> dict:
+    entry: dict[str, Any] = {"title": "async save, compute loop running", "variants": {}}
+    if "_error" in data:
+        entry["error"] = data["_error"][0].get("errors") or data["_error"][0].get("error")
+    for variant, reps in data.items():
+        if variant == "_error":
+            continue
+        entry["variants"][variant] = {
+            "blocking_s": _secs(reps, "blocking_s"), "committed_s": _secs(reps, "committed_s"),
+            "kept": summary([r["kept"] for r in reps if r.get("kept") is not None]),
+        }
+    entry["available"] = "ours" in entry["variants"]
+    memcpy = limits.get("memcpy_reused", {}).get("seconds", {}).get("median")
+    entry["memcpy_reused_s"] = memcpy
+    entry["local_bytes_per_rank"] = max(local_bytes) if local_bytes else None
+    ours = entry["variants"].get("ours", {})
+    torch_ = entry["variants"].get("torch", {})
+    ob = ours.get("blocking_s", {}).get("median")
+    entry["blocking_vs_memcpy"] = _ratio(ob, memcpy)
+    entry["blocking_vs_torch"] = _ratio(ob, torch_.get("blocking_s", {}).get("median"))
+    sync_s = sync_save.get("variants", {}).get("ours", {}).get("seconds", {}).get("median")
+    entry["ours_sync_save_s"] = sync_s
+    entry["committed_vs_sync"] = _ratio(ours.get("committed_s", {}).get("median"), sync_s)
+    entry["torch_committed_vs_sync"] = _ratio(torch_.get("committed_s", {}).get("median"), sync_s)
+    return entry
+
+
+# ---------------------------------------------------------------------------- targets
+
+
+def targets(res: dict) -> list[dict]:
+    """Each target of the issue: met (True/False), or None when it could not be measured."""
+    sc = res["scenarios"]
+    out: list[dict] = []
+
+    def add(name: str, value: float | None, op: str, bound: float, what: str, extra: str = "") -> None:
+        met = None if value is None or (isinstance(value, float) and math.isnan(value)) else (
+            value >= bound if op == ">=" else value <= bound if op == "<=" else value < bound)
+        shown = "n/a" if value is None else f"{value:.2f}"
+        out.append({"target": name, "value": value, "op": op, "bound": bound, "met": met,
+                    "detail": f"{what} = {shown} (needs {op} {bound:g}){extra}"})
+
+    def med(entry: dict, variant: str, key: str = "GiBps") -> float | None:
+        return entry.get("variants", {}).get(variant, {}).get(key, {}).get("median")
+
+    s = sc["sync_save"]
+    fig = f"; ours {_f(med(s, 'ours'))}, torch {_f(med(s, 'torch'))}, limit {_f(s.get('limit_GiBps'))} GiB/s"
+    add("save >= 1.5x torch DCP", s.get("ours_vs_torch"), ">=", 1.5, "ours/torch", fig)
+    add("save >= 0.9x raw write+fsync", s.get("ours_vs_limit"), ">=", 0.9, "ours/limit", fig)
+    s = sc["load_same"]
+    add("same-layout load >= 0.9x raw read (cold)", s.get("ours_vs_limit"), ">=", 0.9, "ours/limit",
+        f"; ours {_f(med(s, 'ours'))}, torch {_f(med(s, 'torch'))}, limit {_f(s.get('limit_GiBps'))} GiB/s")
+    for key in ("load_reshard_s0_s1", "load_reshard_2n_n", "load_n_1"):
+        s = sc[key]
+        tag = s["title"].replace(" (cold)", "")
+        fig = f"; ours {_f(med(s, 'ours'))}, torch {_f(med(s, 'torch'))}, limit {_f(s.get('limit_GiBps'))} GiB/s"
+        also = "" if key == "load_reshard_s0_s1" else " [also]"
+        add(f"{tag} >= 0.8x raw read{also}", s.get("ours_vs_limit"), ">=", 0.8, "ours/limit", fig)
+        add(f"{tag} >= 1.75x torch DCP{also}", s.get("ours_vs_torch"), ">=", 1.75, "ours/torch", fig)
+    a = sc["async_save"]
+    ob = a.get("variants", {}).get("ours", {}).get("blocking_s", {}).get("median")
+    tb = a.get("variants", {}).get("torch", {}).get("blocking_s", {}).get("median")
+    add("async blocking <= 1.2x memcpy into reused memory", a.get("blocking_vs_memcpy"), "<=", 1.2,
+        "blocking/memcpy", f"; ours blocks {_f(ob, 's', 3)}, memcpy of "
+        f"{human_bytes(a.get('local_bytes_per_rank') or 0)}/rank {_f(a.get('memcpy_reused_s'), 's', 3)}")
+    add("async blocking <= 0.5x torch DCP's", a.get("blocking_vs_torch"), "<=", 0.5, "ours/torch",
+        f"; ours {_f(ob, 's', 3)}, torch {_f(tb, 's', 3)}")
+    oc = a.get("variants", {}).get("ours", {}).get("committed_s", {}).get("median")
+    add("async committed within 1.1x our sync save", a.get("committed_vs_sync"), "<=", 1.1, "committed/sync",
+        f"; committed after {_f(oc, 's', 3)}, sync save {_f(a.get('ours_sync_save_s'), 's', 3)}")
+    kept = a.get("variants", {}).get("ours", {}).get("kept", {}).get("median")
+    tk = a.get("variants", {}).get("torch", {}).get("kept", {}).get("median")
+    add("training throughput kept >= 0.75 during async save", kept, ">=", 0.75, "kept",
+        f"; torch DCP keeps {_f(tk, '', 2)}")
+    p = res.get("planning", {})
+    t = p.get("target") or {}
+    extra = " (extrapolated: not run, see planning notes)" if t.get("extrapolated") else ""
+    add(f"planning + metadata, {t.get('ranks', 8192)} ranks x {t.get('tensors', 1000)} tensors < 5 s",
+        t.get("total_s"), "<", 5.0, "seconds", extra + (f"; metadata {human_bytes(t['metadata_bytes'])}"
+                                                          if t.get("metadata_bytes") else ""))
+    add("planning grows linearly (log-log slope of time vs ranks)", p.get("slope"), "<=", 1.15, "slope",
+        f" over measured points {p.get('measured_ranks')}")
+    return out
+
+
+def _f(v: float | None, unit: str = "", digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:.{digits}f}{(' ' + unit) if unit else ''}"
+
+
+def planning_fit(planning: dict) -> dict:
+    """Add the log-log slope of total time vs ranks over the measured points."""
+    pts = [p for p in planning.get("points", []) if not p.get("extrapolated") and p.get("total_s")]
+    planning["measured_ranks"] = [p["ranks"] for p in pts]
+    if len(pts) >= 2:
+        xs = [math.log(p["ranks"] * p["tensors"]) for p in pts]
+        ys = [math.log(p["total_s"]) for p in pts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        den = sum((x - mx) ** 2 for x in xs)
+        planning["slope"] = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else None
+    else:
+        planning["slope"] = None
+    return planning
+
+
+# ---------------------------------------------------------------------------- markdown
+
+
+def _cell(stats: dict | None, digits: int = 2) -> str:
+    if not stats or not stats.get("values"):
+        return "–"
+    if len(stats["values"]) == 1:
+        return f"{stats['median']:.{digits}f}"
+    return f"{stats['median']:.{digits}f} ({stats['min']:.{digits}f}–{stats['max']:.{digits}f})"
+
+
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}x"
+
+
+def markdown(doc: dict) -> str:
+    cfg, mach, res = doc["config"], doc["machine"], doc["results"]
+    sc = res["scenarios"]
+    L: list[str] = []
+    L.append(f"# DCP benchmark — {doc['started']}")
+    L.append("")
+    L.append(f"`{doc['command']}`")
+    L.append("")
+    L.append(f"- state: {human_bytes(cfg['size_bytes'])} global, {cfg['tensors']} 2-D tensors (fp32/bf16), "
+             f"{cfg['world_size']} ranks on gloo, {cfg['reps']} repetitions (median, min–max), "
+             f"warm-up saves: {cfg['warmup']}")
+    L.append(f"- storage: `{cfg['dir']}` ({mach.get('fs', '?')}); sync_files/fsync on for every save; "
+             f"loads cold (page cache dropped with {mach.get('cold_method', '?')}; resident before a cold read: "
+             f"{mach.get('resident_before_max', 'n/a')})")
+    L.append(f"- machine: {mach['nproc']} cores, {human_bytes(mach['mem_total'])} RAM, {mach['kernel']}; "
+             f"torch {mach['torch']}; hyper_parallel {mach['git']}")
+    L.append(f"- load average: start `{mach['uptime_start']}`; end `{mach['uptime_end']}`")
+    L.append("")
+    L.append("## Save and load (GiB/s of the global state, higher is better)")
+    L.append("")
+    L.append("| scenario | ours | torch DCP | ours / torch | raw limit | ours / limit |")
+    L.append("|---|---|---|---|---|---|")
+    for key in ("sync_save", *LOADS):
+        e = sc[key]
+        lim = res["limits"].get(e["limit"], {}).get("GiBps")
+        v = e["variants"]
+        L.append(f"| {e['title']} | {_cell(v.get('ours', {}).get('GiBps'))} | {_cell(v.get('torch', {}).get('GiBps'))}"
+                 f" | {_x(e.get('ours_vs_torch'))} | {_cell(lim)} ({LIMITS.get(e['limit'], e['limit'])})"
+                 f" | {_x(e.get('ours_vs_limit'))} |")
+        if "ours_noverify" in v:
+            L.append(f"| ↳ same, ours with verify=False | {_cell(v['ours_noverify'].get('GiBps'))} | | "
+                     f"{_x(e.get('ours_noverify_vs_torch'))} | | {_x(e.get('ours_noverify_vs_limit'))} |")
+        if e.get("error"):
+            L.append(f"| ↳ **error** | {e['error']} | | | | |")
+    L.append("")
+    L.append("Bytes read per load (all ranks, first repetition): needed = bytes of the targets; "
+             "ours = the reader's `bytes_read`; syscall = `rchar` of the ranks (torch's reads show here); "
+             "storage = `read_bytes` fetched from the device.")
+    L.append("")
+    L.append("| load | variant | needed | ours bytes_read | syscall | storage | read / needed | values correct |")
+    L.append("|---|---|---|---|---|---|---|---|")
+    for key in LOADS:
+        e = sc[key]
+        for variant, b in e.get("bytes", {}).items():
+            L.append(f"| {e['title']} | {variant} | {human_bytes(b['needed'])} | "
+                     f"{human_bytes(b['reader_bytes_read']) if 'reader_bytes_read' in b else '–'} | "
+                     f"{human_bytes(b['syscall_read'] or 0)} | {human_bytes(b['storage_read'] or 0)} | "
+                     f"{_x(b.get('read_over_needed'))} | {'yes' if e['correct'].get(variant) else '**NO**'} |")
+    L.append("")
+    L.append(f"## Raw limits of this machine ({cfg['world_size']} processes in parallel, one file each, "
+             f"{cfg['io_chunk_mib']:g} MiB per call)")
+    L.append("")
+    L.append("| limit | GiB/s (all ranks) | seconds |")
+    L.append("|---|---|---|")
+    for key, title in LIMITS.items():
+        e = res["limits"].get(key)
+        if e:
+            L.append(f"| {title} | {_cell(e['GiBps'])} | {_cell(e['seconds'], 3)} |")
+    L.append("")
+    ref = sc["reference"]
+    if ref["variants"]:
+        L.append("## Single-process references (the whole state from one process)")
+        L.append("")
+        L.append("| reference | GiB/s | seconds |")
+        L.append("|---|---|---|")
+        for _, e in ref["variants"].items():
+            L.append(f"| {e['title']} | {_cell(e['GiBps'])} | {_cell(e['seconds'], 3)} |")
+        L.append("")
+    a = sc["async_save"]
+    L.append("## Async save (matmul loop running in every rank)")
+    L.append("")
+    if a["variants"]:
+        L.append(f"Per rank: {human_bytes(a.get('local_bytes_per_rank') or 0)}; one memcpy of it into reused "
+                 f"memory: {_f(a.get('memcpy_reused_s'), 's', 3)}; our sync save: "
+                 f"{_f(a.get('ours_sync_save_s'), 's', 3)}. Blocking = the call's time (max over ranks); "
+                 "committed = call to commit; kept = matmul rate while the save is in flight / idle rate.")
+        L.append("")
+        L.append("| variant | blocking s | committed s | throughput kept |")
+        L.append("|---|---|---|---|")
+        for variant, e in a["variants"].items():
+            name = {"ours": "ours", "torch": "torch DCP", "ours_first": "ours, first call (allocates)",
+                    "torch_first": "torch DCP, first call"}.get(variant, variant)
+            L.append(f"| {name} | {_cell(e['blocking_s'], 3)} | {_cell(e['committed_s'], 3)} | {_cell(e['kept'])} |")
+        L.append("")
+        L.append(f"ours/torch blocking {_x(a.get('blocking_vs_torch'))}; ours blocking/memcpy "
+                 f"{_x(a.get('blocking_vs_memcpy'))}; ours committed/sync save {_x(a.get('committed_vs_sync'))} "
+                 f"(torch {_x(a.get('torch_committed_vs_sync'))}).")
+    if a.get("error"):
+        L.append(f"**error**: {a['error']}")
+    for note in doc.get("notes", []):
+        if "async" in note:
+            L.append(f"- {note}")
+    L.append("")
+    off = res.get("offline", {})
+    L.append("## Offline transform (one process, no process group)")
+    L.append("")
+    if off.get("available"):
+        L.append(f"`reshard.reshard(src, dst, dst_mesh={off['dst_mesh']})` on the {cfg['world_size']}-rank "
+                 f"checkpoint, cold: {off['wall_s']:.2f} s, **{off['GiBps']:.2f} GiB/s**; peak RSS "
+                 f"{human_bytes(off['peak_rss'])} ({human_bytes(off['peak_above_before'])} above the "
+                 f"{human_bytes(off['rss_before'])} before it); {human_bytes(off['src_bytes'])} in, "
+                 f"{human_bytes(off['dst_bytes'])} out. `offline_transform` exists: "
+                 f"{off.get('offline_transform_exists')}.")
+    else:
+        L.append(f"Skipped: {off.get('note', 'not run')}")
+    L.append("")
+    p = res.get("planning", {})
+    L.append("## Planning and metadata (simulated ranks, planner only)")
+    L.append("")
+    if p.get("points"):
+        L.append("| ranks x tensors | global plan s | build metadata s | to_json s | **total s** | metadata | "
+                 "from_json s | plan exchange decode s | peak RSS |")
+        L.append("|---|---|---|---|---|---|---|---|---|")
+        for q in p["points"]:
+            ex = " (extrapolated)" if q.get("extrapolated") else ""
+            L.append(f"| {q['ranks']} x {q['tensors']}{ex} | {q['global_plan_s']:.2f} | {q['build_metadata_s']:.2f} | "
+                     f"{q['to_json_s']:.2f} | **{q['total_s']:.2f}** | {human_bytes(q['metadata_bytes'])} | "
+                     f"{q['from_json_s']:.2f} | {q['exchange_decode_s']:.2f} | "
+                     f"{human_bytes(q.get('peak_rss_above_start', 0))} |")
+        L.append("")
+        L.append(f"log-log slope of total time vs ranks x tensors over the measured points: "
+                 f"{_f(p.get('slope'))} (1.0 = linear).")
+        for note in p.get("notes", []):
+            L.append(f"- {note}")
+    else:
+        L.append(f"Skipped: {p.get('note', 'not run')}")
+    L.append("")
+    L.append("## Targets")
+    L.append("")
+    for t in doc["targets"]:
+        mark = {True: "**met**", False: "**NOT met**", None: "n/a"}[t["met"]]
+        L.append(f"- {mark} — {t['target']}: {t['detail']}")
+    if doc.get("profile"):
+        L.append("")
+        L.append("## Profile (py-spy on rank 0, wall-clock samples incl. waits, of the operation only)")
+        for name, prof in doc["profile"].items():
+            L.append("")
+            L.append(f"### {name} ({prof['samples']} samples)")
+            L.append("")
+            L.append("threads: " + ", ".join(f"{t} {share:.0%}" for t, share in prof["threads"]))
+            L.append("")
+            L.append("| innermost frame (self) | share | library frame (inclusive) | share |")
+            L.append("|---|---|---|---|")
+            rows = max(len(prof["self"][:12]), len(prof["inclusive"][:12]))
+            for i in range(rows):
+                a = prof["self"][i] if i < len(prof["self"]) else ("", None)
+                b = prof["inclusive"][i] if i < len(prof["inclusive"]) else ("", None)
+                L.append(f"| `{a[0]}` | {'' if a[1] is None else f'{a[1]:.0%}'} | `{b[0]}` | "
+                         f"{'' if b[1] is None else f'{b[1]:.0%}'} |")
+    other = [n for n in doc.get("notes", []) if "async" not in n]
+    if other:
+        L.append("")
+        L.append("## Notes")
+        for n in other:
+            L.append(f"- {n}")
+    return "\n".join(L) + "\n"
+
+
+def targets_text(doc: dict) -> str:
+    lines = ["Targets:"]
+    for t in doc["targets"]:
+        mark = {True: "met    ", False: "NOT met", None: "n/a    "}[t["met"]]
+        lines.append(f"  [{mark}] {t['target']}: {t['detail']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- chart
+
+
+def chart(doc: dict, path: str) -> str | None:
+    """A PNG: throughput per scenario, async timings, planning growth. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    res = doc["results"]
+    sc = res["scenarios"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5), gridspec_kw={"width_ratios": [3, 1.3, 1.5]})
+    ax = axes[0]
+    keys = ["sync_save", *LOADS]
+    labels = [sc[k]["title"].replace(" (cold)", "\n(cold)").replace("resharded ", "resharded\n") for k in keys]
+    series = [("ours", "#1f77b4"), ("ours_noverify", "#aec7e8"), ("torch", "#ff7f0e")]
+    width = 0.2
+    for i, (variant, color) in enumerate(series):
+        vals, errs = [], [[], []]
+        for k in keys:
+            st = sc[k]["variants"].get(variant, {}).get("GiBps")
+            m = st["median"] if st and st.get("values") else 0.0
+            vals.append(m)
+            errs[0].append(m - st["min"] if st and st.get("values") else 0)
+            errs[1].append(st["max"] - m if st and st.get("values") else 0)
+        ax.bar([x + (i - 1.5) * width for x in range(len(keys))], vals, width, yerr=errs, color=color,
+               label={"ours": "hyper-parallel", "ours_noverify": "hyper-parallel, verify=False",
+                      "torch": "torch DCP"}[variant], capsize=2)
+    lims = [res["limits"].get(sc[k]["limit"], {}).get("GiBps", {}).get("median") or 0 for k in keys]
+    ax.bar([x + 1.5 * width for x in range(len(keys))], lims, width, color="#7f7f7f", label="raw limit")
+    ax.set_xticks(range(len(keys)), labels, fontsize=8)
+    ax.set_ylabel("GiB/s (global state / wall time)")
+    ax.set_title(f"{human_bytes(doc['config']['size_bytes'])}, {doc['config']['world_size']} ranks, "
+                 f"median and min–max of {doc['config']['reps']}")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    a = sc["async_save"]["variants"]
+    names = [v for v in ("ours", "torch") if v in a]
+    for j, metric in enumerate(("blocking_s", "committed_s")):
+        ax.bar([x + (j - 0.5) * 0.35 for x in range(len(names))], [a[v][metric]["median"] for v in names], 0.35,
+               label=metric.replace("_s", " (s)"), color=["#2ca02c", "#98df8a"][j])
+    memcpy = sc["async_save"].get("memcpy_reused_s")
+    if memcpy:
+        ax.axhline(memcpy, color="k", ls=":", lw=1, label="memcpy into reused memory")
+    for x, v in enumerate(names):
+        kept = a[v]["kept"].get("median")
+        if kept is not None and not math.isnan(kept):
+            ax.text(x, a[v]["committed_s"]["median"], f"kept {kept:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), ["hyper-parallel" if v == "ours" else "torch DCP" for v in names])
+    ax.set_title("async save")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    pts = res.get("planning", {}).get("points", [])
+    meas = [p for p in pts if not p.get("extrapolated")]
+    extra = [p for p in pts if p.get("extrapolated")]
+    if meas:
+        ax.loglog([p["ranks"] for p in meas], [p["total_s"] for p in meas], "o-", label="measured")
+    if extra:
+        ax.loglog([p["ranks"] for p in extra], [p["total_s"] for p in extra], "x--", label="extrapolated")
+    ax.axhline(5.0, color="r", ls=":", lw=1, label="target 5 s")
+    ax.set_xlabel("simulated ranks")
+    ax.set_ylabel("planning + metadata (s)")
+    ax.set_title(f"planning, {pts[0]['tensors'] if pts else '?'} tensors")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"DCP benchmark {doc['started']} — load avg {doc['machine']['loadavg_start']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def profile_summary(path: str, top: int = 25) -> dict | None:
+    """Shares per function from py-spy's raw (collapsed, ``--threads``) output.
+
+    Only samples of the operation count: the library's worker threads (``dcp-*``) and stacks
+    of other threads that pass through ``hyper_parallel/`` (so the wait for py-spy to attach
+    and the barriers around the operation are left out). ``self``: the innermost frame;
+    ``inclusive``: every library frame on the stack; ``threads``: samples per thread name.
+    """
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    self_counts: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    total = 0
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1] if frames[0].startswith("thread (") else "?"
+        frames = [fr for fr in frames if fr and not fr.startswith(("thread (", "process "))]
+        if not frames or not (thread.startswith("dcp-") or any("hyper_parallel/" in fr for fr in frames)):
+            continue
+        count = int(n)
+        total += count
+        name = thread.rstrip("0123456789_") + "*" if thread.startswith("dcp-") else thread
+        threads[name] = threads.get(name, 0) + count
+        self_counts[frames[-1]] = self_counts.get(frames[-1], 0) + count
+        for fr in set(frames):
+            if "hyper_parallel/" in fr:
+                incl[fr] = incl.get(fr, 0) + count
+    if not total:
+        return None
+    share = lambda d: [(k, v / total) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]  # noqa: E731
+    return {"samples": total, "self": share(self_counts), "inclusive": share(incl), "threads": share(threads),
+            "raw": path}
+
+
+__all__ = ["merge_ranks", "build_results", "targets", "markdown", "chart", "planning_fit", "profile_summary",
+           "targets_text", "MiB"]
