@@ -14,6 +14,7 @@ block, if a single row is larger).
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +31,25 @@ from .saver import tensor_bytes
 from .storage import StorageReader
 
 DEFAULT_BUFFER_BYTES = 64 << 20
+
+
+class _Scratch(threading.local):
+    """Per-thread read buffers of one ``read_plan`` call, reused across its reads (fresh
+    memory costs a page fault per 4 KiB); freed when the call returns.
+
+    Requests up to ``keep`` bytes are served from one cached buffer; larger ones (a single
+    row bigger than the read buffer) get memory of their own that is not kept.
+    """
+
+    buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int, keep: int) -> torch.Tensor:
+        if nbytes > keep:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = None
+            self.buf = torch.empty(max(nbytes, min(keep, 8 << 20)), dtype=torch.uint8)
+        return self.buf[:nbytes]
 
 
 @dataclass
@@ -59,7 +79,8 @@ def _read_item(
     target: Box,
     reader: StorageReader,
     buffer_bytes: int,
-    verify: bool = True,
+    verify: bool,
+    pool: _Scratch,
 ) -> int:
     chunk = item.chunk
     cbox = Box(chunk.offsets, chunk.sizes)
@@ -86,14 +107,13 @@ def _read_item(
     dtype = dest.dtype
     inner = Box(tuple(o - c for o, c in zip(item.region.offsets, chunk.offsets, strict=True)), item.region.sizes)
     if not verify and cbox.ndim:
-        return _read_exact(item, inner, dest_view, reader, buffer_bytes)
+        return _read_exact(item, inner, dest_view, reader, buffer_bytes, pool)
     read = 0
     for g0 in range(b0, b1, per_group):
         g1 = min(b1, g0 + per_group)
         row_lo, row_hi = g0 * br, min(rows, g1 * br)
         nbytes = (row_hi - row_lo) * row_bytes
-        scratch = block = data = None  # drop the previous group's buffer before the next one
-        scratch = torch.empty(nbytes, dtype=torch.uint8)
+        scratch = pool.get(nbytes, buffer_bytes)
         data = tensor_bytes(scratch)
         reader.read_into(chunk.file, chunk.start + row_lo * row_bytes, data)
         _check_blocks(item, data, g0, row_bytes, where)
@@ -112,7 +132,7 @@ def _read_item(
 
 
 def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: StorageReader,
-                buffer_bytes: int) -> int:
+                buffer_bytes: int, pool: _Scratch) -> int:
     """Read only the region's bytes (no checksum): one read per contiguous run.
 
     Runs separated by small gaps (under a tenth of a run) are read as one, gap included.
@@ -147,8 +167,7 @@ def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: Sto
     total_slabs = inner.sizes[0] if d else 1
     for s0 in range(0, total_slabs, slabs_per_group):
         s1 = min(total_slabs, s0 + slabs_per_group)
-        scratch = block = data = None  # drop the previous group's buffer before the next one
-        scratch = torch.empty((s1 - s0) * slab, dtype=torch.uint8)
+        scratch = pool.get((s1 - s0) * slab, buffer_bytes)
         data = tensor_bytes(scratch)
         for k, off in enumerate(offsets[s0 * runs_per_slab: s1 * runs_per_slab]):
             reader.read_into(chunk.file, int(off), data[k * span:(k + 1) * span])
@@ -199,10 +218,12 @@ def read_plan(
             )
         stats.bytes_needed += item.region.numel * (c.length // max(1, Box(c.offsets, c.sizes).numel))
 
+    scratch = _Scratch()
+
     def run(item: ReadItem) -> int:
         dest = planner.resolve_target(item.key).detach()
         with torch.no_grad():
-            return _read_item(item, dest, plan.targets[item.key], reader, buffer_bytes, verify)
+            return _read_item(item, dest, plan.targets[item.key], reader, buffer_bytes, verify, scratch)
 
     # Big reads first so threads finish together; thread pool only when it can help.
     items = sorted(plan.items, key=lambda i: -i.chunk.length)
