@@ -56,6 +56,15 @@ def _layout_text(layout: dict | None) -> str:
     return f"({mesh}) [{', '.join(layout['placements'])}]"
 
 
+def _checkpoint_bytes(path: str) -> int:
+    """Total data bytes of a checkpoint (0 when unreadable: the command will say why)."""
+    try:
+        meta = md.Metadata.from_json(FileSystemReader(path).read_metadata())
+    except (CheckpointError, OSError):
+        return 0
+    return sum(e.nbytes for e in meta.entries.values())
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     meta = md.Metadata.from_json(FileSystemReader(args.path).read_metadata())
     rows = []
@@ -88,13 +97,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    total = 0
-    try:
-        meta = md.Metadata.from_json(FileSystemReader(args.path).read_metadata())
-        total = sum(e.nbytes for e in meta.entries.values())
-    except CheckpointError:
-        pass
-    bar = None if args.json else _progress(total, "verify")
+    bar = None if args.json else _progress(_checkpoint_bytes(args.path), "verify")
     report = verify_checkpoint(args.path, progress=bar.update if bar else None)
     if bar:
         bar.close()
@@ -140,9 +143,15 @@ def cmd_transform(args: argparse.Namespace) -> int:
     if (args.layout is None) == (args.mesh is None):
         raise ValueError("transform needs exactly one of --layout FILE or --mesh name=size")
     t0 = time.perf_counter()
-    meta = offline_transform(args.src, args.dst, src_layout=args.src_mesh,
-                             dst_layout=args.layout if args.layout is not None else args.mesh,
-                             max_memory=args.max_memory, overwrite=args.overwrite)
+    bar = None if args.json else _progress(_checkpoint_bytes(args.src), "transform")
+    try:
+        meta = offline_transform(args.src, args.dst, src_layout=args.src_mesh,
+                                 dst_layout=args.layout if args.layout is not None else args.mesh,
+                                 max_memory=args.max_memory, overwrite=args.overwrite,
+                                 progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
     return _report(args, "transform", args.dst, meta, time.perf_counter() - t0)
 
 
@@ -150,8 +159,14 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     from .core.distributed_checkpoint.offline_transform import save_state_dict_as_huggingface_format
 
     t0 = time.perf_counter()
-    index = save_state_dict_as_huggingface_format(args.src, args.dst, max_shard_size=args.max_shard_size,
-                                                  prefix=args.prefix, overwrite=args.overwrite)
+    bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-hf")
+    try:
+        index = save_state_dict_as_huggingface_format(args.src, args.dst, max_shard_size=args.max_shard_size,
+                                                      prefix=args.prefix, overwrite=args.overwrite,
+                                                      progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"command": "export-hf", "destination": args.dst, "seconds": round(seconds, 3),

@@ -151,6 +151,7 @@ def offline_transform(
     max_memory: int | None = None,
     verify: bool = True,
     overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> md.Metadata:
     """Rewrite a checkpoint for another parallel layout, offline, in one process.
 
@@ -165,6 +166,7 @@ def offline_transform(
         max_memory: bytes of tensor data held at once (default: four times the largest
             saved chunk, at least 64 MiB); never the model size.
         verify: check the source's checksums while reading.
+        progress: called with a byte count as each chunk is done (e.g. ``tqdm.update``).
 
     Raises:
         ValueError: ``src_layout`` disagrees with the checkpoint, or the target mesh cannot
@@ -198,7 +200,7 @@ def offline_transform(
     else:
         dst_mesh, rules = dst_layout, None
     result = reshard(src_path, dst_path, dst_mesh=dst_mesh, rules=rules, max_memory=max_memory, verify=verify,
-                     storage_reader=reader)
+                     storage_reader=reader, progress=progress)
     assert result is not None
     return result
 
@@ -275,6 +277,7 @@ def save_state_dict_as_huggingface_format(
     prefix: str = "",
     verify: bool = True,
     overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Export tensors as Hugging Face sharded safetensors, streaming one tensor at a time.
 
@@ -286,6 +289,7 @@ def save_state_dict_as_huggingface_format(
         src: a checkpoint path, or an in-memory state dict of full tensors.
         prefix: export only keys starting with it, with it removed (e.g. ``"model."``).
         max_shard_size: bytes per shard file: an int or a string like ``"5GB"``.
+        progress: called with each tensor's byte count once it is written.
 
     Returns:
         The index dict (``{"metadata": {"total_size": ...}, "weight_map": {...}}``).
@@ -334,6 +338,8 @@ def save_state_dict_as_huggingface_format(
                 for s in shape:
                     n *= s
                 total_size += n
+                if progress is not None:
+                    progress(n)
     finally:
         close()
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -181,8 +181,10 @@ def _check_coverage(key: str, entry: md.Entry, shape: tuple[int, ...], where: st
 class _SourceData:
     """Reads destination chunks out of the source checkpoint (the saver's data resolver)."""
 
-    def __init__(self, meta: md.Metadata, reader: StorageReader, buffer_bytes: int, verify: bool):
+    def __init__(self, meta: md.Metadata, reader: StorageReader, buffer_bytes: int, verify: bool,
+                 progress: Callable[[int], None] | None = None):
         self.meta, self.reader, self.buffer_bytes, self.verify = meta, reader, buffer_bytes, verify
+        self.progress = progress
         self.bytes_read = 0
         self.bytes_needed = 0
 
@@ -193,6 +195,8 @@ class _SourceData:
         dest, stats = read_box(entry, self.reader, item.box, verify=self.verify, buffer_bytes=self.buffer_bytes)
         self.bytes_read += stats.bytes_read
         self.bytes_needed += stats.bytes_needed
+        if self.progress is not None:
+            self.progress(item.nbytes)
         return dest
 
 
@@ -224,6 +228,7 @@ def reshard(
     coordinator_rank: int = 0,
     timeout: timedelta | float | None = None,
     copy_replicas: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> md.Metadata | None:
     """Write a copy of a checkpoint laid out for ``dst_mesh``: one data file per destination rank.
 
@@ -266,6 +271,7 @@ def reshard(
         copy_replicas: store a box that several destination ranks hold (a replicated tensor)
             in each of their files, so every rank reads only its own file (default). False
             stores it once, in the least-loaded holder's file.
+        progress: called with the bytes of each chunk this process has read (for a bar).
 
     Returns:
         The new checkpoint's :class:`Metadata` on the coordinator, None on other ranks.
@@ -333,7 +339,7 @@ def reshard(
         mine.extend(_share(rplan, coord.world_size)[coord.rank])
 
         def write_mine() -> list[WriteResult]:
-            source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify)
+            source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify, progress)
             out = []
             for rank in sorted(mine):
                 objects = rplan.objects if rank == rplan.object_rank else []

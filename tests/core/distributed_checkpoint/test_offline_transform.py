@@ -197,3 +197,12 @@ def test_exported_hf_directory_loads_with_transformers(tmp_path):
         assert torch.equal(v, loaded.state_dict()[k]), k
 
 
+
+
+def test_offline_transform_reports_progress(tmp_path):
+    sd = {"w": make_tensor((40, 30)), "v": make_tensor((7,), seed=1)}
+    save(sd, str(tmp_path / "a"))
+    seen: list[int] = []
+    offline_transform(str(tmp_path / "a"), str(tmp_path / "b"), dst_layout={"tp": 2}, progress=seen.append)
+    assert seen and sum(seen) >= (40 * 30 + 7) * 4
+    assert_same(sd, load(path=str(tmp_path / "b")))
