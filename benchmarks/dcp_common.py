@@ -12,6 +12,7 @@ import ctypes
 import mmap
 import os
 import re
+import resource
 import statistics
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -215,6 +216,12 @@ def io_counters() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far (every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def rss_status() -> dict[str, int]:

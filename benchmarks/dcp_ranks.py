@@ -13,6 +13,7 @@ machine fall on both.
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
 import shutil
@@ -29,6 +30,7 @@ from benchmarks.dcp_common import (
     MiB,
     TensorSpec,
     check_box,
+    cpu_seconds,
     drop_page_cache,
     io_counters,
     make_box,
@@ -204,15 +206,17 @@ class _Rank:
         rec: dict[str, Any] = self.make_cold(cold) if cold else {}
         self.barrier()
         io0 = io_counters()
+        c0 = cpu_seconds()
         t0 = time.monotonic()
         extra = fn() or {}
         t1 = time.monotonic()
+        c1 = cpu_seconds()
         io1 = io_counters()
         span = torch.tensor([-t0, t1], dtype=torch.float64)
         dist.all_reduce(span, op=dist.ReduceOp.MAX)
         rec.update(extra)
         rec.update({
-            "wall_s": float(span[0] + span[1]), "rank_s": t1 - t0, "t0": t0,
+            "wall_s": float(span[0] + span[1]), "rank_s": t1 - t0, "t0": t0, "cpu_s": c1 - c0,
             "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
             "disk_read": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
             "disk_write": io1.get("write_bytes", 0) - io0.get("write_bytes", 0),
@@ -342,11 +346,20 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
         mv_src = memoryview(src.numpy())
         mv_dst = memoryview(reused.numpy())
 
-        def write(fsync: bool) -> None:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # page-aligned copies for O_DIRECT (its buffers, offsets and sizes must be aligned)
+        n_al = -(-n // 4096) * 4096
+        al_src, al_dst = mmap.mmap(-1, max(n_al, 4096)), mmap.mmap(-1, max(n_al, 4096))
+        al_src[:n] = mv_src
+        al_dst.write(b"\1" * len(al_dst))
+        direct_ok = [hasattr(os, "O_DIRECT")]
+
+        def write(fsync: bool, direct: bool = False) -> None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+            view_all, size = (memoryview(al_src), n_al) if direct else (mv_src, n)
+            fd = os.open(path, flags, 0o644)
             try:
-                for off in range(0, n, chunk):
-                    view = mv_src[off:off + chunk]
+                for off in range(0, size, chunk):
+                    view = view_all[off:min(size, off + chunk)]
                     while view.nbytes:
                         view = view[os.write(fd, view):]
                 if fsync:
@@ -354,12 +367,13 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
             finally:
                 os.close(fd)
 
-        def read() -> None:
-            fd = os.open(path, os.O_RDONLY)
+        def read(direct: bool = False) -> None:
+            view_all, size = (memoryview(al_dst), n_al) if direct else (mv_dst, n)
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
             try:
                 off = 0
-                while off < n:
-                    got = os.preadv(fd, [mv_dst[off:off + chunk]], off)
+                while off < size:
+                    got = os.preadv(fd, [view_all[off:min(size, off + chunk)]], off)
                     if not got:
                         raise OSError(f"{path} ends at {off}")
                     off += got
@@ -368,6 +382,15 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
 
         write(True)  # untimed: the first write of a run is often slow for reasons of its own
         os.unlink(path)
+        if direct_ok[0]:
+            try:  # O_DIRECT is refused by some filesystems (tmpfs): then those limits are skipped
+                write(True, direct=True)
+                read(direct=True)
+            except OSError as exc:
+                direct_ok[0] = False
+                b.notes.append(f"O_DIRECT limits skipped: {exc}")
+            if os.path.exists(path):
+                os.unlink(path)
         for _ in range(reps):
             def fresh() -> None:
                 dst = torch.empty(n, dtype=torch.uint8)
@@ -388,6 +411,14 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
             b.record("limits", "read_warm", b.timed(read), total)
             b.barrier()
             os.unlink(path)
+            if direct_ok[0]:
+                b.sync_disk()
+                b.record("limits", "write_direct", b.timed(lambda: write(True, direct=True)), total)
+                b.record("limits", "read_direct", b.timed(lambda: read(direct=True), cold=[ldir]), total)
+                b.barrier()
+                os.unlink(path)
+        al_src.close()
+        al_dst.close()
         b.rmtree(ldir)
 
     # ---- sync save: ours and torch DCP, fresh directory per repetition

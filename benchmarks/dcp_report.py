@@ -19,6 +19,8 @@ LIMITS = {
     "write_fsync": "sequential write + fsync",
     "read_cold": "sequential read (readinto), cold cache",
     "read_warm": "sequential read (readinto), warm cache",
+    "write_direct": "sequential write, O_DIRECT + fsync (page-aligned buffer)",
+    "read_direct": "sequential read, O_DIRECT (cold)",
     "memcpy_fresh": "memcpy into fresh memory",
     "memcpy_reused": "memcpy into reused memory",
 }
@@ -44,7 +46,7 @@ def merge_ranks(per_rank: list[dict]) -> dict[str, dict[str, list[dict]]]:
                 same = [r["records"].get(scenario, {}).get(variant, [])[i] for r in per_rank
                         if i < len(r["records"].get(scenario, {}).get(variant, []))]
                 m = dict(rec)
-                for k in ("bytes_read", "rchar", "disk_read", "disk_write"):
+                for k in ("bytes_read", "rchar", "disk_read", "disk_write", "cpu_s"):
                     if any(k in s for s in same):
                         m[k] = sum(s.get(k, 0) for s in same)
                 if "correct" in rec:
@@ -77,6 +79,11 @@ def _secs(reps: list[dict], key: str = "wall_s") -> dict:
     return summary([r[key] for r in reps if r.get(key) is not None])
 
 
+def _cpu(nbytes: int, reps: list[dict]) -> dict:
+    """CPU seconds (all ranks, all threads) per GiB of the global state."""
+    return summary([r["cpu_s"] / (nbytes / GiB) for r in reps if r.get("cpu_s") is not None])
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
         return None
@@ -90,7 +97,8 @@ def build_results(merged: dict, total: int, ws: int, local_bytes: list[int]) -> 
     res["limits"] = {}
     for key in LIMITS:
         if key in lim:
-            entry = {"GiBps": _rate(total, lim[key]), "seconds": _secs(lim[key])}
+            entry = {"GiBps": _rate(total, lim[key]), "seconds": _secs(lim[key]),
+                     "cpu_s_per_GiB": _cpu(total, lim[key])}
             if key == "read_cold":
                 entry["resident_before"] = [r.get("resident_before") for r in lim[key]]
                 entry["cold_method"] = lim[key][0].get("cold_method")
@@ -113,7 +121,8 @@ def build_results(merged: dict, total: int, ws: int, local_bytes: list[int]) -> 
         sc[key] = entry
     ref = merged.get("reference", {})
     sc["reference"] = {"title": "single-process references (whole state in 1 process)",
-                       "variants": {k: {"title": t, "GiBps": _rate(total, ref[k]), "seconds": _secs(ref[k])}
+                       "variants": {k: {"title": t, "GiBps": _rate(total, ref[k]), "seconds": _secs(ref[k]),
+                                        "cpu_s_per_GiB": _cpu(total, ref[k])}
                                     for k, t in REFERENCES.items() if k in ref}}
     if "_error" in ref:
         sc["reference"]["error"] = ref["_error"][0].get("errors")
@@ -128,7 +137,8 @@ def _throughput(title: str, data: dict, total: int, limit: float | None, limit_k
         if variant == "_error":
             entry["error"] = reps[0].get("errors") or reps[0].get("error")
             continue
-        entry["variants"][variant] = {"GiBps": _rate(total, reps), "seconds": _secs(reps)}
+        entry["variants"][variant] = {"GiBps": _rate(total, reps), "seconds": _secs(reps),
+                                      "cpu_s_per_GiB": _cpu(total, reps)}
     ours = entry["variants"].get("ours", {}).get("GiBps", {}).get("median")
     theirs = entry["variants"].get("torch", {}).get("GiBps", {}).get("median")
     entry["ours_vs_torch"] = _ratio(ours, theirs)
@@ -268,6 +278,11 @@ def _cell(stats: dict | None, digits: int = 2) -> str:
     return f"{stats['median']:.{digits}f} ({stats['min']:.{digits}f}–{stats['max']:.{digits}f})"
 
 
+def _med(entry: dict | None, key: str = "cpu_s_per_GiB") -> str:
+    st = (entry or {}).get(key)
+    return "–" if not st or not st.get("values") else f"{st['median']:.2f}"
+
+
 def _x(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}x"
 
@@ -292,20 +307,21 @@ def markdown(doc: dict) -> str:
     L.append("")
     L.append("## Save and load (GiB/s of the global state, higher is better)")
     L.append("")
-    L.append("| scenario | ours | torch DCP | ours / torch | raw limit | ours / limit |")
-    L.append("|---|---|---|---|---|---|")
+    L.append("| scenario | ours | torch DCP | ours / torch | raw limit | ours / limit | CPU s/GiB: ours, torch |")
+    L.append("|---|---|---|---|---|---|---|")
     for key in ("sync_save", *LOADS):
         e = sc[key]
         lim = res["limits"].get(e["limit"], {}).get("GiBps")
         v = e["variants"]
         L.append(f"| {e['title']} | {_cell(v.get('ours', {}).get('GiBps'))} | {_cell(v.get('torch', {}).get('GiBps'))}"
                  f" | {_x(e.get('ours_vs_torch'))} | {_cell(lim)} ({LIMITS.get(e['limit'], e['limit'])})"
-                 f" | {_x(e.get('ours_vs_limit'))} |")
+                 f" | {_x(e.get('ours_vs_limit'))} | {_med(v.get('ours'))}, {_med(v.get('torch'))} |")
         if "ours_noverify" in v:
             L.append(f"| ↳ same, ours with verify=False | {_cell(v['ours_noverify'].get('GiBps'))} | | "
-                     f"{_x(e.get('ours_noverify_vs_torch'))} | | {_x(e.get('ours_noverify_vs_limit'))} |")
+                     f"{_x(e.get('ours_noverify_vs_torch'))} | | {_x(e.get('ours_noverify_vs_limit'))} | "
+                     f"{_med(v['ours_noverify'])} |")
         if e.get("error"):
-            L.append(f"| ↳ **error** | {e['error']} | | | | |")
+            L.append(f"| ↳ **error** | {e['error']} | | | | | |")
     L.append("")
     L.append("Bytes read per load (all ranks, first repetition): needed = bytes of the targets; "
              "ours = the reader's `bytes_read`; syscall = `rchar` of the ranks (torch's reads show here); "
@@ -324,21 +340,21 @@ def markdown(doc: dict) -> str:
     L.append(f"## Raw limits of this machine ({cfg['world_size']} processes in parallel, one file each, "
              f"{cfg['io_chunk_mib']:g} MiB per call)")
     L.append("")
-    L.append("| limit | GiB/s (all ranks) | seconds |")
-    L.append("|---|---|---|")
+    L.append("| limit | GiB/s (all ranks) | seconds | CPU s/GiB |")
+    L.append("|---|---|---|---|")
     for key, title in LIMITS.items():
         e = res["limits"].get(key)
         if e:
-            L.append(f"| {title} | {_cell(e['GiBps'])} | {_cell(e['seconds'], 3)} |")
+            L.append(f"| {title} | {_cell(e['GiBps'])} | {_cell(e['seconds'], 3)} | {_med(e)} |")
     L.append("")
     ref = sc["reference"]
     if ref["variants"]:
         L.append("## Single-process references (the whole state from one process)")
         L.append("")
-        L.append("| reference | GiB/s | seconds |")
-        L.append("|---|---|---|")
+        L.append("| reference | GiB/s | seconds | CPU s/GiB |")
+        L.append("|---|---|---|---|")
         for _, e in ref["variants"].items():
-            L.append(f"| {e['title']} | {_cell(e['GiBps'])} | {_cell(e['seconds'], 3)} |")
+            L.append(f"| {e['title']} | {_cell(e['GiBps'])} | {_cell(e['seconds'], 3)} | {_med(e)} |")
         L.append("")
     a = sc["async_save"]
     L.append("## Async save (matmul loop running in every rank)")
@@ -473,6 +489,7 @@ def chart(doc: dict, path: str) -> str | None:
     ax.bar([x + 1.5 * width for x in range(len(keys))], lims, width, color="#7f7f7f", label="raw limit")
     ax.set_xticks(range(len(keys)), labels, fontsize=8)
     ax.set_ylabel("GiB/s (global state / wall time)")
+    ax.set_ylim(0, 1.3 * max([*lims, 0.1]))
     ax.set_title(f"{human_bytes(doc['config']['size_bytes'])}, {doc['config']['world_size']} ranks, "
                  f"median and min–max of {doc['config']['reps']}")
     ax.legend(fontsize=8)
