@@ -10,6 +10,19 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
+class Counter:
+    """A Stateful object (state_dict()/load_state_dict()) holding a value and a tensor."""
+
+    def __init__(self, n: int = 0):
+        self.n, self.hist = n, torch.arange(float(n))
+
+    def state_dict(self):
+        return {"n": self.n, "hist": self.hist}
+
+    def load_state_dict(self, sd):
+        self.n, self.hist = sd["n"], sd["hist"]
+
+
 def make_tensor(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
     """The same tensor on every rank (values depend only on shape, dtype, seed)."""
     g = torch.Generator().manual_seed(seed)

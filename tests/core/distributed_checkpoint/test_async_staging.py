@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_same, make_dtensor, make_tensor, zeros_like_tree
+from helpers import Counter, assert_same, make_dtensor, make_tensor, zeros_like_tree
 from multiprocess import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -40,19 +40,6 @@ from hyper_parallel.core.distributed_checkpoint import (
 )
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class Counter:
-    """A Stateful object: its state_dict() is taken at async_save time."""
-
-    def __init__(self, n: int = 0):
-        self.n, self.hist = n, torch.arange(float(n))
-
-    def state_dict(self):
-        return {"n": self.n, "hist": self.hist}
-
-    def load_state_dict(self, sd):
-        self.n, self.hist = sd["n"], sd["hist"]
 
 
 def build_state(ws: int, seed: int = 0) -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import assert_same, local_expected, make_dtensor, make_tensor, zeros_like_tree
+from helpers import Counter, assert_same, local_expected, make_dtensor, make_tensor, zeros_like_tree
 from multiprocess import RankFailure, run_ranks
 from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
@@ -28,19 +28,6 @@ from hyper_parallel.core.distributed_checkpoint import (
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
           torch.float8_e5m2, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
-
-
-class Counter:
-    """A Stateful object: saved through state_dict(), restored through load_state_dict()."""
-
-    def __init__(self, n: int = 0):
-        self.n, self.hist = n, torch.arange(float(n))
-
-    def state_dict(self):
-        return {"n": self.n, "hist": self.hist}
-
-    def load_state_dict(self, sd):
-        self.n, self.hist = sd["n"], sd["hist"]
 
 
 def build_state(ws: int) -> dict:
