@@ -225,14 +225,23 @@ def read_plan(
         with torch.no_grad():
             return _read_item(item, dest, plan.targets[item.key], reader, buffer_bytes, verify, scratch)
 
-    # Big reads first so threads finish together; thread pool only when it can help.
-    items = sorted(plan.items, key=lambda i: -i.chunk.length)
-    workers = max(1, min(thread_count, len(items)))
+    # Each file is read front to back by one thread (the kernel's readahead then streams it);
+    # different files are read in parallel. Interleaving reads of one file from several
+    # threads measured 20-30% slower on a cold cache.
+    by_file: dict[str, list[ReadItem]] = {}
+    for item in sorted(plan.items, key=lambda i: (i.chunk.file, i.chunk.start)):
+        by_file.setdefault(item.chunk.file, []).append(item)
+    streams = sorted(by_file.values(), key=lambda items: -sum(i.chunk.length for i in items))
+
+    def run_file(items: list[ReadItem]) -> int:
+        return sum(run(i) for i in items)
+
+    workers = max(1, min(thread_count, len(streams)))
     if workers > 1:
         with ThreadPoolExecutor(workers, thread_name_prefix="dcp-read") as pool:
-            stats.bytes_read = sum(pool.map(run, items))
+            stats.bytes_read = sum(pool.map(run_file, streams))
     else:
-        stats.bytes_read = sum(run(i) for i in items)
+        stats.bytes_read = sum(run_file(items) for items in streams)
     return stats
 
 
