@@ -151,8 +151,12 @@ def save(
         if global_plans is not None:
             _PLAN_CACHE.move_to_end(cache_key)
     if global_plans is None:
-        plans = coord.exchange("save (plan exchange)", lambda: local[0])
-        global_plans = coord.exchange("save (global plan)", lambda: planner.create_global_save_plan(plans))[coord.rank]
+        computed: list[list[SavePlan]] = []
+        with md.paused_gc():  # unpickling every rank's plan: millions of small objects at scale
+            plans = coord.exchange("save (plan exchange)", lambda: local[0])
+        # Every rank computes the same global plan; only the statuses are exchanged.
+        coord.exchange("save (global plan)", lambda: computed.append(planner.create_global_save_plan(plans)))
+        global_plans = computed[0]
         with _PLAN_CACHE_LOCK:
             _PLAN_CACHE[cache_key] = global_plans
             while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
@@ -169,13 +173,13 @@ def save(
             "save (writing data)",
             lambda: write_plan(mine, planner, storage_writer, coord.rank, save_id, thread_count),
         )
-        committed = coord.exchange(
-            "save (commit)", lambda: commit(results) if coord.is_coordinator else None
-        )
+        committed: list[md.Metadata] = []
+        coord.exchange("save (commit)",
+                       lambda: committed.append(commit(results)) if coord.is_coordinator else None)
     except BaseException:
         storage_writer.remove(data_file_names(coord.rank, save_id, thread_count))
         raise
-    return committed[coord.coordinator_rank] if coord.is_coordinator else None
+    return committed[0] if committed else None
 
 
 def load(

@@ -145,6 +145,13 @@ def build_metadata(
     plan: SavePlan, results: list[WriteResult], save_id: str, world_size: int, user: dict[str, Any]
 ) -> md.Metadata:
     """The coordinator's merge of every rank's write results into the checkpoint's metadata."""
+    with md.paused_gc():
+        return _build_metadata(plan, results, save_id, world_size, user)
+
+
+def _build_metadata(
+    plan: SavePlan, results: list[WriteResult], save_id: str, world_size: int, user: dict[str, Any]
+) -> md.Metadata:
     chunks: dict[str, list[md.ChunkRecord]] = {}
     objects: dict[str, Any] = {}
     for r in results:

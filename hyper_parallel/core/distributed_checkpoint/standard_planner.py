@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import pickle
 import re
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -188,6 +187,10 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._data[(key, box)] = tensor
 
     def create_global_save_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with md.paused_gc():
+            return self._global_save_plan(plans)
+
+    def _global_save_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         merged: dict[str, EntrySpec] = {}
         first_rank: dict[str, int] = {}
         for rank, plan in enumerate(plans):
@@ -201,20 +204,33 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                         f"{seen.kind} {seen.dtype} {seen.shape}, rank {rank} has "
                         f"{spec.kind} {spec.dtype} {spec.shape}"
                     )
-        holders: dict[tuple[str, Box], list[int]] = defaultdict(list)
-        sizes: dict[tuple[str, Box], int] = {}
+        # (key, offsets, sizes) -> [first item, holder ranks...]; plain tuples hash in C.
+        holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[Any]] = {}
         for rank, plan in enumerate(plans):
             for item in plan.items:
-                holders[(item.key, item.box)].append(rank)
-                sizes[(item.key, item.box)] = item.nbytes
+                k = (item.key, item.box.offsets, item.box.sizes)
+                h = holders.get(k)
+                if h is None:
+                    holders[k] = [item, rank]
+                else:
+                    h.append(rank)
         load = [0] * len(plans)
         assigned: list[list[WriteItem]] = [[] for _ in plans]
-        # Boxes only one rank holds are forced; replicas then fill up the lightest holders.
-        order = sorted(holders, key=lambda kb: (len(holders[kb]) > 1, -sizes[kb], kb[0], kb[1].offsets))
-        for kb in order:
-            rank = min(holders[kb], key=lambda r: (load[r], r))
-            load[rank] += sizes[kb]
-            assigned[rank].append(WriteItem(kb[0], kb[1], sizes[kb]))
+        replicated = []
+        # Boxes only one rank holds are forced; replicas then fill up the lightest holders,
+        # largest first (ties by key and offsets, so every rank decides the same).
+        for h in holders.values():
+            if len(h) == 2:
+                item, rank = h
+                load[rank] += item.nbytes
+                assigned[rank].append(item)
+            else:
+                replicated.append(h)
+        replicated.sort(key=lambda h: (-h[0].nbytes, h[0].key, h[0].box.offsets))
+        for item, *ranks in replicated:
+            rank = min(ranks, key=lambda r: (load[r], r))
+            load[rank] += item.nbytes
+            assigned[rank].append(item)
         objects: list[list[str]] = [[] for _ in plans]
         for key, spec in merged.items():
             if spec.kind == "object":
