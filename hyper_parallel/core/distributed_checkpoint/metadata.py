@@ -187,9 +187,9 @@ class Metadata:
                 d["shape"] = list(e.shape or ())
                 if e.layout is not None:
                     d["layout"] = e.layout
+                # tuples serialise as JSON arrays: no per-chunk list copies
                 d["chunks"] = [
-                    [list(c.offsets), list(c.sizes), index[c.file], c.start, c.length,
-                     c.block_rows, list(c.crc32c)]
+                    (c.offsets, c.sizes, index[c.file], c.start, c.length, c.block_rows, c.crc32c)
                     for c in e.chunks
                 ]
             entries[key] = d
