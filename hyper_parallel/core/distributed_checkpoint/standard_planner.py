@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from . import metadata as md
 from .box import Box, uncovered
 from .errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
-from .layout import TensorLayout
+from .layout import TensorLayout, placement_to_name
 from .planner import (
     EntrySpec,
     LoadPlan,
@@ -39,26 +39,12 @@ from .planner import (
 __all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner", "dtensor_box", "layout_record"]
 
 
-def placement_name(p: Any) -> str:
-    """A short stable name for a placement: ``S(0)``, ``R``, ``P(sum)``, ``_S(0,2)``."""
-    cls = type(p).__name__
-    if cls == "_StridedShard":
-        return f"_S({p.dim},{p.split_factor})"
-    if p.is_shard():
-        return f"S({p.dim})"
-    if p.is_replicate():
-        return "R"
-    if p.is_partial():
-        return f"P({getattr(p, 'reduce_op', 'sum')})"
-    return repr(p)
-
-
 def layout_record(t: DTensor) -> dict[str, Any]:
     mesh = t.device_mesh
     return {
         "mesh_shape": list(mesh.shape),
         "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-        "placements": [placement_name(p) for p in t.placements],
+        "placements": [placement_to_name(p) for p in t.placements],
     }
 
 
