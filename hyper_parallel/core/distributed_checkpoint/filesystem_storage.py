@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections.abc import Iterable
 
-from .errors import CorruptCheckpointError, NotACheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from .metadata import METADATA_FILE
 from .storage import Buffer, StorageReader, StorageWriter, checkpoint_path
 
@@ -41,6 +41,8 @@ class FileSystemWriter(StorageWriter):
         self.sync_files = sync_files
 
     def prepare(self) -> None:
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise CheckpointError(f"{self.path!r} exists and is not a directory; a checkpoint is a directory")
         os.makedirs(self.path, exist_ok=True)
 
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:

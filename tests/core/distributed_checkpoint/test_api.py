@@ -12,6 +12,7 @@ import torch
 from helpers import assert_same, make_tensor
 
 from hyper_parallel.core.distributed_checkpoint import (
+    CheckpointError,
     CorruptCheckpointError,
     FileSystemReader,
     MetadataError,
@@ -290,3 +291,11 @@ def test_a_url_path_uses_fsspec_storage():
     sd = small_sd()
     save(sd, "memory://ckpt/a")
     assert_same(sd, load(path="memory://ckpt/a"))
+
+
+def test_an_empty_state_dict_and_a_path_that_is_a_file(tmp_path):
+    save({}, str(tmp_path / "e"))
+    assert load(path=str(tmp_path / "e")) == {}
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        save({"w": torch.ones(1)}, str(tmp_path / "f"))
