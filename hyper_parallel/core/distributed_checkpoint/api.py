@@ -106,7 +106,8 @@ def save(
         allow_pickle: permit values that only pickle can store (refused by default).
         thread_count: data files (and writer threads) per rank.
         sync_files: fsync data and metadata before committing (default True).
-        timeout: for the gloo group made when ``process_group`` is not gloo.
+        timeout: bound on every cross-rank exchange (seconds or timedelta; default 30 min):
+            a rank that crashed, hung or never called save becomes an error on all ranks.
         user_metadata: a JSON-able dict stored in ``.metadata`` (``Metadata.user``).
 
     Returns:
@@ -214,7 +215,8 @@ def load(
         strict: require the target's keys and the checkpoint's keys to match exactly. With
             ``strict=False`` only common keys load; the others are reported in a warning.
         allow_pickle: permit unpickling values saved with ``allow_pickle=True``.
-        thread_count: reader threads per rank.
+        thread_count: reader threads per rank (files are read in parallel, each front to back).
+        timeout: bound on every cross-rank exchange (seconds or timedelta; default 30 min).
         verify: check the crc32c of every byte read (default). A chunk is checked in blocks
             of whole rows, so a load that needs part of each row (e.g. ``Shard(0)`` saved,
             ``Shard(1)`` loaded) reads whole rows. ``verify=False`` reads only the bytes the
