@@ -40,11 +40,17 @@ def _gloo_group(group: Any, timeout: timedelta | None) -> Any:
     """
     if group is not None and _is_gloo(group) and timeout is None:
         return group
-    key = (None if group is None else id(group), timeout or DEFAULT_TIMEOUT)
-    if key not in _GLOO_GROUPS:
+    # Keyed by the world group object too: after destroy_process_group() and a new
+    # init_process_group() in the same process, groups of the old world are dead.
+    world = dist.group.WORLD
+    key = (id(world), None if group is None else id(group), timeout or DEFAULT_TIMEOUT)
+    cached = _GLOO_GROUPS.get(key)
+    if cached is None or cached[0] is not world or cached[1] is not group:
         ranks = None if group is None else dist.get_process_group_ranks(group)
-        _GLOO_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
-    return _GLOO_GROUPS[key]
+        made = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
+        # hold world and group so their ids cannot be reused by other objects
+        _GLOO_GROUPS[key] = cached = (world, group, made)
+    return cached[2]
 
 
 class Coordinator:
@@ -79,7 +85,7 @@ class Coordinator:
             return op()
         except RuntimeError as exc:
             # A dead or stuck peer; gloo groups are unusable after this, so forget ours.
-            for k, g in list(_GLOO_GROUPS.items()):
+            for k, (_, _, g) in list(_GLOO_GROUPS.items()):
                 if g is getattr(self, "group", None):
                     del _GLOO_GROUPS[k]
             raise CheckpointError(

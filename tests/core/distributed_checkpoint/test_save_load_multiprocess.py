@@ -262,3 +262,21 @@ def rank_hung(rank: int, ws: int, path: str) -> str:
 
 def test_a_hung_rank_becomes_an_error_after_the_timeout(tmp_path):
     assert run_ranks(rank_hung, 2, str(tmp_path / "c")) == ["timed out", "slept"]
+
+
+def rank_reinit(rank: int, ws: int, path: str) -> str:
+    from datetime import timedelta
+    sd = {"w": make_tensor((4, 4))}
+    save(sd, path)
+    # a second world in the same process: the checkpoint group of the first one is gone
+    dist.destroy_process_group()
+    store = dist.FileStore(path + ".store2", ws)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ws, timeout=timedelta(seconds=30))
+    save({"w": make_tensor((4, 4), seed=1)}, path)
+    out = load(path=path)
+    assert torch.equal(out["w"], make_tensor((4, 4), seed=1))
+    return "ok"
+
+
+def test_save_works_again_after_the_process_group_is_recreated(tmp_path):
+    assert run_ranks(rank_reinit, 2, str(tmp_path / "c")) == ["ok", "ok"]
