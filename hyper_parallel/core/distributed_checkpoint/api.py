@@ -8,6 +8,7 @@ in a status exchange, so a failure anywhere fails every rank with the same messa
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import uuid
@@ -18,7 +19,7 @@ from typing import Any
 
 from . import metadata as md
 from .coordination import Coordinator
-from .errors import StateDictMismatchError
+from .errors import StateDictMismatchError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .flatten import FlatStateDict, flatten, unflatten
 from .loader import read_plan
@@ -140,6 +141,8 @@ def save(
         flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
         planner.set_up_save(flat, coord.is_coordinator)
         local.append(planner.create_local_save_plan())
+        if coord.world_size == 1:
+            _check_complete_alone(local[0])
         storage_writer.prepare()
         return plan_digest(local[0]), uuid.uuid4().hex[:16]
 
@@ -282,6 +285,23 @@ def load(
     for obj, inner in flat.statefuls:
         obj.load_state_dict(inner)
     return state_dict
+
+
+def _check_complete_alone(plan: SavePlan) -> None:
+    """A process saving alone must hold every element, or the checkpoint would be incomplete."""
+    held: dict[str, int] = {}
+    for item in plan.items:
+        held[item.key] = held.get(item.key, 0) + item.box.numel
+    for key, spec in plan.entries.items():
+        if spec.kind == "object" or spec.shape is None:
+            continue
+        numel = math.prod(spec.shape)
+        if held.get(key, 0) != numel:
+            raise UnsupportedValueError(
+                f"{key!r}: this process holds {held.get(key, 0)} of its {numel} elements (a DTensor "
+                f"shard on mesh {spec.layout and spec.layout.get('mesh_shape')}), but it saves alone "
+                "(no_dist=True / use_collectives=False), so the checkpoint would miss the other "
+                "ranks' shards. Save from every rank with collectives, or gather the tensor first")
 
 
 def _check_keys(planner: Any, strict: bool) -> None:

@@ -280,3 +280,18 @@ def rank_reinit(rank: int, ws: int, path: str) -> str:
 
 def test_save_works_again_after_the_process_group_is_recreated(tmp_path):
     assert run_ranks(rank_reinit, 2, str(tmp_path / "c")) == ["ok", "ok"]
+
+
+def rank_alone(rank: int, ws: int, path: str) -> str:
+    mesh = init_device_mesh("cpu", (ws,))
+    sharded = {"w": make_dtensor(make_tensor((6, 4)), mesh, [Shard(0)])}
+    with pytest.raises(UnsupportedValueError, match="'w'.*saves alone"):
+        save(sharded, f"{path}-{rank}", no_dist=True)
+    replicated = {"w": make_dtensor(make_tensor((6, 4)), mesh, [Replicate()])}
+    save(replicated, f"{path}-{rank}", use_collectives=False)  # a full replica: complete alone
+    assert torch.equal(load(path=f"{path}-{rank}", no_dist=True)["w"], make_tensor((6, 4)))
+    return "ok"
+
+
+def test_saving_a_shard_alone_is_refused_a_replica_is_fine(tmp_path):
+    assert run_ranks(rank_alone, 2, str(tmp_path / "c")) == ["ok", "ok"]
