@@ -4,6 +4,7 @@ Usage (SRC first, DST a new directory, as in ``cp``)::
 
     hyper-dcp inspect PATH [--json]
     hyper-dcp verify PATH [--json]
+    hyper-dcp gc PATH [--dry-run] [--json]
     hyper-dcp transform SRC DST --mesh tp=4 | --layout strategy.json
     hyper-dcp export-hf SRC DST [--prefix model.] [--max-shard-size 5GB]
     hyper-dcp import-hf SRC DST [--prefix model.]
@@ -110,7 +111,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAILED: {len(report.problems)} problem(s) in {args.path}:")
         for p in report.problems:
             print(f"  - {p}")
+    if report.unreferenced and not args.json:
+        print(f"note: {len(report.unreferenced)} unreferenced file(s) left by failed or replaced saves "
+              f"(e.g. {report.unreferenced[0]}); `hyper-dcp gc {args.path}` removes them")
     return 0 if report.ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.commit import collect_garbage
+    from .core.distributed_checkpoint.filesystem_storage import FileSystemWriter
+
+    removed = collect_garbage(FileSystemReader(args.path), FileSystemWriter(args.path), dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({"path": args.path, "dry_run": args.dry_run, "files": removed}, indent=1))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {len(removed)} unreferenced file(s)" + "".join(f"\n  {n}" for n in removed))
+    return 0
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -205,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("gc", help="remove data files no committed .metadata names (not while a save runs)")
+    p.add_argument("path")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(fn=cmd_gc)
 
     def src_dst(p: argparse.ArgumentParser) -> None:
         p.add_argument("src")

@@ -17,6 +17,7 @@ that need distributed checkpoints.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -28,12 +29,14 @@ import torch
 
 from . import metadata as md
 from .box import Box
+from .commit import commit_and_agree, write_and_report
+from .coordination import Coordinator
 from .errors import CheckpointError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
 from .loader import read_box
 from .planner import EntrySpec, SavePlan, WriteItem
-from .saver import build_metadata, commit_metadata, tensor_bytes, write_plan
+from .saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
 from .storage import StorageReader
 
 HF_INDEX = "model.safetensors.index.json"
@@ -97,16 +100,22 @@ def write_streaming(
     save_id = uuid.uuid4().hex[:16]
     objects = [k for k, e in entries.items() if e.kind == "object"]
     resolver = _Lazy(produce)
-    results = []
-    try:
-        for rank, items in enumerate(files or [[]]):
-            plan = SavePlan(entries, items, objects if rank == 0 else [])
-            results.append(write_plan(plan, resolver, writer, rank, save_id))
-        meta = build_metadata(SavePlan(entries, [], []), results, save_id, max(1, len(files)), user_metadata or {})
-        commit_metadata(writer, meta)
-    except BaseException:
-        writer.remove(f for r in results for f in r.files)
-        raise
+    # A layout's mesh may be larger than the number of files (replicas written once).
+    world = max([len(files), 1] + [math.prod(e.layout["mesh_shape"]) for e in entries.values() if e.layout])
+    coord = Coordinator(None, no_dist=True)
+    own = [n for r in range(len(files or [[]])) for n in data_file_names(r, save_id, 1)]
+    what = f"writing {os.fspath(dst)}"
+
+    def write_all() -> list[WriteResult]:
+        return [write_plan(SavePlan(entries, items, objects if rank == 0 else []), resolver, writer, rank, save_id)
+                for rank, items in enumerate(files or [[]])]
+
+    results = write_and_report(coord, writer, "write", write_all, own, what, save_id)[0]
+    meta = commit_and_agree(
+        coord, writer, "commit",
+        lambda: build_metadata(SavePlan(entries, [], []), results, save_id, world, user_metadata or {}),
+        own, what, save_id)
+    assert meta is not None
     return meta
 
 
@@ -343,9 +352,38 @@ def save_state_dict_as_huggingface_format(
     finally:
         close()
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    with open(os.path.join(dst_dir, HF_INDEX), "w") as f:
-        json.dump(index, f, indent=2)
+    stale = _previous_export(dst_dir) - set(weight_map.values())
+    _write_atomically(os.path.join(dst_dir, HF_INDEX), json.dumps(index, indent=2).encode())
+    for name in sorted(stale):  # shards of an earlier export that the new index does not name
+        try:
+            os.unlink(os.path.join(dst_dir, name))
+        except FileNotFoundError:
+            pass
     return index
+
+
+_HF_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def _previous_export(dst_dir: str | os.PathLike) -> set[str]:
+    """Shard files of an earlier export in ``dst_dir`` (by its index, else by HF's naming)."""
+    names = {f for f in os.listdir(dst_dir) if _HF_SHARD.match(f)}
+    try:
+        with open(os.path.join(dst_dir, HF_INDEX)) as f:
+            names |= {n for n in json.load(f).get("weight_map", {}).values()
+                      if isinstance(n, str) and _HF_SHARD.match(n)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return names
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _hf_files(src: str | os.PathLike) -> list[str]:

@@ -92,15 +92,18 @@ def _numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
 class StandardPlanner(SavePlanner, LoadPlanner):
     """The default planner for save and load.
 
-    Hooks for subclasses: :meth:`transform_state_dict` (rename/filter keys, called on save
-    and on load with the flattened ``{key: value}`` map) and every protocol method of
-    :class:`~.planner.SavePlanner` / :class:`~.planner.LoadPlanner`.
+    Hooks for subclasses: :meth:`transform_key` (rename or drop one key) or, for changes
+    that need the whole map, :meth:`transform_state_dict` (called on save and on load with
+    the flattened ``{key: value}`` map); and every protocol method of
+    :class:`~.planner.SavePlanner` / :class:`~.planner.LoadPlanner`. On load, every value
+    kind (tensors, plain values, bytes, Stateful objects) goes back to the target key it
+    was renamed from.
 
     Example — save and load every key under a new prefix::
 
         class Prefixed(StandardPlanner):
-            def transform_state_dict(self, sd):
-                return {"v2." + k: v for k, v in sd.items()}
+            def transform_key(self, key):
+                return "v2." + key
     """
 
     def __init__(self, allow_pickle: bool = False):
@@ -108,12 +111,41 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
         self._data: dict[tuple[str, Box], Any] = {}
+        self._origin: dict[str, str] = {}
+        self._origin_identity = True
 
     # ------------------------------------------------------------------ hooks
 
+    def transform_key(self, key: str) -> str | None:
+        """The checkpoint key of one flattened key, or None to leave it out; the identity."""
+        return key
+
     def transform_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Rename or filter flattened keys; the identity by default."""
-        return state_dict
+        """Rename or filter flattened keys (default: :meth:`transform_key` on each key).
+
+        Overriding this instead of :meth:`transform_key` works too; on load, renamed keys
+        are traced back to the target's keys by value identity, or by calling this on the
+        one key alone.
+        """
+        if type(self).transform_key is StandardPlanner.transform_key:
+            return state_dict
+        out = {}
+        for key, value in state_dict.items():
+            new = self.transform_key(key)
+            if new is not None:
+                out[new] = value
+        return out
+
+    def original_key(self, key: str) -> str | None:
+        """On load: the target's key that checkpoint key ``key`` was renamed from (None if unknown)."""
+        return self._origin.get(key, key if self._origin_identity else None)
+
+    def _transform(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`transform_state_dict`, remembering where each new key came from."""
+        out = self.transform_state_dict(state_dict)
+        self._origin_identity = out is state_dict
+        self._origin = {} if out is state_dict else _trace_origins(self, state_dict, out)
+        return out
 
     def cache_key(self) -> Any:
         """Global save plans are reused while this and every rank's local plan are unchanged."""
@@ -126,7 +158,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def set_up_save(self, state_dict: dict[str, Any], is_coordinator: bool) -> None:
         self._paths = dict(getattr(state_dict, "paths", {}))
-        self._values = self.transform_state_dict(state_dict)
+        self._values = self._transform(state_dict)
         self.is_coordinator = is_coordinator
 
     def create_local_save_plan(self) -> SavePlan:
@@ -235,7 +267,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self.is_coordinator = is_coordinator
         self.rank = rank
         self._paths = dict(getattr(state_dict, "paths", {})) if state_dict is not None else {}
-        self._targets = self.transform_state_dict(state_dict) if state_dict is not None else None
+        self._targets = self._transform(state_dict) if state_dict is not None else None
         self.missing_keys: list[str] = []
         self.unexpected_keys: list[str] = []
         self._dest: dict[str, torch.Tensor] = {}
@@ -327,7 +359,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             kind = self.metadata.entries[key].kind
             target = None if self._targets is None else self._targets.get(key)
             if kind == "ndarray":
-                out[key] = target if isinstance(target, np.ndarray) else tensor.numpy()
+                # filled in place: a numpy or torch target stays what it is
+                out[key] = target if target is not None else tensor.numpy()
             elif kind == "bytes":
                 out[key] = bytes(tensor.numpy().tobytes())
             elif kind == "pickle":
@@ -335,6 +368,29 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             else:
                 out[key] = target if target is not None else tensor
         return out
+
+
+def _trace_origins(planner: StandardPlanner, before: dict[str, Any], after: dict[str, Any]) -> dict[str, str]:
+    """For a custom ``transform_state_dict``: new key -> original key, where it can be told.
+
+    A value object found under exactly one original key names it; otherwise (equal small
+    ints, None...) each candidate is transformed alone and the one that yields the new key
+    wins. Keys that stay ambiguous are left out (loading a new value into them then raises).
+    """
+    by_id: dict[int, list[str]] = {}
+    for key, value in before.items():
+        by_id.setdefault(id(value), []).append(key)
+    origin: dict[str, str] = {}
+    for new, value in after.items():
+        if new in before and before[new] is value:
+            origin[new] = new
+            continue
+        candidates = by_id.get(id(value), [])
+        if len(candidates) > 1:
+            candidates = [k for k in candidates if new in planner.transform_state_dict({k: before[k]})]
+        if len(candidates) == 1:
+            origin[new] = candidates[0]
+    return origin
 
 
 def _numpy_tensor_view(arr: np.ndarray, key: str) -> torch.Tensor:
