@@ -177,3 +177,5 @@ def commit_metadata(writer: StorageWriter, meta: md.Metadata) -> None:
         except md.MetadataError:
             old = set()
         writer.remove(sorted(old - set(meta.files)))
+
+from .single_file import save_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)
