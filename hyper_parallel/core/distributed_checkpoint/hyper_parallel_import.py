@@ -207,6 +207,7 @@ class HyperParallelCheckpoint:
 
 _RANK_LOCAL = (re.compile(r"^\.rank(\d+)_metadata$"), re.compile(r"^(\d+)\.metadata$"))
 _MAX_METADATA_BYTES = 1 << 30
+_PACKED_BYTES = re.compile(r"^_rank\d+_\.bytes$")
 
 
 def _unpickle_metadata(path: str) -> HPMetadata:
@@ -308,19 +309,31 @@ def _parse(meta: HPMetadata, where: str, tensors: dict[str, _Tensor], values: di
 
 
 def _check_coverage(key: str, t: _Tensor, src: str) -> None:
-    if math.prod(t.shape) == 0:
+    """The chunks must tile the tensor: pairwise disjoint (within its shape) and of full volume.
+
+    A sweep along dim 0 compares each chunk only with those whose rows it shares, so a grid
+    of thousands of shards costs little more than reading their list.
+    """
+    total = math.prod(t.shape)
+    if total == 0:
         return
-    rest = [Box.full(t.shape)]
+    if not t.shape:
+        if not t.chunks:
+            raise CheckpointError(f"{src}: the scalar {key!r} has no saved chunk")
+        return
     boxes = sorted((c.box for c in t.chunks), key=lambda b: b.offsets)
-    for i, b in enumerate(boxes):
-        for other in boxes[i + 1:]:
-            if b.intersect(other) is not None:
-                raise MetadataError(f"{src}: {key!r} has overlapping chunks {b} and {other}")
-        rest = [piece for r in rest for piece in r.subtract(b)]
-    if rest:
+    active: list[Box] = []
+    for b in boxes:
+        active = [a for a in active if a.offsets[0] + a.sizes[0] > b.offsets[0]]
+        for a in active:
+            if a.intersect(b) is not None:
+                raise MetadataError(f"{src}: {key!r} has overlapping chunks {a} and {b}")
+        active.append(b)
+    covered = sum(b.numel for b in boxes)
+    if covered != total:
         raise CheckpointError(
-            f"{src}: the saved chunks of {key!r} do not cover it (missing {rest[0]} of {list(t.shape)}): "
-            "a rank's metadata or data is missing from the checkpoint")
+            f"{src}: the saved chunks of {key!r} cover {covered} of its {total} elements "
+            f"(shape {list(t.shape)}): a rank's metadata or data is missing from the checkpoint")
 
 
 def read_hyper_parallel_metadata(src: str | os.PathLike, *, trust: bool = False) -> HyperParallelCheckpoint:
@@ -519,7 +532,10 @@ def import_hyper_parallel(
         path = os.path.join(src, v.file)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            length = size - v.offset if v.length < 0 else v.length
+            # a packed _rank<r>_.bytes holds many values at offsets; an older <key>_rank<r>.bytes
+            # holds one, and HyperParallel reads all of it whatever length was recorded
+            packed = _PACKED_BYTES.match(v.file) is not None
+            length = v.length if packed and v.length >= 0 else size - v.offset
             if v.offset + length > size:
                 raise CheckpointError(f"{path}: the value {key!r} at bytes [{v.offset}, {v.offset + length}) "
                                       f"lies beyond the file's {size} bytes")
