@@ -239,7 +239,8 @@ def _ints(v: Any, what: str, where: str, ndim: int | None = None) -> tuple[int, 
 
 
 def _dtype_name(v: Any, key: str, where: str) -> str:
-    name = v.removeprefix("torch.") if isinstance(v, str) else None
+    # "torch.float32" from torch; MindSpore's names ("Float32", "BFloat16") lower-case to ours
+    name = v.removeprefix("torch.").lower() if isinstance(v, str) else None
     try:
         md.torch_dtype(name)
     except (MetadataError, TypeError, KeyError):
