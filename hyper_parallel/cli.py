@@ -9,6 +9,7 @@ Usage (SRC first, DST a new directory, as in ``cp``)::
     hyper-dcp export-hf SRC DST [--prefix model.] [--max-shard-size 5GB]
     hyper-dcp import-hf SRC DST [--prefix model.]
     hyper-dcp import-torch-dcp SRC DST --trust
+    hyper-dcp import-hyper-parallel SRC DST --trust [--allow-pickle]
     python -m hyper_parallel.core.distributed_checkpoint inspect PATH
 
 Progress bars appear on long work when stderr is a terminal; ``--json`` prints one JSON
@@ -211,6 +212,15 @@ def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
     return _report(args, "import-torch-dcp", args.dst, meta, time.perf_counter() - t0)
 
 
+def cmd_import_hyper_parallel(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.hyper_parallel_import import import_hyper_parallel
+
+    t0 = time.perf_counter()
+    meta = import_hyper_parallel(args.src, args.dst, trust=args.trust, allow_pickle=args.allow_pickle,
+                                 overwrite=args.overwrite)
+    return _report(args, "import-hyper-parallel", args.dst, meta, time.perf_counter() - t0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyper-dcp", description="Inspect, verify and transform checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -255,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     src_dst(p)
     p.add_argument("--trust", action="store_true", help="its metadata is a pickle: load it only if you trust it")
     p.set_defaults(fn=cmd_import_torch_dcp)
+    p = sub.add_parser("import-hyper-parallel", help="import a checkpoint HyperParallel's DCP wrote")
+    src_dst(p)
+    p.add_argument("--trust", action="store_true", help="its metadata is a pickle: read it only if you trust it")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="carry values that are pickles of more than plain data over, still pickled")
+    p.set_defaults(fn=cmd_import_hyper_parallel)
     return parser
 
 

@@ -27,6 +27,7 @@ from .errors import (
 )
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .fsspec_storage import FsspecReader, FsspecWriter
+from .hyper_parallel_import import import_hyper_parallel
 from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
 from .metadata import Metadata
 from .offline_transform import (
@@ -39,6 +40,7 @@ from .offline_transform import (
     save_state_dict_as_huggingface_format,
 )
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from .single_file import load_checkpoint, save_checkpoint
 from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
 from .storage import StorageReader, StorageWriter
@@ -52,6 +54,9 @@ __all__ = [
     "dcp_to_full_state_dict",
     "convert_full_checkpoint_to_dcp",
     "import_torch_dcp",
+    "import_hyper_parallel",
+    "save_checkpoint",
+    "load_checkpoint",
     "verify_checkpoint",
     "FsspecWriter",
     "FsspecReader",

@@ -280,3 +280,5 @@ def read_box(
     stats = read_plan(LoadPlan(reads, {entry.key: box}), _Fixed(dest), reader, thread_count=1,
                       buffer_bytes=buffer_bytes, verify=verify)
     return dest, stats
+
+from .single_file import load_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)

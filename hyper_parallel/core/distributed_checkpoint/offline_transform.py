@@ -279,38 +279,68 @@ def _tensor_entries(meta: md.Metadata, prefix: str) -> list[md.Entry]:
 
 
 def save_state_dict_as_huggingface_format(
-    src: str | os.PathLike | dict[str, Any],
-    dst_dir: str | os.PathLike,
-    *,
+    src: str | os.PathLike | Mapping[str, Any] | None = None,
+    dst_dir: str | os.PathLike | Mapping[str, Any] | None = None,
     max_shard_size: int | str = "5GB",
+    *,
     prefix: str = "",
     verify: bool = True,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    save_directory: str | os.PathLike | None = None,
+    state_dict: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Export tensors as Hugging Face sharded safetensors, streaming one tensor at a time.
 
     Writes ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` each
     (a single larger tensor gets a file of its own) and ``model.safetensors.index.json``.
-    With one shard the file is named ``model.safetensors``, as ``transformers`` does.
+    With one shard the file is named ``model.safetensors`` and no index is written, as
+    ``transformers`` does.
+
+    Two argument orders are accepted: ours, ``(src, dst_dir)`` with ``src`` a checkpoint path
+    or a state dict; and HyperParallel's, ``(save_directory, state_dict, max_shard_size)``,
+    recognised by a state dict in second place (or by the keywords ``save_directory=`` and
+    ``state_dict=``). Non-tensor values of a state dict are left out.
 
     Args:
         src: a checkpoint path, or an in-memory state dict of full tensors.
-        prefix: export only keys starting with it, with it removed (e.g. ``"model."``).
+        dst_dir: the output directory.
         max_shard_size: bytes per shard file: an int or a string like ``"5GB"``.
+        prefix: export only keys starting with it, with it removed (e.g. ``"model."``).
         progress: called with each tensor's byte count once it is written.
+        save_directory, state_dict: HyperParallel's names for ``dst_dir`` and ``src``.
 
     Returns:
         The index dict (``{"metadata": {"total_size": ...}, "weight_map": {...}}``).
+
+    Raises:
+        TypeError: neither order fits the arguments.
+        CheckpointError: no tensors to export; the directory already holds safetensors files
+            and ``overwrite`` is False.
+
+    Example::
+
+        save_state_dict_as_huggingface_format("/ckpt/step100", "/hf", prefix="model.")
+        save_state_dict_as_huggingface_format("/hf", model.state_dict(), max_shard_size="1GB")
     """
+    if isinstance(dst_dir, Mapping) and src is not None and not isinstance(src, Mapping):
+        src, dst_dir = dst_dir, src  # HyperParallel's order: (save_directory, state_dict)
+    if save_directory is not None or state_dict is not None:
+        if (save_directory is not None and dst_dir is not None) or (state_dict is not None and src is not None):
+            raise TypeError("pass the directory and the state dict once each")
+        dst_dir = save_directory if save_directory is not None else dst_dir
+        src = state_dict if state_dict is not None else src
+    if src is None or dst_dir is None or isinstance(dst_dir, Mapping):
+        raise TypeError("save_state_dict_as_huggingface_format needs (src, dst_dir) or "
+                        "(save_directory, state_dict)")
     limit = parse_size(max_shard_size)
     os.makedirs(dst_dir, exist_ok=True)
     if not overwrite and any(f.endswith(".safetensors") or f == HF_INDEX for f in os.listdir(dst_dir)):
         raise CheckpointError(f"{os.fspath(dst_dir)!r} already holds safetensors files; pass overwrite=True")
-    if isinstance(src, dict):
+    if isinstance(src, Mapping):
         from .flatten import flatten
 
-        flat = {k: leaf.value for k, leaf in flatten(src).leaves.items()
+        flat = {k: leaf.value for k, leaf in flatten(dict(src)).leaves.items()
                 if isinstance(leaf.value, torch.Tensor) and k.startswith(prefix)}
         tensors = [(k[len(prefix):], md.dtype_name(v.dtype), tuple(v.shape)) for k, v in flat.items()]
         produce: Callable[[str], torch.Tensor] = lambda name: flat[prefix + name]
@@ -353,7 +383,13 @@ def save_state_dict_as_huggingface_format(
         close()
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     stale = _previous_export(dst_dir) - set(weight_map.values())
-    _write_atomically(os.path.join(dst_dir, HF_INDEX), json.dumps(index, indent=2).encode())
+    index_path = os.path.join(dst_dir, HF_INDEX)
+    if total > 1:
+        _write_atomically(index_path, json.dumps(index, indent=2).encode())
+    else:  # one shard needs no index (as transformers writes it); an old one would name stale files
+        stale.discard("model.safetensors")
+        if os.path.exists(index_path):
+            os.remove(index_path)
     for name in sorted(stale):  # shards of an earlier export that the new index does not name
         try:
             os.unlink(os.path.join(dst_dir, name))
@@ -418,10 +454,15 @@ def parse_checkpoint_from_huggingface(src: str | os.PathLike, *, prefix: str = "
     return out
 
 
+_SRC_PLATFORMS = {"huggingface": "huggingface", "hf": "huggingface", "safetensors": "huggingface",
+                  "torch": "torch", "pytorch": "torch", "pt": "torch", "mindspore": "mindspore", "ms": "mindspore"}
+
+
 def convert_full_checkpoint_to_dcp(
     src: str | os.PathLike,
     dst_path: str | os.PathLike,
     *,
+    src_platform: str | None = None,
     prefix: str = "",
     allow_pickle: bool = False,
     overwrite: bool = False,
@@ -431,9 +472,35 @@ def convert_full_checkpoint_to_dcp(
     safetensors sources stream one tensor at a time. torch files are opened with
     ``torch.load(weights_only=True, mmap=True)`` — tensors are paged in as they are written;
     a file that needs full unpickling is refused unless ``allow_pickle=True``.
+
+    Args:
+        src: a Hugging Face directory, a ``.safetensors`` file, or a torch file.
+        dst_path: the new checkpoint directory.
+        src_platform: HyperParallel's argument naming the source: ``"huggingface"``,
+            ``"torch"`` or ``"mindspore"`` (the last goes to ``import_mindspore``). None
+            (default) tells safetensors from torch files by the path.
+        prefix: prepended to every key (e.g. ``"model."``).
+
+    Raises:
+        ValueError: an unknown ``src_platform``, or one that does not fit ``src``.
+        UnsupportedValueError: ``"mindspore"`` without an ``import_mindspore`` in this package.
+
+    Example::
+
+        convert_full_checkpoint_to_dcp("/hf/llama", "/ckpt/llama", src_platform="huggingface")
     """
     src = os.fspath(src)
     is_st = os.path.isdir(src) or src.endswith(".safetensors")
+    if src_platform is not None:
+        kind = _SRC_PLATFORMS.get(str(src_platform).lower())
+        if kind is None:
+            raise ValueError(f"src_platform={src_platform!r}: expected 'huggingface', 'torch' or 'mindspore'")
+        if kind == "mindspore":
+            return _convert_mindspore(src, dst_path, overwrite)
+        if kind == "huggingface" and not is_st:
+            raise ValueError(f"src_platform='huggingface' needs a directory or a .safetensors file, got {src!r}")
+        if kind == "torch" and os.path.isdir(src):
+            raise ValueError(f"src_platform='torch' needs a torch file (.pt/.bin), got the directory {src!r}")
     if is_st:
         from safetensors import safe_open
 
@@ -474,6 +541,19 @@ def convert_full_checkpoint_to_dcp(
     if prefix:
         sd = {prefix + k: v for k, v in sd.items()}
     return full_state_dict_to_dcp_format(sd, dst_path, overwrite=overwrite, allow_pickle=allow_pickle)
+
+
+def _convert_mindspore(src: str, dst_path: str | os.PathLike, overwrite: bool) -> md.Metadata:
+    """``src_platform="mindspore"``: hand over to the package's ``import_mindspore``."""
+    import importlib
+
+    package = importlib.import_module(__package__)
+    convert = getattr(package, "import_mindspore", None)
+    if convert is None:
+        raise UnsupportedValueError(
+            f"{src!r}: converting a MindSpore checkpoint needs "
+            f"{__package__}.import_mindspore, which this installation does not have")
+    return convert(src, dst_path, overwrite=True) if overwrite else convert(src, dst_path)
 
 
 def _prefixed_path(prefix: str, name: str) -> tuple[str, ...]:

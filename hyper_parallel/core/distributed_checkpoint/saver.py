@@ -170,3 +170,6 @@ def _build_metadata(
             key, spec.kind, spec.path, spec.dtype, spec.shape, recs, spec.layout, objects.get(key)
         )
     return md.Metadata(entries, save_id, world_size, user=user)
+
+
+from .single_file import save_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)
