@@ -18,7 +18,9 @@ from .async_staging import (
 )
 from .errors import (
     CheckpointError,
+    CommitError,
     CorruptCheckpointError,
+    LostContactError,
     MetadataError,
     NotACheckpointError,
     RankFailedError,
@@ -91,6 +93,8 @@ __all__ = [
     "load_layout",
     "get_current_layout",
     "CheckpointError",
+    "CommitError",
+    "LostContactError",
     "CorruptCheckpointError",
     "MetadataError",
     "NotACheckpointError",

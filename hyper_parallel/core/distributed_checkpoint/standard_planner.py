@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -270,7 +271,11 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._targets = self._transform(state_dict) if state_dict is not None else None
         self.missing_keys: list[str] = []
         self.unexpected_keys: list[str] = []
-        self._dest: dict[str, torch.Tensor] = {}
+        # A destination is a target's tensor, or (shape, dtype) to allocate on first use: the
+        # loader checks every file's size before it asks, so a forged shape in .metadata never
+        # makes us allocate more than the files can hold.
+        self._dest: dict[str, torch.Tensor | tuple[tuple[int, ...], torch.dtype]] = {}
+        self._alloc_lock = threading.Lock()
         self._results: dict[str, Any] = {}
 
     def create_local_load_plan(self) -> LoadPlan:
@@ -305,12 +310,12 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             items.extend(self._reads(key, entry, box))
         return LoadPlan(items, targets)
 
-    def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, torch.Tensor | None]:
+    def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, Any]:
         shape, dtype = entry.shape, md.torch_dtype(entry.dtype)
         if target is None or entry.kind in ("bytes", "pickle"):
             if target is not None and entry.kind != _kind_of(target):
                 raise self._mismatch(key, entry, target)
-            return Box.full(shape), torch.empty(shape, dtype=dtype)
+            return Box.full(shape), (shape, dtype)
         if entry.kind not in ("tensor", "ndarray") or _kind_of(target) not in ("tensor", "ndarray"):
             raise self._mismatch(key, entry, target)
         if isinstance(target, np.ndarray):
@@ -351,11 +356,18 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         return reads
 
     def resolve_target(self, key: str) -> torch.Tensor:
-        return self._dest[key]
+        dest = self._dest[key]
+        if isinstance(dest, tuple):
+            with self._alloc_lock:
+                dest = self._dest[key]
+                if isinstance(dest, tuple):
+                    dest = self._dest[key] = torch.empty(dest[0], dtype=dest[1])
+        return dest
 
     def finish_load(self) -> dict[str, Any]:
         out = dict(self._results)
-        for key, tensor in self._dest.items():
+        for key in list(self._dest):
+            tensor = self.resolve_target(key)
             kind = self.metadata.entries[key].kind
             target = None if self._targets is None else self._targets.get(key)
             if kind == "ndarray":
