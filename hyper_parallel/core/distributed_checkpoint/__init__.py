@@ -42,6 +42,7 @@ from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, Wri
 from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
 from .storage import StorageReader, StorageWriter
+from .torch_dcp_export import export_torch_dcp
 from .verify import verify_checkpoint
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "dcp_to_full_state_dict",
     "convert_full_checkpoint_to_dcp",
     "import_torch_dcp",
+    "export_torch_dcp",
     "verify_checkpoint",
     "FsspecWriter",
     "FsspecReader",
