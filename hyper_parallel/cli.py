@@ -8,6 +8,7 @@ Usage (SRC first, DST a new directory, as in ``cp``)::
     hyper-dcp export-hf SRC DST [--prefix model.] [--max-shard-size 5GB]
     hyper-dcp import-hf SRC DST [--prefix model.]
     hyper-dcp import-torch-dcp SRC DST --trust
+    hyper-dcp export-torch-dcp SRC DST [--overwrite] [--json]
     python -m hyper_parallel.core.distributed_checkpoint inspect PATH
 
 Progress bars appear on long work when stderr is a terminal; ``--json`` prints one JSON
@@ -194,6 +195,30 @@ def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
     return _report(args, "import-torch-dcp", args.dst, meta, time.perf_counter() - t0)
 
 
+def cmd_export_torch_dcp(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.torch_dcp_export import export_torch_dcp
+
+    t0 = time.perf_counter()
+    bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-torch-dcp")
+    try:
+        tmeta = export_torch_dcp(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                                 max_chunk_bytes=args.max_chunk_size, progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    infos = tmeta.storage_data.values()
+    info = {"command": "export-torch-dcp", "destination": args.dst, "seconds": round(seconds, 3),
+            "keys": len(tmeta.state_dict_metadata), "files": len({i.relative_path for i in infos}),
+            "bytes": sum(i.length for i in infos)}
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(f"export-torch-dcp -> {args.dst}: {info['keys']} keys, {_human(info['bytes'])} in {info['files']} "
+              f"files ({seconds:.2f} s); load it with torch.distributed.checkpoint.load")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyper-dcp", description="Inspect, verify and transform checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -233,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     src_dst(p)
     p.add_argument("--trust", action="store_true", help="its metadata is a pickle: load it only if you trust it")
     p.set_defaults(fn=cmd_import_torch_dcp)
+    p = sub.add_parser("export-torch-dcp", help="export as a torch.distributed.checkpoint checkpoint (torch's format)")
+    src_dst(p)
+    p.add_argument("--allow-pickle", action="store_true", help="export values saved as pickles (unpickles them)")
+    p.add_argument("--max-chunk-size", default="1GiB", help="largest torch chunk (e.g. 512MiB); larger boxes are cut")
+    p.set_defaults(fn=cmd_export_torch_dcp)
     return parser
 
 

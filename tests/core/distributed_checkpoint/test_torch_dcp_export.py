@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -200,3 +203,25 @@ def test_pickled_values_need_allow_pickle(tmp_path):
     target = {"when": None}
     tdcp.load(target, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
     assert target["when"] == when
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hyper_parallel.core.distributed_checkpoint", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_export_torch_dcp(sharded, tmp_path):
+    dst = str(tmp_path / "torch")
+    out = cli("export-torch-dcp", sharded, dst, "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["command"] == "export-torch-dcp" and info["files"] == 2
+    assert info["keys"] == len(SHARDED) + len(PLAIN["model"]) + 11
+    again = cli("export-torch-dcp", sharded, dst)
+    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
+    out = cli("export-torch-dcp", sharded, dst, "--overwrite", "--max-chunk-size", "64B")
+    assert out.returncode == 0 and "export-torch-dcp ->" in out.stdout, out.stderr
+    assert len([f for f in os.listdir(dst) if f.endswith(".distcp")]) == 2
+    target = {"model": {"w": torch.zeros(9, 6)}}
+    tdcp.load(target, checkpoint_id=dst, no_dist=True)
+    assert torch.equal(bits(target["model"]["w"]), bits(full_of("w")))
