@@ -21,7 +21,7 @@ list of plain values, a string, ``bytes``, a numpy array) is one torch-saved obj
 chunks keep the boxes of the layout each tensor was saved with (pieces of at most
 ``max_chunk_bytes``), so a sharded torch job reads only the chunks it overlaps.
 
-Memory: one chunk at a time (at most ``max_chunk_bytes``, default 1 GiB, when a tensor's
+Memory: one chunk per writing thread (at most ``max_chunk_bytes``, default 1 GiB, when a tensor's
 rows allow), plus whole values for non-tensor keys. Like our own commit, ``.metadata`` is
 written last (temporary name, fsync, rename); data files have fresh names, so replacing an
 existing checkpoint (``overwrite=True``) never damages it before the new one commits.
@@ -36,8 +36,10 @@ import io
 import math
 import os
 import pickle
+import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,11 +203,13 @@ def _materialize(value: Any, reader: StorageReader, placeholders: dict[int, md.E
 
 def _write_file(path: str, name: str, items: list[_TensorChunk | _Object], reader: StorageReader,
                 placeholders: dict[int, md.Entry], verify: bool, sync_files: bool,
-                progress: Callable[[int], None] | None) -> dict[MetadataIndex, _StorageInfo]:
+                progress: Callable[[int], None] | None, stop: threading.Event) -> dict[MetadataIndex, _StorageInfo]:
     """Write one ``.distcp`` file: each item a ``torch.save`` stream, back to back."""
     out: dict[MetadataIndex, _StorageInfo] = {}
     with open(os.path.join(path, name), "wb") as f:
         for item in items:
+            if stop.is_set():
+                raise CheckpointError("export abandoned: writing another file failed")
             start = f.tell()
             if isinstance(item, _TensorChunk):
                 tensor, _ = read_box(item.entry, reader, item.box, verify=verify)
@@ -294,6 +298,7 @@ def export_torch_dcp(
     max_chunk_bytes: int | str | None = DEFAULT_MAX_CHUNK_BYTES,
     verify: bool = True,
     sync_files: bool = True,
+    thread_count: int = 2,
     progress: Callable[[int], None] | None = None,
 ) -> Metadata:
     """Write checkpoint ``src`` as a ``torch.distributed.checkpoint`` checkpoint in ``dst``.
@@ -321,6 +326,7 @@ def export_torch_dcp(
             cut into row slabs. Bounds this function's memory and what a torch rank reads.
         verify: check our checksums while reading the source.
         sync_files: fsync data files, ``.metadata`` and the directory.
+        thread_count: files written at once (one thread each); memory grows with it.
         progress: called with each tensor chunk's byte count once written (``tqdm.update``).
 
     Returns:
@@ -363,12 +369,29 @@ def export_torch_dcp(
     previous = _previous_files(dst) if overwrite else set()
     save_id = uuid.uuid4().hex[:12]
     written: list[str] = []
+    stop = threading.Event()  # set when a file's writer failed: the others give up early
     storage: dict[MetadataIndex, _StorageInfo] = {}
     try:
-        for rank in sorted(files):
-            name = f"__{rank}_{save_id}{DISTCP_SUFFIX}"
-            written.append(name)
-            storage.update(_write_file(dst, name, files[rank], reader, placeholders, verify, sync_files, progress))
+        written = [f"__{rank}_{save_id}{DISTCP_SUFFIX}" for rank in sorted(files)]
+        jobs = list(zip(written, (files[r] for r in sorted(files)), strict=True))
+
+        def write(job: tuple[str, list[_TensorChunk | _Object]]) -> dict[MetadataIndex, _StorageInfo]:
+            return _write_file(dst, job[0], job[1], reader, placeholders, verify, sync_files, progress, stop)
+
+        workers = max(1, min(thread_count, len(jobs)))
+        if workers == 1:
+            results = [write(job) for job in jobs]
+        else:  # one thread per file: reads, torch.save and fsync of different files overlap
+            with ThreadPoolExecutor(workers, thread_name_prefix="dcp-export") as pool:
+                futures = [pool.submit(write, job) for job in jobs]
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                failed = [f.exception() for f in done if f.exception() is not None]
+                if failed:
+                    stop.set()
+                    raise failed[0]
+                results = [f.result() for f in futures]
+        for r in results:
+            storage.update(r)
         tmeta = _torch_metadata(files, mappings, storage, dst, save_id)
         _commit(dst, tmeta, sync_files)
     except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+from hyper_parallel.cli import main
 from hyper_parallel.core.distributed_checkpoint import (
     CheckpointError,
     CorruptCheckpointError,
@@ -170,10 +172,11 @@ def test_existing_checkpoints_are_kept_until_the_new_export_commits(sharded, tmp
         export_torch_dcp(sharded, dst)
     with pytest.raises(CheckpointError, match="source"):
         export_torch_dcp(sharded, sharded, overwrite=True)
-    # a source byte flipped: the export fails, the old export stays whole, no debris
+    # a source byte flipped in one rank's file: the export fails (while the other file is being
+    # written by another thread), the old export stays whole, no debris
     src = str(tmp_path / "bad")
-    save({"w": make_tensor((64, 64))}, src, no_dist=True)
-    data = next(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".safetensors"))
+    shutil.copytree(sharded, src)
+    data = next(os.path.join(src, f) for f in os.listdir(src) if f.startswith("data-r00001"))
     with open(data, "r+b") as f:
         f.seek(-10, os.SEEK_END)
         b = f.read(1)
@@ -205,22 +208,19 @@ def test_pickled_values_need_allow_pickle(tmp_path):
     assert target["when"] == when
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hyper_parallel.core.distributed_checkpoint", *args],
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_cli_export_torch_dcp(sharded, tmp_path):
+def test_cli_export_torch_dcp(sharded, tmp_path, capsys):
     dst = str(tmp_path / "torch")
-    out = cli("export-torch-dcp", sharded, dst, "--json")
+    out = subprocess.run([sys.executable, "-m", "hyper_parallel.core.distributed_checkpoint", "export-torch-dcp",
+                          sharded, dst, "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["command"] == "export-torch-dcp" and info["files"] == 2
     assert info["keys"] == len(SHARDED) + len(PLAIN["model"]) + 11
-    again = cli("export-torch-dcp", sharded, dst)
-    assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
-    out = cli("export-torch-dcp", sharded, dst, "--overwrite", "--max-chunk-size", "64B")
-    assert out.returncode == 0 and "export-torch-dcp ->" in out.stdout, out.stderr
+    # the rest in-process (same entry point, without another torch import)
+    assert main(["export-torch-dcp", sharded, dst]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert main(["export-torch-dcp", sharded, dst, "--overwrite", "--max-chunk-size", "64B"]) == 0
+    assert "export-torch-dcp ->" in capsys.readouterr().out
     assert len([f for f in os.listdir(dst) if f.endswith(".distcp")]) == 2
     target = {"model": {"w": torch.zeros(9, 6)}}
     tdcp.load(target, checkpoint_id=dst, no_dist=True)
