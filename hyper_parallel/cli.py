@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -64,6 +65,15 @@ def _checkpoint_bytes(path: str) -> int:
     except (CheckpointError, OSError):
         return 0
     return sum(e.nbytes for e in meta.entries.values())
+
+
+def _tensor_bytes(path: str) -> int:
+    """Bytes of the tensors' global data (replicas once; 0 when unreadable)."""
+    try:
+        meta = md.Metadata.from_json(FileSystemReader(path).read_metadata())
+    except (CheckpointError, OSError):
+        return 0
+    return sum(md.itemsize(e.dtype) * math.prod(e.shape or ()) for e in meta.entries.values() if e.kind == "tensor")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -199,7 +209,7 @@ def cmd_export_torch_dcp(args: argparse.Namespace) -> int:
     from .core.distributed_checkpoint.torch_dcp_export import export_torch_dcp
 
     t0 = time.perf_counter()
-    bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-torch-dcp")
+    bar = None if args.json else _progress(_tensor_bytes(args.src), "export-torch-dcp")
     try:
         tmeta = export_torch_dcp(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                                  max_chunk_bytes=args.max_chunk_size, progress=bar.update if bar else None)

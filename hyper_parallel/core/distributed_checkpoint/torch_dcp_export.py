@@ -231,6 +231,37 @@ def _write_file(path: str, name: str, items: list[_TensorChunk | _Object], reade
     return out
 
 
+def _write_files(dst: str, jobs: list[tuple[str, list[_TensorChunk | _Object]]], reader: StorageReader,
+                 placeholders: dict[int, md.Entry], verify: bool, sync_files: bool, thread_count: int,
+                 progress: Callable[[int], None] | None) -> dict[MetadataIndex, _StorageInfo]:
+    """Write every file (one thread each, up to ``thread_count``); the first error stops the rest."""
+    stop = threading.Event()
+
+    def write(job: tuple[str, list[_TensorChunk | _Object]]) -> dict[MetadataIndex, _StorageInfo]:
+        return _write_file(dst, job[0], job[1], reader, placeholders, verify, sync_files, progress, stop)
+
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    workers = max(1, min(thread_count, len(jobs)))
+    if workers == 1:
+        for job in jobs:
+            storage.update(write(job))
+        return storage
+    # reads, torch.save and fsync of different files overlap
+    with ThreadPoolExecutor(workers, thread_name_prefix="dcp-export") as pool:
+        futures = [pool.submit(write, job) for job in jobs]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f.exception() for f in done if f.exception() is not None]
+            if failed:
+                raise failed[0]  # the root cause, not another thread's "abandoned"
+        except BaseException:
+            stop.set()
+            raise
+    for f in futures:
+        storage.update(f.result())
+    return storage
+
+
 def _torch_metadata(files: dict[int, list[_TensorChunk | _Object]], mappings: dict[str, Any],
                     storage: dict[MetadataIndex, _StorageInfo], dst: str, save_id: str) -> Metadata:
     state: dict[str, Any] = {}
@@ -368,30 +399,11 @@ def export_torch_dcp(
     os.makedirs(dst, exist_ok=True)
     previous = _previous_files(dst) if overwrite else set()
     save_id = uuid.uuid4().hex[:12]
-    written: list[str] = []
-    stop = threading.Event()  # set when a file's writer failed: the others give up early
-    storage: dict[MetadataIndex, _StorageInfo] = {}
+    names = {rank: f"__{rank}_{save_id}{DISTCP_SUFFIX}" for rank in sorted(files)}
+    written = list(names.values())
     try:
-        written = [f"__{rank}_{save_id}{DISTCP_SUFFIX}" for rank in sorted(files)]
-        jobs = list(zip(written, (files[r] for r in sorted(files)), strict=True))
-
-        def write(job: tuple[str, list[_TensorChunk | _Object]]) -> dict[MetadataIndex, _StorageInfo]:
-            return _write_file(dst, job[0], job[1], reader, placeholders, verify, sync_files, progress, stop)
-
-        workers = max(1, min(thread_count, len(jobs)))
-        if workers == 1:
-            results = [write(job) for job in jobs]
-        else:  # one thread per file: reads, torch.save and fsync of different files overlap
-            with ThreadPoolExecutor(workers, thread_name_prefix="dcp-export") as pool:
-                futures = [pool.submit(write, job) for job in jobs]
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                failed = [f.exception() for f in done if f.exception() is not None]
-                if failed:
-                    stop.set()
-                    raise failed[0]
-                results = [f.result() for f in futures]
-        for r in results:
-            storage.update(r)
+        jobs = [(names[rank], files[rank]) for rank in names]
+        storage = _write_files(dst, jobs, reader, placeholders, verify, sync_files, thread_count, progress)
         tmeta = _torch_metadata(files, mappings, storage, dst, save_id)
         _commit(dst, tmeta, sync_files)
     except BaseException:
@@ -402,9 +414,8 @@ def export_torch_dcp(
                 pass
         raise
     finally:
-        close = getattr(reader, "close", None)
-        if close is not None and not isinstance(src, StorageReader):
-            close()
+        if not isinstance(src, StorageReader):
+            reader.close()
     for name in previous - set(written):
         try:
             os.unlink(os.path.join(dst, name))
