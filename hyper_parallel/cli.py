@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-torch-dcp", help="export as a torch.distributed.checkpoint checkpoint (torch's format)")
     src_dst(p)
     p.add_argument("--allow-pickle", action="store_true", help="export values saved as pickles (unpickles them)")
-    p.add_argument("--max-chunk-size", default="1GiB", help="largest torch chunk (e.g. 512MiB); larger boxes are cut")
+    p.add_argument("--max-chunk-size", default="256MiB", help="largest torch chunk (e.g. 512MiB); larger boxes are cut")
     p.set_defaults(fn=cmd_export_torch_dcp)
     return parser
 

@@ -21,7 +21,7 @@ list of plain values, a string, ``bytes``, a numpy array) is one torch-saved obj
 chunks keep the boxes of the layout each tensor was saved with (pieces of at most
 ``max_chunk_bytes``), so a sharded torch job reads only the chunks it overlaps.
 
-Memory: one chunk per writing thread (at most ``max_chunk_bytes``, default 1 GiB, when a tensor's
+Memory: one chunk per writing thread (at most ``max_chunk_bytes``, default 256 MiB, when a tensor's
 rows allow), plus whole values for non-tensor keys. Like our own commit, ``.metadata`` is
 written last (temporary name, fsync, rename); data files have fresh names, so replacing an
 existing checkpoint (``overwrite=True``) never damages it before the new one commits.
@@ -76,7 +76,7 @@ except ImportError:  # pragma: no cover - older torch
     _TORCH_DCP_VERSION = "1.0.0"
 
 DISTCP_SUFFIX = ".distcp"
-DEFAULT_MAX_CHUNK_BYTES = 1 << 30
+DEFAULT_MAX_CHUNK_BYTES = 256 << 20
 
 
 @dataclass
