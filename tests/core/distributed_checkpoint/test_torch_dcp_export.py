@@ -18,7 +18,7 @@ from multiprocess import run_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from hyper_parallel.cli import main
 from hyper_parallel.core.distributed_checkpoint import (
@@ -33,9 +33,12 @@ from hyper_parallel.core.distributed_checkpoint import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-# Sharded tensors: name -> (shape, dtype, seed). Sizes are uneven on 2 ranks in both dims.
+# DTensors: name -> (shape, dtype, seed), saved as Shard(0) (REPLICATED: as Replicate()).
+# Sizes are uneven on 2 ranks in both dims.
 SHARDED = {"w": ((9, 6), torch.float32, 0), "emb": ((7, 5), torch.bfloat16, 1),
-           "f8": ((5, 3), torch.float8_e4m3fn, 2), "idx": ((3, 7), torch.int64, 3)}
+           "f8": ((5, 3), torch.float8_e4m3fn, 2), "idx": ((3, 7), torch.int64, 3),
+           "rep": ((4, 5), torch.float32, 4)}
+REPLICATED = {"rep"}
 
 
 def special_floats(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +61,8 @@ PLAIN = {"model": {"bias": make_tensor((6,), seed=10), "scale": torch.tensor(2.5
 
 def rank_save_ours(rank: int, ws: int, path: str) -> None:
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))
-    sd = {"model": {k: make_dtensor(full_of(k), mesh, [Shard(0)]) for k in SHARDED}}
+    sd = {"model": {k: make_dtensor(full_of(k), mesh, [Replicate() if k in REPLICATED else Shard(0)])
+                    for k in SHARDED}}
     sd["model"].update(PLAIN["model"])
     sd.update({k: v for k, v in PLAIN.items() if k != "model"})
     save(sd, path, sync_files=False)
@@ -103,6 +107,8 @@ def test_torch_dcp_loads_the_export_bit_exact_on_two_ranks_under_another_layout(
     assert len({tmeta.storage_data[i].relative_path for i in tmeta.storage_data if i.fqn == "model.w"}) == 2
     assert isinstance(tmeta.state_dict_metadata["blob"], BytesStorageMetadata)
     assert tmeta.planner_data["extra.nested.depth"] == ("extra", "nested", "depth")
+    rep = tmeta.state_dict_metadata["model.rep"]
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in rep.chunks] == [((0, 0), (4, 5))]  # one replica
     run_ranks(rank_torch_load, 2, dst)
 
 
