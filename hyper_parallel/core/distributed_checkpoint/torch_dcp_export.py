@@ -358,7 +358,8 @@ def export_torch_dcp(
         verify: check our checksums while reading the source.
         sync_files: fsync data files, ``.metadata`` and the directory.
         thread_count: files written at once (one thread each); memory grows with it.
-        progress: called with each tensor chunk's byte count once written (``tqdm.update``).
+        progress: called with each tensor chunk's byte count once written, from the writing
+            threads (``tqdm.update`` is fine).
 
     Returns:
         The torch ``Metadata`` written to ``dst/.metadata``.
