@@ -10,6 +10,7 @@ Usage (SRC first, DST a new directory, as in ``cp``)::
     hyper-dcp import-hf SRC DST [--prefix model.]
     hyper-dcp import-torch-dcp SRC DST --trust
     hyper-dcp import-hyper-parallel SRC DST --trust [--allow-pickle]
+    hyper-dcp export-torch-dcp SRC DST [--overwrite] [--json]
     python -m hyper_parallel.core.distributed_checkpoint inspect PATH
 
 Progress bars appear on long work when stderr is a terminal; ``--json`` prints one JSON
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -65,6 +67,15 @@ def _checkpoint_bytes(path: str) -> int:
     except (CheckpointError, OSError):
         return 0
     return sum(e.nbytes for e in meta.entries.values())
+
+
+def _tensor_bytes(path: str) -> int:
+    """Bytes of the tensors' global data (replicas once; 0 when unreadable)."""
+    try:
+        meta = md.Metadata.from_json(FileSystemReader(path).read_metadata())
+    except (CheckpointError, OSError):
+        return 0
+    return sum(md.itemsize(e.dtype) * math.prod(e.shape or ()) for e in meta.entries.values() if e.kind == "tensor")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -220,6 +231,29 @@ def cmd_import_hyper_parallel(args: argparse.Namespace) -> int:
                                  overwrite=args.overwrite)
     return _report(args, "import-hyper-parallel", args.dst, meta, time.perf_counter() - t0)
 
+def cmd_export_torch_dcp(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.torch_dcp_export import export_torch_dcp
+
+    t0 = time.perf_counter()
+    bar = None if args.json else _progress(_tensor_bytes(args.src), "export-torch-dcp")
+    try:
+        tmeta = export_torch_dcp(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                                 max_chunk_bytes=args.max_chunk_size, progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    infos = tmeta.storage_data.values()
+    info = {"command": "export-torch-dcp", "destination": args.dst, "seconds": round(seconds, 3),
+            "keys": len(tmeta.state_dict_metadata), "files": len({i.relative_path for i in infos}),
+            "bytes": sum(i.length for i in infos)}
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(f"export-torch-dcp -> {args.dst}: {info['keys']} keys, {_human(info['bytes'])} in {info['files']} "
+              f"files ({seconds:.2f} s); load it with torch.distributed.checkpoint.load")
+    return 0
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyper-dcp", description="Inspect, verify and transform checkpoints.")
@@ -271,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true",
                    help="carry values that are pickles of more than plain data over, still pickled")
     p.set_defaults(fn=cmd_import_hyper_parallel)
+    p = sub.add_parser("export-torch-dcp", help="export as a torch.distributed.checkpoint checkpoint (torch's format)")
+    src_dst(p)
+    p.add_argument("--allow-pickle", action="store_true", help="export values saved as pickles (unpickles them)")
+    p.add_argument("--max-chunk-size", default="256MiB", help="largest torch chunk (e.g. 512MiB); larger boxes are cut")
+    p.set_defaults(fn=cmd_export_torch_dcp)
     return parser
 
 

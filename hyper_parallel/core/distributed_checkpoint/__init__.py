@@ -46,6 +46,7 @@ from .single_file import load_checkpoint, save_checkpoint
 from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
 from .storage import StorageReader, StorageWriter
+from .torch_dcp_export import export_torch_dcp
 from .verify import verify_checkpoint
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "import_hyper_parallel",
     "save_checkpoint",
     "load_checkpoint",
+    "export_torch_dcp",
     "verify_checkpoint",
     "FsspecWriter",
     "FsspecReader",
