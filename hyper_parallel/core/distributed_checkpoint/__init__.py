@@ -29,6 +29,7 @@ from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .fsspec_storage import FsspecReader, FsspecWriter
 from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
 from .metadata import Metadata
+from .mindspore_format import export_mindspore, import_mindspore, read_mindspore_checkpoint
 from .offline_transform import (
     convert_full_checkpoint_to_dcp,
     dcp_to_full_state_dict,
@@ -52,6 +53,9 @@ __all__ = [
     "dcp_to_full_state_dict",
     "convert_full_checkpoint_to_dcp",
     "import_torch_dcp",
+    "import_mindspore",
+    "export_mindspore",
+    "read_mindspore_checkpoint",
     "verify_checkpoint",
     "FsspecWriter",
     "FsspecReader",

@@ -33,7 +33,7 @@ from typing import Any
 from . import protowire as pw
 from .layout import Layout, LayoutStrategy, TensorLayout
 
-__all__ = ["MindSporeLayout", "read_strategy", "is_strategy_bytes", "strategy_to_layouts", "write_strategy"]
+__all__ = ["MindSporeLayout", "read_strategy", "parse_strategy", "strategy_to_layouts", "write_strategy"]
 
 _STAGE_NAME = re.compile(r"^(\d+)-(.+)$")
 _GLOB = re.compile(r"[*?\[]")
@@ -88,14 +88,6 @@ class MindSporeLayout:
         return TensorLayout.from_tensor_map(mesh, self.resolved_map(ndim))
 
 
-def is_strategy_bytes(raw: bytes) -> bool:
-    """True when ``raw`` decodes as a MindSpore strategy (protobuf or JSON) with at least one layout."""
-    try:
-        return bool(_parse(raw, "<bytes>"))
-    except ValueError:
-        return False
-
-
 def read_strategy(path: str | os.PathLike) -> dict[str, MindSporeLayout]:
     """Every parameter layout of a MindSpore strategy file (protobuf or JSON), by parameter name.
 
@@ -106,10 +98,11 @@ def read_strategy(path: str | os.PathLike) -> dict[str, MindSporeLayout]:
     where = os.fspath(path)
     with open(where, "rb") as f:
         raw = f.read()
-    return _parse(raw, where)
+    return parse_strategy(raw, where)
 
 
-def _parse(raw: bytes, where: str) -> dict[str, MindSporeLayout]:
+def parse_strategy(raw: bytes, where: str = "<bytes>") -> dict[str, MindSporeLayout]:
+    """:func:`read_strategy` of a file's bytes (``where`` names it in errors)."""
     stripped = raw.lstrip()
     if stripped[:1] == b"{":
         try:

@@ -384,16 +384,33 @@ def convert_full_checkpoint_to_dcp(
     src: str | os.PathLike,
     dst_path: str | os.PathLike,
     *,
+    src_platform: str = "torch",
     prefix: str = "",
     allow_pickle: bool = False,
     overwrite: bool = False,
 ) -> md.Metadata:
-    """Convert a full checkpoint (HF safetensors dir/file, or a torch ``.pt``/``.bin``) to DCP.
+    """Convert a full checkpoint (HF safetensors dir/file, a torch ``.pt``/``.bin``, or MindSpore's) to DCP.
 
     safetensors sources stream one tensor at a time. torch files are opened with
     ``torch.load(weights_only=True, mmap=True)`` — tensors are paged in as they are written;
     a file that needs full unpickling is refused unless ``allow_pickle=True``.
+
+    Args:
+        src_platform: ``"torch"`` (the default: Hugging Face safetensors or a torch file) or
+            ``"mindspore"``: a MindSpore ``.ckpt`` or safetensors file, read without MindSpore
+            (see :func:`~.mindspore_format.import_mindspore`, which also takes MindSpore's
+            distributed checkpoints).
+
+    Example::
+
+        convert_full_checkpoint_to_dcp("lenet.ckpt", "dcp_ckpt", src_platform="mindspore")
     """
+    if src_platform == "mindspore":
+        from .mindspore_format import import_mindspore
+
+        return import_mindspore(src, dst_path, prefix=prefix, overwrite=overwrite)
+    if src_platform != "torch":
+        raise ValueError(f"src_platform must be 'torch' or 'mindspore', found {src_platform!r}")
     src = os.fspath(src)
     is_st = os.path.isdir(src) or src.endswith(".safetensors")
     if is_st:
