@@ -164,6 +164,18 @@ def _our_dtype(ms_type: str, name: str, path: str) -> str:
             f"{sorted(MS_DTYPES) + [STR]}") from None
 
 
+def _name_in_cut_message(mm: Any, pos: int, end: int) -> str | None:
+    """The tag of the Checkpoint.value message starting at ``pos`` when only its length is wrong."""
+    try:
+        _, p = pw.read_varint(mm, pos, end)
+        _, p = pw.read_varint(mm, p, end)
+        key, p = pw.read_varint(mm, p, end)
+        n, p = pw.read_varint(mm, p, end)
+        return pw.text(mm, p, p + n) if key == (1 << 3 | pw.LEN) and p + n <= end else None
+    except ValueError:
+        return None
+
+
 class _Ckpt(MindSporeFile):
     kind = "ckpt"
 
@@ -246,9 +258,10 @@ class _Ckpt(MindSporeFile):
                 self.tensors[name] = TensorInfo(name, _our_dtype(ms_type, name, path), tuple(dims), [content])
                 last = name
         except pw.WireError as exc:
-            after = f" after tensor {last!r}" if last else ""
+            cut = _name_in_cut_message(mm, exc.pos, end)
+            where = f" in tensor {cut!r}" if cut else f" after tensor {last!r}" if last else ""
             raise CorruptCheckpointError(
-                f"{path}: truncated or not a MindSpore checkpoint{after}: {exc}") from None
+                f"{path}: truncated or not a MindSpore checkpoint{where}: {exc}") from None
         if last is not None:
             self._finish(last)
 
