@@ -72,7 +72,7 @@ SLICE_BYTES = 512 * 1024 * 1024  # MindSpore's SLICE_SIZE (512 * 1024 KiB): byte
 CRC_TRAILER = b"crc_num"
 _ENCRYPTED = {0x7F3A5ED8: "AES-GCM", 0x7F3A5ED9: "AES-CBC"}  # first 4 bytes, little-endian
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
-_CRC_CHUNK = 64 << 20
+_CRC_CHUNK = 16 << 20
 
 
 # ---------------------------------------------------------------------------- reading
@@ -95,30 +95,43 @@ class TensorInfo:
 class MindSporeFile:
     """An open MindSpore ``.ckpt`` or safetensors file: its index, and each value on demand.
 
-    Use :func:`open_mindspore_file`. ``tensors`` keeps the file's order. Close it (or use it
-    as a context manager) to unmap the file.
+    Use :func:`open_mindspore_file`. ``tensors`` keeps the file's order. Values are read with
+    ``pread`` straight into the new tensor (one copy, no mapping kept). Close it (or use it as
+    a context manager).
     """
 
     kind = "?"
 
-    def __init__(self, path: str, mm: mmap.mmap | None):
+    def __init__(self, path: str, fd: int):
         self.path = path
-        self._mm = mm
+        self._fd = fd
         self.tensors: dict[str, TensorInfo] = {}
+
+    def _pread_into(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < view.nbytes:
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CorruptCheckpointError(f"{self.path}: the file ended at byte {offset + done} while reading; "
+                                             "it was truncated after it was opened")
+            done += n
 
     def read(self, name: str) -> torch.Tensor | str:
         """The value called ``name``: a new CPU tensor, or a ``str``."""
         info = self.tensors[name]
-        mm = self._mm
         if info.dtype == STR:
-            raw = b"".join(mm[a:b] for a, b in info.pieces) if mm is not None else b""
+            raw = bytearray(info.nbytes)
+            pos = 0
+            for a, b in info.pieces:
+                self._pread_into(memoryview(raw)[pos:pos + b - a], a)
+                pos += b - a
             return raw.decode("utf-32-le").rstrip("\x00")
         out = torch.empty(info.shape, dtype=md.torch_dtype(info.dtype))
         if out.numel():
-            dst = out.reshape(-1).view(torch.uint8).numpy()
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
             pos = 0
             for a, b in info.pieces:
-                dst[pos:pos + b - a] = np.frombuffer(mm, np.uint8, count=b - a, offset=a)
+                self._pread_into(view[pos:pos + b - a], a)
                 pos += b - a
         return out
 
@@ -126,13 +139,13 @@ class MindSporeFile:
         """crc32 of the value's bytes (to compare copies of it across files)."""
         crc = 0
         for a, b in self.tensors[name].pieces:
-            crc = zlib.crc32(self._mm[a:b], crc)  # type: ignore[index]
+            crc = _crc_range(self, a, b, crc)
         return crc
 
     def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def __enter__(self) -> MindSporeFile:
         return self
@@ -141,10 +154,14 @@ class MindSporeFile:
         self.close()
 
 
-def _crc32(mm: Any, end: int) -> int:
-    crc = 0
-    for off in range(0, end, _CRC_CHUNK):
-        crc = zlib.crc32(mm[off:min(end, off + _CRC_CHUNK)], crc)
+def _crc_range(f: MindSporeFile, a: int, b: int, crc: int = 0) -> int:
+    """crc32 of bytes ``[a, b)`` of the file, read in bounded chunks."""
+    buf = memoryview(bytearray(min(_CRC_CHUNK, max(b - a, 0))))
+    while a < b:
+        n = min(b - a, buf.nbytes)
+        f._pread_into(buf[:n], a)
+        crc = zlib.crc32(buf[:n], crc)
+        a += n
     return crc
 
 
@@ -179,8 +196,8 @@ def _name_in_cut_message(mm: Any, pos: int, end: int) -> str | None:
 class _Ckpt(MindSporeFile):
     kind = "ckpt"
 
-    def __init__(self, path: str, mm: mmap.mmap, verify: bool):
-        super().__init__(path, mm)
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, verify: bool):
+        super().__init__(path, fd)
         size = len(mm)
         end = size
         magic = struct.unpack("<I", mm[:4])[0] if size >= 4 else None
@@ -193,7 +210,7 @@ class _Ckpt(MindSporeFile):
             end = size - 17
             if verify:
                 stored = int.from_bytes(mm[size - 10:size], "big")
-                actual = _crc32(mm, end)
+                actual = _crc_range(self, 0, end)
                 if actual != stored:
                     raise CorruptCheckpointError(
                         f"{path}: crc32 of the data is {actual:#010x}, the file's crc_num trailer says "
@@ -287,8 +304,8 @@ _ST_TO_NAME = {v[1]: k for k, v in md._DTYPES.items() if v[1]}
 class _Safetensors(MindSporeFile):
     kind = "safetensors"
 
-    def __init__(self, path: str, mm: mmap.mmap, verify: bool):
-        super().__init__(path, mm)
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, verify: bool):
+        super().__init__(path, fd)
         size = len(mm)
         n = struct.unpack("<Q", mm[:8])[0]
         if n > size - 8:
@@ -318,7 +335,7 @@ class _Safetensors(MindSporeFile):
             for name in sorted(self.tensors):
                 crc = zlib.crc32(name.encode(), crc)
                 for a, b in self.tensors[name].pieces:
-                    crc = zlib.crc32(mm[a:b], crc)
+                    crc = _crc_range(self, a, b, crc)
             if crc != _int_or_none(meta["crc_num"]):
                 raise CorruptCheckpointError(f"{path}: crc32 of the tensors is {crc}, the file's crc_num says "
                                              f"{meta['crc_num']}; the file is damaged")
@@ -347,14 +364,15 @@ def open_mindspore_file(path: str | os.PathLike, *, verify: bool = True) -> Mind
     size = os.path.getsize(where)
     if size == 0:
         raise CorruptCheckpointError(f"{where}: empty file; expected a MindSpore .ckpt or safetensors file")
-    with open(where, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    fd = os.open(where, os.O_RDONLY)
     try:
-        if size >= 9 and mm[8] == ord("{") and struct.unpack("<Q", mm[:8])[0] < size:
-            return _Safetensors(where, mm, verify)
-        return _Ckpt(where, mm, verify)
+        # the index is walked on a mapping (only header pages are touched); data is pread later
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
+            if size >= 9 and mm[8] == ord("{") and struct.unpack("<Q", mm[:8])[0] < size:
+                return _Safetensors(where, fd, mm, verify)
+            return _Ckpt(where, fd, mm, verify)
     except BaseException:
-        mm.close()
+        os.close(fd)
         raise
 
 

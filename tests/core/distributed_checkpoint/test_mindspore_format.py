@@ -9,6 +9,7 @@ in ``.msenv``, which is found too); otherwise they skip.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -387,8 +388,11 @@ def test_export_reads_a_resharded_checkpoint_whole(tmp_path):
 
 
 def mindspore_python() -> str | None:
-    exe = os.environ.get("HP_MINDSPORE_PYTHON") or os.path.join(REPO, ".msenv", "bin", "python")
-    return exe if os.path.exists(exe) else None
+    if os.environ.get("HP_MINDSPORE_PYTHON"):
+        return os.environ["HP_MINDSPORE_PYTHON"]
+    exe = os.path.join(REPO, ".msenv", "bin", "python")
+    installed = glob.glob(os.path.join(REPO, ".msenv", "lib", "python*", "site-packages", "mindspore", "__init__.py"))
+    return exe if os.path.exists(exe) and installed else None
 
 
 needs_mindspore = pytest.mark.skipif(
