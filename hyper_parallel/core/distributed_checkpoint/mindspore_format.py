@@ -754,6 +754,7 @@ def _write_ckpt(out: Any, plan: list, data: Callable, crc_on: bool, summary: Exp
         summary.bytes += raw.nbytes
         if progress is not None:
             progress(raw.nbytes)
+        del raw, piece  # free this tensor before reading the next: one tensor in memory
     if crc_on:
         out.write(CRC_TRAILER + crc.to_bytes(10, "big"))
 
@@ -787,6 +788,7 @@ def _write_safetensors(out: Any, plan: list, data: Callable, crc_on: bool, summa
         summary.bytes += raw.nbytes
         if progress is not None:
             progress(raw.nbytes)
+        del raw
     if crc_on:
         header["__metadata__"]["crc_num"] = f"{crc:010d}"
         final = encode()
