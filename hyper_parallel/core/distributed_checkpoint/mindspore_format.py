@@ -223,7 +223,7 @@ class _Ckpt(MindSporeFile):
     def _index(self, mm: mmap.mmap, end: int) -> None:
         path = self.path
         last: str | None = None
-        done: set[str] = set()
+        name: str | None = None  # of the message being read; None between messages
         try:
             for num, wire, a, b in pw.fields(mm, 0, end):
                 if num != 1 or wire != pw.LEN:
@@ -264,18 +264,19 @@ class _Ckpt(MindSporeFile):
                             f"{path}: the messages of tensor {name!r} disagree: {info.shape} vs {tuple(dims)}, "
                             f"dtype {info.dtype} vs {ms_type}")
                     info.pieces.append(content)
+                    name = None
                     continue
-                if name in done or name in self.tensors:
+                if name in self.tensors:
                     raise CorruptCheckpointError(
                         f"{path}: tensor {name!r} appears twice, apart (again at byte {a}); MindSpore keeps "
                         "only the last of such values: rewrite the file with unique names")
                 if last is not None:
                     self._finish(last)
-                    done.add(last)
                 self.tensors[name] = TensorInfo(name, _our_dtype(ms_type, name, path), tuple(dims), [content])
-                last = name
+                last, name = name, None
         except pw.WireError as exc:
-            cut = _name_in_cut_message(mm, exc.pos, end)
+            # a message cut short fails on its length before its name is read: read the name anyway
+            cut = name or _name_in_cut_message(mm, exc.pos, end)
             where = f" in tensor {cut!r}" if cut else f" after tensor {last!r}" if last else ""
             raise CorruptCheckpointError(
                 f"{path}: truncated or not a MindSpore checkpoint{where}: {exc}") from None

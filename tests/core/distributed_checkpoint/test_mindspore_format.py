@@ -150,6 +150,25 @@ def test_a_truncated_file_is_an_error_naming_the_file_and_the_tensor(tmp_path):
         read_mindspore_checkpoint(path)
 
 
+def test_a_cut_anywhere_is_an_error_or_a_clean_prefix_of_whole_tensors(tmp_path):
+    # a cut exactly between two tensors leaves a valid, shorter file (as for MindSpore itself;
+    # only the crc trailer catches that); everywhere else it is an error, never a wrong tensor
+    data = open(os.path.join(FIX, "full.ckpt"), "rb").read()
+    whole = read_mindspore_checkpoint(os.path.join(FIX, "full.ckpt"))
+    path = tmp_path / "cut.ckpt"
+    clean = 0
+    for cut in range(1, len(data), 3):
+        path.write_bytes(data[:cut])
+        try:
+            part = read_mindspore_checkpoint(path)
+        except CorruptCheckpointError:
+            continue
+        clean += 1
+        assert list(part) == list(whole)[:len(part)]
+        assert all(torch.equal(v, whole[k]) if isinstance(v, torch.Tensor) else v == whole[k] for k, v in part.items())
+    assert clean < 10
+
+
 def test_a_missing_slice_message_is_an_error_with_the_byte_counts(tmp_path):
     data = open(os.path.join(FIX, "full.ckpt"), "rb").read()
     fields = list(pw.fields(data, 0, len(data)))
