@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from hyper_parallel.core.distributed_checkpoint import (
     CheckpointError,
     CorruptCheckpointError,
-    FileSystemReader,
     Layout,
     UnsupportedValueError,
     convert_full_checkpoint_to_dcp,
@@ -392,7 +391,7 @@ def test_export_refuses_a_dtype_mindspore_has_no_name_for(tmp_path):
     save({"f8": torch.zeros(4, dtype=torch.float8_e4m3fn)}, str(tmp_path / "dcp"), no_dist=True)
     with pytest.raises(UnsupportedValueError, match="'f8' has dtype float8_e4m3fn"):
         export_mindspore(tmp_path / "dcp", tmp_path / "x.ckpt")
-    assert not os.listdir(tmp_path / "dcp") == [] and not (tmp_path / "x.ckpt").exists()
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("x.ckpt")]  # nor a temporary file
 
 
 def test_export_reads_a_resharded_checkpoint_whole(tmp_path):
@@ -400,7 +399,6 @@ def test_export_reads_a_resharded_checkpoint_whole(tmp_path):
     import_mindspore(TP2, tmp_path / "dcp", strategy=os.path.join(TP2, "strategy.ckpt"))
     export_mindspore(tmp_path / "dcp", tmp_path / "whole.ckpt")
     assert_as_mindspore_reads(read_mindspore_checkpoint(tmp_path / "whole.ckpt"), "tp2/full.ckpt")
-    assert FileSystemReader(str(tmp_path / "dcp")).read_metadata()
 
 
 # ---------------------------------------------------------------------------- with MindSpore itself
