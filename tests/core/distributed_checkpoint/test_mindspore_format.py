@@ -340,6 +340,17 @@ def test_our_layouts_save_as_a_mindspore_strategy_and_read_back(fmt, tmp_path):
         save_layout({"*.weight": strategy["dense1.weight"]}, path, format=fmt)
 
 
+def test_a_merged_pipeline_strategy_puts_each_stage_on_its_ranks(tmp_path):
+    # merge_pipeline_strategys names parameters "<stage>-<name>"; stage 1 of a 2-device stage is ranks 2, 3
+    item = {"dev_matrix": [2], "tensor_map": [0, -1], "field": 0, "opt_weight_shard_step": 0,
+            "opt_weight_shard_size": 0}
+    path = tmp_path / "merged.json"
+    path.write_text(json.dumps({"current_stage": 1, "parallel_layout_item": {"0-embed": item, "1-head": item}}))
+    strategy = load_layout(str(path))
+    assert strategy["embed"].layout.rank_list == (0, 1) and strategy["head"].layout.rank_list == (2, 3)
+    assert strategy["head"].chunk_box(3, (6, 4)).offsets == (3, 0)
+
+
 def test_a_file_that_is_no_strategy_is_a_clear_layout_error():
     with pytest.raises(ValueError, match="neither JSON .* nor a MindSpore strategy"):
         load_layout(os.path.join(FIX, "encrypted.ckpt"))
