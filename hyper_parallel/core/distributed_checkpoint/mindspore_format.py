@@ -12,8 +12,9 @@ A MindSpore safetensors file is a plain safetensors file with ``{"format": "ms"}
 with ``crc_check=True``, a ``crc_num``: the crc32 over each tensor's name and bytes, in name
 order.
 
-Reading maps the file and walks only the protobuf headers, so indexing a file of any size
-touches a few pages; tensors are copied out one at a time when they are written.
+Reading maps the file only to walk the protobuf headers, so indexing a file of any size
+touches a few pages; each tensor is then ``pread`` straight into its new tensor, one at a
+time, when it is written (peak memory: the largest tensor).
 
 - :func:`read_mindspore_checkpoint`: a ``.ckpt`` or safetensors file -> ``{name: tensor}``.
 - :func:`import_mindspore`: a file -> a DCP checkpoint; or a MindSpore *distributed* checkpoint
