@@ -4,10 +4,13 @@ Usage (SRC first, DST a new directory, as in ``cp``)::
 
     hyper-dcp inspect PATH [--json]
     hyper-dcp verify PATH [--json]
+    hyper-dcp gc PATH [--dry-run] [--json]
     hyper-dcp transform SRC DST --mesh tp=4 | --layout strategy.json
     hyper-dcp export-hf SRC DST [--prefix model.] [--max-shard-size 5GB]
     hyper-dcp import-hf SRC DST [--prefix model.]
     hyper-dcp import-torch-dcp SRC DST --trust
+    hyper-dcp import-hyper-parallel SRC DST --trust [--allow-pickle]
+    hyper-dcp export-torch-dcp SRC DST [--overwrite] [--json]
     hyper-dcp import-mindspore SRC.ckpt|SRC.safetensors DST [--prefix model.]
     hyper-dcp import-mindspore SRC_DIR DST --strategy FILE    (rank_<id>/ sliced files)
     hyper-dcp export-mindspore SRC DST.ckpt [--format ckpt|safetensors] [--prefix model.] [--crc]
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -68,6 +72,15 @@ def _checkpoint_bytes(path: str) -> int:
     return sum(e.nbytes for e in meta.entries.values())
 
 
+def _tensor_bytes(path: str) -> int:
+    """Bytes of the tensors' global data (replicas once; 0 when unreadable)."""
+    try:
+        meta = md.Metadata.from_json(FileSystemReader(path).read_metadata())
+    except (CheckpointError, OSError):
+        return 0
+    return sum(md.itemsize(e.dtype) * math.prod(e.shape or ()) for e in meta.entries.values() if e.kind == "tensor")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     meta = md.Metadata.from_json(FileSystemReader(args.path).read_metadata())
     rows = []
@@ -113,7 +126,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAILED: {len(report.problems)} problem(s) in {args.path}:")
         for p in report.problems:
             print(f"  - {p}")
+    if report.unreferenced and not args.json:
+        print(f"note: {len(report.unreferenced)} unreferenced file(s) left by failed or replaced saves "
+              f"(e.g. {report.unreferenced[0]}); `hyper-dcp gc {args.path}` removes them")
     return 0 if report.ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.commit import collect_garbage
+    from .core.distributed_checkpoint.filesystem_storage import FileSystemWriter
+
+    removed = collect_garbage(FileSystemReader(args.path), FileSystemWriter(args.path), dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({"path": args.path, "dry_run": args.dry_run, "files": removed}, indent=1))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(f"{verb} {len(removed)} unreferenced file(s)" + "".join(f"\n  {n}" for n in removed))
+    return 0
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -197,6 +226,38 @@ def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
     return _report(args, "import-torch-dcp", args.dst, meta, time.perf_counter() - t0)
 
 
+def cmd_import_hyper_parallel(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.hyper_parallel_import import import_hyper_parallel
+
+    t0 = time.perf_counter()
+    meta = import_hyper_parallel(args.src, args.dst, trust=args.trust, allow_pickle=args.allow_pickle,
+                                 overwrite=args.overwrite)
+    return _report(args, "import-hyper-parallel", args.dst, meta, time.perf_counter() - t0)
+
+def cmd_export_torch_dcp(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.torch_dcp_export import export_torch_dcp
+
+    t0 = time.perf_counter()
+    bar = None if args.json else _progress(_tensor_bytes(args.src), "export-torch-dcp")
+    try:
+        tmeta = export_torch_dcp(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                                 max_chunk_bytes=args.max_chunk_size, progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    infos = tmeta.storage_data.values()
+    info = {"command": "export-torch-dcp", "destination": args.dst, "seconds": round(seconds, 3),
+            "keys": len(tmeta.state_dict_metadata), "files": len({i.relative_path for i in infos}),
+            "bytes": sum(i.length for i in infos)}
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(f"export-torch-dcp -> {args.dst}: {info['keys']} keys, {_human(info['bytes'])} in {info['files']} "
+              f"files ({seconds:.2f} s); load it with torch.distributed.checkpoint.load")
+    return 0
+
+
 def _mindspore_bytes(src: str) -> int:
     """Bytes a MindSpore import will write (0 when unknown: the bar then just counts)."""
     import os
@@ -257,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("gc", help="remove data files no committed .metadata names (not while a save runs)")
+    p.add_argument("path")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(fn=cmd_gc)
 
     def src_dst(p: argparse.ArgumentParser) -> None:
         p.add_argument("src")
@@ -285,6 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
     src_dst(p)
     p.add_argument("--trust", action="store_true", help="its metadata is a pickle: load it only if you trust it")
     p.set_defaults(fn=cmd_import_torch_dcp)
+    p = sub.add_parser("import-hyper-parallel", help="import a checkpoint HyperParallel's DCP wrote")
+    src_dst(p)
+    p.add_argument("--trust", action="store_true", help="its metadata is a pickle: read it only if you trust it")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="carry values that are pickles of more than plain data over, still pickled")
+    p.set_defaults(fn=cmd_import_hyper_parallel)
+    p = sub.add_parser("export-torch-dcp", help="export as a torch.distributed.checkpoint checkpoint (torch's format)")
+    src_dst(p)
+    p.add_argument("--allow-pickle", action="store_true", help="export values saved as pickles (unpickles them)")
+    p.add_argument("--max-chunk-size", default="256MiB", help="largest torch chunk (e.g. 512MiB); larger boxes are cut")
+    p.set_defaults(fn=cmd_export_torch_dcp)
     p = sub.add_parser("import-mindspore", help="import a MindSpore .ckpt/safetensors file, or a distributed "
                        "checkpoint directory (rank_<id>/) with --strategy")
     src_dst(p)

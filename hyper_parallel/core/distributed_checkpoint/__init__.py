@@ -18,7 +18,9 @@ from .async_staging import (
 )
 from .errors import (
     CheckpointError,
+    CommitError,
     CorruptCheckpointError,
+    LostContactError,
     MetadataError,
     NotACheckpointError,
     RankFailedError,
@@ -27,6 +29,7 @@ from .errors import (
 )
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .fsspec_storage import FsspecReader, FsspecWriter
+from .hyper_parallel_import import import_hyper_parallel
 from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
 from .metadata import Metadata
 from .mindspore_format import export_mindspore, import_mindspore, read_mindspore_checkpoint
@@ -40,9 +43,11 @@ from .offline_transform import (
     save_state_dict_as_huggingface_format,
 )
 from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from .single_file import load_checkpoint, save_checkpoint
 from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
 from .storage import StorageReader, StorageWriter
+from .torch_dcp_export import export_torch_dcp
 from .verify import verify_checkpoint
 
 __all__ = [
@@ -53,6 +58,10 @@ __all__ = [
     "dcp_to_full_state_dict",
     "convert_full_checkpoint_to_dcp",
     "import_torch_dcp",
+    "import_hyper_parallel",
+    "save_checkpoint",
+    "load_checkpoint",
+    "export_torch_dcp",
     "import_mindspore",
     "export_mindspore",
     "read_mindspore_checkpoint",
@@ -90,6 +99,8 @@ __all__ = [
     "load_layout",
     "get_current_layout",
     "CheckpointError",
+    "CommitError",
+    "LostContactError",
     "CorruptCheckpointError",
     "MetadataError",
     "NotACheckpointError",

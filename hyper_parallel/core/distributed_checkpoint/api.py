@@ -8,6 +8,8 @@ in a status exchange, so a failure anywhere fails every rank with the same messa
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import math
 import os
 import threading
@@ -18,19 +20,22 @@ from datetime import timedelta
 from typing import Any
 
 from . import metadata as md
+from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import StateDictMismatchError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .flatten import FlatStateDict, flatten, unflatten
 from .loader import read_plan
 from .planner import LoadPlanner, SavePlan, SavePlanner
-from .saver import build_metadata, commit_metadata, data_file_names, write_plan
+from .saver import build_metadata, data_file_names, write_plan
 from .standard_planner import StandardPlanner, plan_digest
 from .storage import StorageReader, StorageWriter
 
 PathLike = str | os.PathLike
 
-_PLAN_CACHE: OrderedDict[Any, list[SavePlan]] = OrderedDict()
+# Global save plans by (planner scope, fingerprint of every rank's local plan). Whether a
+# save uses a cached plan is decided by all ranks together (see _agree_on_plan).
+_PLAN_CACHE: OrderedDict[tuple[Any, str], list[SavePlan]] = OrderedDict()
 _PLAN_CACHE_SIZE = 8
 _PLAN_CACHE_LOCK = threading.Lock()  # async_save's writer thread saves while the caller may too
 
@@ -70,6 +75,42 @@ def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int, timeo
     return Coordinator(process_group, no_dist, coordinator_rank, timeout)
 
 
+def _for_this_call(planner: Any, allow_pickle: bool) -> Any:
+    """The planner to use for one call: ``allow_pickle=True`` applies to this call only, so a
+    planner object reused later never inherits it."""
+    if allow_pickle and hasattr(planner, "allow_pickle") and not planner.allow_pickle:
+        planner = copy.copy(planner)
+        planner.allow_pickle = True
+    return planner
+
+
+def _cache_scope(planner: Any, coord: Coordinator) -> tuple | None:
+    """Where a planner's global plans may be reused: same planner kind and options, same
+    group (by a token that is never reused), same rank. None: this planner is not cached."""
+    key = getattr(planner, "cache_key", None)
+    if key is None or not getattr(planner, "enable_plan_caching", True):
+        return None
+    return (type(planner).__module__, type(planner).__qualname__, key(), coord.group_token, coord.rank)
+
+
+def _cached_plans(scope: tuple | None) -> dict[str, list[SavePlan]]:
+    """This rank's cached global plans for ``scope``, by fingerprint (a snapshot)."""
+    if scope is None:
+        return {}
+    with _PLAN_CACHE_LOCK:
+        return {fp: plans for (s, fp), plans in _PLAN_CACHE.items() if s == scope}
+
+
+def _remember_plan(scope: tuple | None, fingerprint: str, plans: list[SavePlan]) -> None:
+    if scope is None:
+        return
+    with _PLAN_CACHE_LOCK:
+        _PLAN_CACHE[(scope, fingerprint)] = plans
+        _PLAN_CACHE.move_to_end((scope, fingerprint))
+        while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+
+
 def save(
     state_dict: dict[str, Any] | None = None,
     path: PathLike | None = None,
@@ -91,8 +132,9 @@ def save(
 
     Each rank writes only the chunks the global plan gives it (replicated data is written
     once in total, spread evenly over its holders); then the coordinator commits
-    ``.metadata`` atomically. Until that commit, an older checkpoint at ``path`` stays
-    intact and loadable.
+    ``.metadata`` atomically (see :mod:`.commit` for the protocol). Until that commit, an
+    older checkpoint at ``path`` stays intact and loadable; once it is in place, nothing
+    deletes the new data.
 
     Args:
         state_dict: nested dict of tensors, DTensors, numpy arrays, bytes, plain values,
@@ -104,7 +146,8 @@ def save(
         planner: a :class:`SavePlanner`; default: :class:`StandardPlanner`.
         process_group: the ranks that save together (default: the whole world).
         no_dist / use_collectives=False: this process saves alone, with no collectives.
-        allow_pickle: permit values that only pickle can store (refused by default).
+        allow_pickle: permit values that only pickle can store (refused by default); it
+            applies to this call only.
         thread_count: data files (and writer threads) per rank.
         sync_files: fsync data and metadata before committing (default True).
         timeout: bound on every cross-rank exchange (seconds or timedelta; default 30 min):
@@ -115,7 +158,10 @@ def save(
         The committed :class:`Metadata` on the coordinator rank, None on other ranks.
 
     Raises:
-        RankFailedError: on every rank, when any rank failed; it names each rank and cause.
+        RankFailedError: on every rank, when any rank failed before the commit; it names
+            each rank and cause. The previous checkpoint at ``path`` is untouched.
+        CommitError: a peer was lost around the commit; ``committed`` says whether the new
+            checkpoint is in place (True), or that only ``load`` can tell (None).
         UnsupportedValueError: a value cannot be saved safely (e.g. needs pickle).
 
     Example::
@@ -125,65 +171,60 @@ def save(
     where = _resolve_path(path, checkpoint_id, storage_writer)
     if state_dict is None:
         raise ValueError("save() needs a state_dict")
-    if storage_writer is None:
-        storage_writer = _default_writer(where, sync_files)
-    planner = planner if planner is not None else StandardPlanner()
-    if allow_pickle and hasattr(planner, "allow_pickle"):
-        planner.allow_pickle = True
     if user_metadata is not None and not md.is_json_value(user_metadata):
         raise ValueError("user_metadata must hold only JSON-representable values")
     coord = _coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
-    storage_writer.set_up(coord.rank, coord.is_coordinator)
-
+    planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
+    scope = _cache_scope(planner, coord)
+    writer: StorageWriter = storage_writer  # type: ignore[assignment]
     local: list[SavePlan] = []
+    cached: dict[str, list[SavePlan]] = {}
 
-    def plan_locally() -> tuple[str, str]:
+    def plan_locally() -> tuple[str, str, list[str] | None]:
+        nonlocal writer
+        if writer is None:
+            writer = _default_writer(where, sync_files)
+        writer.set_up(coord.rank, coord.is_coordinator)
         flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
         planner.set_up_save(flat, coord.is_coordinator)
         local.append(planner.create_local_save_plan())
         if coord.world_size == 1:
             _check_complete_alone(local[0])
-        storage_writer.prepare()
-        return plan_digest(local[0]), uuid.uuid4().hex[:16]
+        writer.prepare()
+        cached.update(_cached_plans(scope))
+        return plan_digest(local[0]), uuid.uuid4().hex[:16], list(cached) if scope is not None else None
 
-    digests = coord.exchange("save (planning)", plan_locally)
-    save_id = digests[coord.coordinator_rank][1]
-    cache_key = (getattr(planner, "cache_key", lambda: id(planner))(), id(coord.group),
-                 coord.rank, tuple(d for d, _ in digests))
-    with _PLAN_CACHE_LOCK:
-        global_plans = _PLAN_CACHE.get(cache_key)
-        if global_plans is not None:
-            _PLAN_CACHE.move_to_end(cache_key)
-    if global_plans is None:
-        computed: list[list[SavePlan]] = []
-        with md.paused_gc():  # unpickling every rank's plan: millions of small objects at scale
-            plans = coord.exchange("save (plan exchange)", lambda: local[0])
-        # Every rank computes the same global plan; only the statuses are exchanged.
-        coord.exchange("save (global plan)", lambda: computed.append(planner.create_global_save_plan(plans)))
-        global_plans = computed[0]
-        with _PLAN_CACHE_LOCK:
-            _PLAN_CACHE[cache_key] = global_plans
-            while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-                _PLAN_CACHE.popitem(last=False)
+    summaries = coord.exchange("save (planning)", plan_locally)
+    save_id = summaries[coord.coordinator_rank][1]
+    global_plans = _agree_on_plan(coord, planner, local[0], summaries, scope, cached)
     mine = global_plans[coord.rank]
+    own_files = data_file_names(coord.rank, save_id, thread_count)
+    what = f"save to {where or 'storage'}"
+    results = write_and_report(coord, writer, "save (writing data)",
+                               lambda: write_plan(mine, planner, writer, coord.rank, save_id, thread_count),
+                               own_files, what, save_id)
+    return commit_and_agree(
+        coord, writer, "save (commit)",
+        lambda: build_metadata(mine, results, save_id, coord.world_size, user_metadata or {}),
+        own_files, what, save_id)
 
-    def commit(results: list[Any]) -> md.Metadata:
-        meta = build_metadata(mine, results, save_id, coord.world_size, user_metadata or {})
-        commit_metadata(storage_writer, meta)
-        return meta
 
-    try:
-        results = coord.gather_to_coordinator(
-            "save (writing data)",
-            lambda: write_plan(mine, planner, storage_writer, coord.rank, save_id, thread_count),
-        )
-        committed: list[md.Metadata] = []
-        coord.exchange("save (commit)",
-                       lambda: committed.append(commit(results)) if coord.is_coordinator else None)
-    except BaseException:
-        storage_writer.remove(data_file_names(coord.rank, save_id, thread_count))
-        raise
-    return committed[0] if committed else None
+def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
+                   summaries: list[tuple[str, str, list[str] | None]], scope: tuple | None,
+                   cached: dict[str, list[SavePlan]]) -> list[SavePlan]:
+    """The global plan of this save. A cached plan is used only when EVERY rank has it for
+    this exact set of local plans; a miss anywhere is a miss everywhere (else ranks would
+    run different collectives)."""
+    fingerprint = hashlib.sha256("|".join(d for d, _, _ in summaries).encode()).hexdigest()
+    if all(have is not None and fingerprint in have for _, _, have in summaries):
+        return cached[fingerprint]
+    with md.paused_gc():  # unpickling every rank's plan: millions of small objects at scale
+        plans = coord.exchange("save (plan exchange)", lambda: local)
+    computed: list[list[SavePlan]] = []
+    # Every rank computes the same global plan; only the statuses are exchanged.
+    coord.exchange("save (global plan)", lambda: computed.append(planner.create_global_save_plan(plans)))
+    _remember_plan(scope, fingerprint, computed[0])
+    return computed[0]
 
 
 def load(
@@ -243,24 +284,27 @@ def load(
     if isinstance(state_dict, (str, os.PathLike)) and path is None and checkpoint_id is None:
         state_dict, path = None, state_dict
     where = _resolve_path(path, checkpoint_id, storage_reader)
-    if storage_reader is None:
-        storage_reader = _default_reader(where)
-    planner = planner if planner is not None else StandardPlanner()
-    if allow_pickle and hasattr(planner, "allow_pickle"):
-        planner.allow_pickle = True
     coord = _coordinator(process_group, no_dist, coordinator_rank, timeout)
-    storage_reader.set_up(coord.rank, coord.is_coordinator)
+    planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
+    reader: StorageReader = storage_reader  # type: ignore[assignment]
+    flat: Any = None
     raw: list[bytes] = []
 
     def read_metadata() -> None:
+        # Everything that can fail on one rank happens inside an exchange, so the others
+        # learn of it at once instead of waiting out the timeout.
+        nonlocal reader, flat
+        if reader is None:
+            reader = _default_reader(where)
+        reader.set_up(coord.rank, coord.is_coordinator)
+        flat = flatten(state_dict) if state_dict is not None else None
         if coord.is_coordinator:
-            raw.append(storage_reader.read_metadata())
+            raw.append(reader.read_metadata())
 
+    loaded: list[Any] = []
     try:
         coord.exchange("load (reading metadata)", read_metadata)
         meta_bytes = coord.broadcast(raw[0] if raw else None, "load (metadata broadcast)")
-        flat = flatten(state_dict) if state_dict is not None else None
-        loaded: list[dict[str, Any]] = []
 
         def plan_and_read() -> int:
             meta = md.Metadata.from_json(meta_bytes, where=f"{where or 'checkpoint'}/{md.METADATA_FILE}")
@@ -268,23 +312,45 @@ def load(
                                 rank=coord.rank)
             plan = planner.create_local_load_plan()
             _check_keys(planner, strict)
-            stats = read_plan(plan, planner, storage_reader, thread_count, verify=verify)
-            loaded.append(planner.finish_load())
-            loaded.append(meta)
+            stats = read_plan(plan, planner, reader, thread_count, verify=verify)
+            loaded.extend((planner.finish_load(), meta))
             return stats.bytes_read
 
         coord.exchange("load", plan_and_read)
     finally:
-        storage_reader.close()
+        if reader is not None:
+            reader.close()
     values, meta = loaded
     if flat is None:
         return unflatten({meta.entries[k].path: v for k, v in values.items()})
-    for key, leaf in flat.leaves.items():
-        if key in values and values[key] is not leaf.value and leaf.set is not None:
-            leaf.set(values[key])
+    # Putting values back can raise too (a Stateful's load_state_dict): in an exchange of its
+    # own, after every rank has read, so no rank is left waiting and none applies half-read data.
+    coord.exchange("load (applying)", lambda: _apply(flat, values, planner))
+    return state_dict
+
+
+def _apply(flat: Any, values: dict[str, Any], planner: Any) -> None:
+    """Put loaded values where the target's leaves came from, then call Stateful loads.
+
+    Keys are the planner's; ``planner.original_key`` maps each back to the target's key
+    (planners that rename keys on load implement it).
+    """
+    original = getattr(planner, "original_key", None)
+    own = {id(leaf.value) for leaf in flat.leaves.values()}
+    for key, value in values.items():
+        name = original(key) if original is not None else key
+        leaf = flat.leaves.get(name) if name is not None else None
+        if leaf is None:
+            if name is None and id(value) not in own:
+                raise StateDictMismatchError(
+                    f"{key!r}: the planner's transform_state_dict renamed a target key to it, and which one "
+                    "cannot be told (several keys hold the same value); override transform_key instead so "
+                    "the loaded value can be put back")
+            continue
+        if value is not leaf.value and leaf.set is not None:
+            leaf.set(value)
     for obj, inner in flat.statefuls:
         obj.load_state_dict(inner)
-    return state_dict
 
 
 def _check_complete_alone(plan: SavePlan) -> None:

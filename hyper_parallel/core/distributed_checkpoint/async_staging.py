@@ -72,6 +72,7 @@ __all__ = [
 
 PathLike = str | os.PathLike
 ALIGN = 64  # byte alignment of every tensor in a staging buffer
+_BOUNDED = object()  # "wait at most the checkpointer's wait_timeout_s"
 _STAGING_MODES = ("eager", "lazy")
 
 
@@ -166,8 +167,10 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
     if pinned:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:  # no pinning on this accelerator/build: pageable memory still works
-            pass
+        except RuntimeError as exc:  # pageable memory still works, but copies are slower and synchronous
+            warnings.warn(f"async_save: pinning a {nbytes}-byte staging buffer failed ({exc}); using pageable "
+                          "memory, so snapshots from the accelerator are slower and block on each copy",
+                          stacklevel=2)
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -278,8 +281,10 @@ class AsyncSaveResponse:
         total_s: seconds from the call to the end of the save (set once done).
     """
 
-    def __init__(self, checkpoint_id: str | None, staging: str, callback: Callable | None):
+    def __init__(self, checkpoint_id: str | None, staging: str, callback: Callable | None,
+                 wait_timeout_s: float | None = None):
         self.checkpoint_id = checkpoint_id
+        self.wait_timeout_s = wait_timeout_s
         self.staging = staging
         self.persist_completion: Future = Future()
         self.blocking_s = 0.0
@@ -290,12 +295,15 @@ class AsyncSaveResponse:
         self._finished = threading.Event()
         self._callback_thread: int | None = None
 
-    def _wait_finished(self, timeout: float | None) -> None:
+    def _wait_finished(self, timeout: Any) -> None:
         # Inside the callback the save is over; waiting for the callback itself would deadlock.
         if threading.get_ident() == self._callback_thread:
             return
+        if timeout is _BOUNDED:
+            timeout = self.wait_timeout_s
         if not self._finished.wait(timeout):
-            raise TimeoutError(f"async save to {self.checkpoint_id!r}: not finished after {timeout}s")
+            raise TimeoutError(f"async save to {self.checkpoint_id!r}: not finished after {timeout}s; it is "
+                               "still running (pass a larger timeout, or None to wait without bound)")
 
     def done(self) -> bool:
         """True once the save committed or failed (and its callback ran)."""
@@ -314,8 +322,12 @@ class AsyncSaveResponse:
         if not self._staged.wait(timeout):
             raise TimeoutError(f"async save to {self.checkpoint_id!r}: not staged after {timeout}s")
 
-    def result(self, timeout: float | None = None) -> md.Metadata | None:
+    def result(self, timeout: Any = _BOUNDED) -> md.Metadata | None:
         """Wait for the commit; return the Metadata (coordinator) or None (other ranks).
+
+        Args:
+            timeout: seconds to wait; by default the checkpointer's ``wait_timeout_s`` (so a
+                stuck storage never blocks the caller forever); None waits without bound.
 
         Raises:
             RankFailedError: the save failed on some rank (raised on every rank).
@@ -324,7 +336,7 @@ class AsyncSaveResponse:
         self._wait_finished(timeout)
         return self.persist_completion.result()
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:
+    def exception(self, timeout: Any = _BOUNDED) -> BaseException | None:
         """The save's error, or None if it committed (waits like :meth:`result`)."""
         self._wait_finished(timeout)
         return self.persist_completion.exception()
@@ -372,6 +384,9 @@ class AsyncCheckpointer:
         exit_timeout_s: how long process exit waits for saves in flight before abandoning
             them (an abandoned save never commits).
         max_cached_structures: structures whose buffers stay cached between saves.
+        wait_timeout_s: the longest a call waits for an earlier save by default (making room
+            for a new save, ``result()``); past it, the call raises instead of blocking forever
+            on a stuck storage. ``result(timeout=None)`` still waits without bound.
 
     Example::
 
@@ -383,11 +398,13 @@ class AsyncCheckpointer:
         ckpt.wait()                                    # raises if a save failed
     """
 
-    def __init__(self, max_in_flight: int = 1, exit_timeout_s: float = 600.0, max_cached_structures: int = 2):
+    def __init__(self, max_in_flight: int = 1, exit_timeout_s: float = 600.0, max_cached_structures: int = 2,
+                 wait_timeout_s: float = 3600.0):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.max_in_flight = max_in_flight
         self.exit_timeout_s = exit_timeout_s
+        self.wait_timeout_s = wait_timeout_s
         self.stats = StagingStats()
         self._pool = _BufferPool(max_cached_structures, self.stats)
         self._lock = threading.Lock()
@@ -443,7 +460,7 @@ class AsyncCheckpointer:
         distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
         group = self._dedicated_group(process_group, timeout) if distributed else None
 
-        response = AsyncSaveResponse(where, staging, callback)
+        response = AsyncSaveResponse(where, staging, callback, self.wait_timeout_s)
         save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
                            use_collectives=use_collectives, coordinator_rank=coordinator_rank,
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,
@@ -524,12 +541,17 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ internals
 
     def _make_room(self) -> None:
+        deadline = time.monotonic() + self.wait_timeout_s
         while True:
             with self._lock:
                 if len(self._in_flight) < self.max_in_flight:
                     break
                 oldest = self._in_flight[0]
-            oldest.response._finished.wait()
+            if not oldest.response._finished.wait(max(0.0, deadline - time.monotonic())):
+                raise AsyncSaveError(
+                    f"the async save to {oldest.response.checkpoint_id!r} is still running after "
+                    f"{self.wait_timeout_s}s (max_in_flight={self.max_in_flight}), so no new save was started; "
+                    "its storage may be stuck") from TimeoutError(self.wait_timeout_s)
         self._raise_unreported()
 
     def _raise_unreported(self) -> None:

@@ -11,13 +11,14 @@ with training collectives.
 from __future__ import annotations
 
 import traceback
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import CheckpointError, RankFailedError
+from .errors import CheckpointError, LostContactError, RankFailedError
 
 T = TypeVar("T")
 
@@ -29,28 +30,32 @@ def _is_gloo(group: Any) -> bool:
     return "gloo" in str(dist.get_backend(group)).lower()
 
 
-def _gloo_group(group: Any, timeout: timedelta | None) -> Any:
-    """The group checkpoint exchanges run on.
+def _gloo_group(group: Any, timeout: timedelta | None) -> tuple[Any, str]:
+    """The group checkpoint exchanges run on, and a token naming it for plan caches.
 
     For the whole world (``group`` None) a dedicated gloo group is made once per timeout, so
     checkpoint traffic never interleaves with training collectives and a stuck rank turns
     into an error after ``timeout``. A caller's gloo subgroup is used as it is (making a new
     group would need every rank of the world to join). Any other subgroup gets a gloo twin,
     which every rank of the world must create together: call save/load on all ranks.
+
+    The token is unique per (world, group) for the life of the process: entries hold their
+    world and group, so ``id()``s in the key cannot be reused by other objects meanwhile.
     """
-    if group is not None and _is_gloo(group) and timeout is None:
-        return group
     # Keyed by the world group object too: after destroy_process_group() and a new
     # init_process_group() in the same process, groups of the old world are dead.
     world = dist.group.WORLD
-    key = (id(world), None if group is None else id(group), timeout or DEFAULT_TIMEOUT)
+    use_as_is = group is not None and _is_gloo(group) and timeout is None
+    key = (id(world), None if group is None else id(group), None if use_as_is else timeout or DEFAULT_TIMEOUT)
     cached = _GLOO_GROUPS.get(key)
     if cached is None or cached[0] is not world or cached[1] is not group:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        made = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
-        # hold world and group so their ids cannot be reused by other objects
-        _GLOO_GROUPS[key] = cached = (world, group, made)
-    return cached[2]
+        if use_as_is:
+            made = group
+        else:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            made = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
+        _GLOO_GROUPS[key] = cached = (world, group, made, uuid.uuid4().hex)
+    return cached[2], cached[3]
 
 
 class Coordinator:
@@ -72,11 +77,12 @@ class Coordinator:
         self.timeout = timeout or DEFAULT_TIMEOUT
         if self.distributed:
             self.global_rank = dist.get_rank()
-            self.group = self._collective("setup", lambda: _gloo_group(process_group, timeout))
+            self.group, self.group_token = self._collective("setup", lambda: _gloo_group(process_group, timeout))
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
         else:
             self.group, self.rank, self.world_size, self.global_rank = None, 0, 1, 0
+            self.group_token = "local"
         self.coordinator_rank = coordinator_rank
         self.is_coordinator = self.rank == coordinator_rank
 
@@ -85,10 +91,10 @@ class Coordinator:
             return op()
         except RuntimeError as exc:
             # A dead or stuck peer; gloo groups are unusable after this, so forget ours.
-            for k, (_, _, g) in list(_GLOO_GROUPS.items()):
-                if g is getattr(self, "group", None):
+            for k, cached in list(_GLOO_GROUPS.items()):
+                if cached[2] is getattr(self, "group", None):
                     del _GLOO_GROUPS[k]
-            raise CheckpointError(
+            raise LostContactError(
                 f"checkpoint {phase}: lost contact with the other ranks on rank {self.global_rank} "
                 f"({exc}). A rank crashed, did not call save/load, or stalled longer than the "
                 f"timeout ({self.timeout})"
@@ -101,26 +107,47 @@ class Coordinator:
         self._collective(phase, lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
+    def statuses(self, phase: str, fn: Callable[[], T]) -> tuple[list[tuple[str, Any]], BaseException | None]:
+        """Run ``fn`` here and learn every rank's outcome, without raising for failures.
+
+        Returns ``([(kind, payload_or_message) per rank], own exception or None)``: kind is
+        ``"ok"`` (payload is ``fn``'s result) or ``"error"`` (a one-line description). Any
+        ``BaseException`` of ``fn`` counts (a KeyboardInterrupt on one rank must not leave
+        the others waiting). Raises LostContactError when the exchange itself fails.
+        """
+        own: BaseException | None = None
+        try:
+            status: tuple[str, Any] = ("ok", fn())
+        except BaseException as exc:  # reported to every rank; the caller re-raises
+            own = exc
+            status = ("error", _describe(exc))
+        try:
+            return self._all_gather(phase, status), own
+        except LostContactError as lost:
+            if own is not None and not isinstance(own, Exception):
+                raise own from lost  # KeyboardInterrupt/SystemExit stay what they are
+            raise lost from own
+
     def exchange(self, phase: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` here, share its result with every rank, or fail everywhere.
 
         Returns every rank's result in rank order. If ``fn`` raised on any rank, every rank
         raises RankFailedError naming each failing rank and its error; a rank's own
-        exception is chained as the cause on that rank.
+        exception is chained as the cause on that rank (a KeyboardInterrupt or SystemExit is
+        re-raised as itself on its own rank, after the others were told).
         """
-        own: BaseException | None = None
-        try:
-            status = ("ok", fn())
-        except Exception as exc:  # reported to every rank, then re-raised below
-            own = exc
-            status = ("error", _describe(exc))
-        results = self._all_gather(phase, status)
-        failures = {r: msg for r, (kind, msg) in enumerate(results) if kind == "error"}
-        if failures:
-            if not self.distributed and own is not None:
-                raise own
-            raise RankFailedError(phase, {self._name(r): m for r, m in failures.items()}) from own
+        results, own = self.statuses(phase, fn)
+        self.raise_failures(phase, results, own)
         return [payload for _, payload in results]
+
+    def raise_failures(self, phase: str, results: list[tuple[str, Any]], own: BaseException | None) -> None:
+        """Raise (on every rank) if any rank's status in ``results`` is an error."""
+        failures = {r: msg for r, (kind, msg) in enumerate(results) if kind == "error"}
+        if not failures:
+            return
+        if own is not None and (not self.distributed or not isinstance(own, Exception)):
+            raise own
+        raise RankFailedError(phase, {self._name(r): m for r, m in failures.items()}) from own
 
     def gather_to_coordinator(self, phase: str, fn: Callable[[], T]) -> list[T] | None:
         """Like :meth:`exchange`, but only the coordinator gets the payloads.
@@ -131,21 +158,28 @@ class Coordinator:
         own: BaseException | None = None
         try:
             payload, status = fn(), "ok"
-        except Exception as exc:
+        except BaseException as exc:
             own, payload, status = exc, None, _describe(exc)
         if not self.distributed:
             if own is not None:
                 raise own
             return [payload]
         gathered: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        self._collective(phase, lambda: dist.gather_object(
-            (status, payload), gathered, dst=self._global(self.coordinator_rank), group=self.group))
-        # The coordinator learned every status; share only the failures with everyone.
-        verdict = None
-        if self.is_coordinator:
-            verdict = {r: s for r, (s, _) in enumerate(gathered) if s != "ok"}
-        verdict = self.broadcast(verdict, phase)
+        try:
+            self._collective(phase, lambda: dist.gather_object(
+                (status, payload), gathered, dst=self._global(self.coordinator_rank), group=self.group))
+            # The coordinator learned every status; share only the failures with everyone.
+            verdict = None
+            if self.is_coordinator:
+                verdict = {r: s for r, (s, _) in enumerate(gathered) if s != "ok"}
+            verdict = self.broadcast(verdict, phase)
+        except LostContactError as lost:
+            if own is not None and not isinstance(own, Exception):
+                raise own from lost
+            raise lost from own
         if verdict:
+            if own is not None and not isinstance(own, Exception):
+                raise own
             raise RankFailedError(phase, {self._name(r): m for r, m in verdict.items()}) from own
         return [p for _, p in gathered] if self.is_coordinator else None
 

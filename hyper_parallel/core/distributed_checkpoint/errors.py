@@ -34,6 +34,30 @@ class UnsupportedValueError(CheckpointError, TypeError):
     """A state-dict value cannot be saved safely (e.g. needs pickle without opt-in)."""
 
 
+class LostContactError(CheckpointError):
+    """A collective of a save or load failed: a peer crashed, hung past the timeout, or never
+    called. The process group used for checkpoint exchanges is unusable afterwards."""
+
+
+class CommitError(CheckpointError):
+    """A save failed at or around its commit point; ``committed`` says what the path holds.
+
+    - ``committed is True``: the new checkpoint IS committed (its ``.metadata`` is in place and
+      nothing deleted its data); something after the commit failed, e.g. a peer was lost.
+    - ``committed is None``: this rank cannot know: it lost contact with the coordinator
+      during the commit. The path holds either this save or the checkpoint it replaced, both
+      whole; ``load`` decides (compare ``Metadata.save_id`` with ``save_id``). This rank kept
+      its data files, because the new ``.metadata`` may name them.
+
+    ``save_id`` is the id of the save that failed (it appears in its data-file names).
+    """
+
+    def __init__(self, message: str, committed: bool | None, save_id: str):
+        super().__init__(message)
+        self.committed = committed
+        self.save_id = save_id
+
+
 class RankFailedError(CheckpointError):
     """Raised on every rank when one or more ranks failed a phase of save or load.
 

@@ -12,6 +12,7 @@ import errno
 import os
 import threading
 import uuid
+import warnings
 from collections.abc import Iterable
 
 from .errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
@@ -79,10 +80,18 @@ class FileSystemWriter(StorageWriter):
                     os.fsync(f.fileno())
             os.replace(tmp, os.path.join(self.path, METADATA_FILE))
         except BaseException:
-            self.remove([os.path.basename(tmp)])
+            try:
+                self.remove([os.path.basename(tmp)])
+            except OSError:
+                pass  # a stray temporary file is harmless: readers only open .metadata
             raise
+        # Committed: from here on problems are warnings (see StorageWriter.commit).
         if self.sync_files:
-            _fsync_dir(self.path)
+            try:
+                _fsync_dir(self.path)
+            except OSError as exc:
+                warnings.warn(f"{self.path!r}: the checkpoint is committed, but syncing its directory failed "
+                              f"({exc}); the commit may not survive a power loss", stacklevel=2)
 
     def remove(self, names: Iterable[str]) -> None:
         for name in names:
@@ -162,6 +171,9 @@ class FileSystemReader(StorageReader):
             offset += n
         with self._lock:
             self.bytes_read += want
+
+    def list_files(self) -> list[str]:
+        return sorted(e.name for e in os.scandir(self.path) if e.is_file(follow_symlinks=False))
 
     def close(self) -> None:
         with self._lock:

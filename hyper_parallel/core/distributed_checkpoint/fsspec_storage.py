@@ -107,6 +107,9 @@ class FsspecReader(StorageReader):
                 ) from None
         return self._sizes[name]
 
+    def list_files(self) -> list[str]:
+        return sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
+
     def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
         view = memoryview(buffer).cast("B")
         if not view.nbytes:

@@ -150,15 +150,19 @@ class Layout:
         if len(set(names)) != len(names):
             raise ValueError(f"alias_name {names!r} repeats a name")
         world = math.prod(shape)
-        ranks = tuple(range(world)) if rank_list is None else tuple(rank_list)
-        if (len(ranks) != world or len(set(ranks)) != world
-                or any(type(r) is not int or r < 0 for r in ranks)):
+        # The default ranks stay a range: a layout read from metadata costs O(mesh dims),
+        # not O(mesh positions), until someone walks it.
+        ranks: Sequence[int] = range(world) if rank_list is None else tuple(rank_list)
+        if rank_list is not None and (len(ranks) != world or len(set(ranks)) != world
+                                      or any(type(r) is not int or r < 0 for r in ranks)):
             raise ValueError(f"rank_list must hold {world} distinct non-negative ints (one per mesh "
                              f"position of {shape}), found {list(rank_list or [])!r:.200}")
+        if rank_list is not None and ranks == tuple(range(world)):
+            ranks = range(world)
         self.mesh_shape = shape
         self.alias_name = names
         self.rank_list = ranks
-        self._pos = {r: i for i, r in enumerate(ranks)}
+        self._pos: dict[int, int] | None = None
 
     # ---------------------------------------------------------------- basics
 
@@ -182,9 +186,17 @@ class Layout:
         except ValueError:
             raise ValueError(f"mesh dim {name!r} is not one of {self.alias_name}") from None
 
+    def position(self, rank: int) -> int | None:
+        """The row-major mesh position of global ``rank``, or None if it is not in the mesh."""
+        if isinstance(self.rank_list, range):
+            return rank if type(rank) is int and 0 <= rank < len(self.rank_list) else None
+        if self._pos is None:
+            self._pos = {r: i for i, r in enumerate(self.rank_list)}
+        return self._pos.get(rank)
+
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """The mesh coordinate of global ``rank``; raises ValueError if it is not in the mesh."""
-        pos = self._pos.get(rank)
+        pos = self.position(rank)
         if pos is None:
             raise ValueError(f"rank {rank} is not in this mesh (rank_list {list(self.rank_list)!r:.120})")
         coord = []
@@ -266,7 +278,7 @@ class Layout:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Layout.to_device_mesh() needs an initialised process group; "
                                "use the layout's placements/boxes directly without one")
-        if self.rank_list == tuple(range(dist.get_world_size())):
+        if self.rank_list == range(dist.get_world_size()):
             return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.alias_name)
         ranks = torch.tensor(self.rank_list, dtype=torch.int64).reshape(self.mesh_shape)
         return DeviceMesh(device_type, ranks, mesh_dim_names=self.alias_name)
@@ -297,7 +309,7 @@ class Layout:
         return hash((self.mesh_shape, self.alias_name, self.rank_list))
 
     def __repr__(self) -> str:
-        ranks = "" if self.rank_list == tuple(range(self.world_size)) else f", rank_list={list(self.rank_list)}"
+        ranks = "" if isinstance(self.rank_list, range) else f", rank_list={list(self.rank_list)}"
         return f"Layout({self.mesh_shape}, {self.alias_name}{ranks})"
 
 

@@ -29,6 +29,7 @@ from .errors import CorruptCheckpointError
 from .planner import LoadPlan, ReadItem
 from .saver import tensor_bytes
 from .storage import StorageReader
+from .streams import StreamFence
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 
@@ -219,9 +220,11 @@ def read_plan(
         stats.bytes_needed += item.region.numel * (c.length // max(1, Box(c.offsets, c.sizes).numel))
 
     scratch = _Scratch()
+    fence = StreamFence()  # accelerator targets are filled from reader threads
 
     def run(item: ReadItem) -> int:
         dest = planner.resolve_target(item.key).detach()
+        fence.before_copy(dest)
         with torch.no_grad():
             return _read_item(item, dest, plan.targets[item.key], reader, buffer_bytes, verify, scratch)
 
@@ -242,6 +245,7 @@ def read_plan(
             stats.bytes_read = sum(pool.map(run_file, streams))
     else:
         stats.bytes_read = sum(run_file(items) for items in streams)
+    fence.after_copies()
     return stats
 
 
@@ -276,3 +280,5 @@ def read_box(
     stats = read_plan(LoadPlan(reads, {entry.key: box}), _Fixed(dest), reader, thread_count=1,
                       buffer_bytes=buffer_bytes, verify=verify)
     return dest, stats
+
+from .single_file import load_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)

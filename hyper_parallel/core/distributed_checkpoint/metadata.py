@@ -51,6 +51,9 @@ METADATA_FILE = ".metadata"
 KINDS = ("tensor", "ndarray", "bytes", "pickle", "object")
 _MAX_NDIM = 64
 _MAX_ELEMENTS = 1 << 56  # far beyond any real tensor; stops overflow games early
+MAX_WORLD = 1 << 20  # ranks; beyond any job, small enough that a mesh of it can be walked
+_MAX_MESH_NDIM = 8
+_PLACEMENT_NAME = re.compile(r"^(?:R|S\((-?\d{1,3})\)|_S\((-?\d{1,3}),(\d{1,7})\))$")
 
 # dtype name -> (torch dtype, safetensors dtype name or None when it has none)
 _DTYPES: dict[str, tuple[torch.dtype, str | None]] = {
@@ -305,7 +308,7 @@ def _parse(doc: Any, where: str) -> Metadata:
     save_id = doc.get("save_id")
     if not isinstance(save_id, str):
         raise MetadataError(f"{where}: 'save_id' must be a string")
-    world_size = _int(doc.get("world_size"), where, None, "world_size", lo=1)
+    world_size = _int(doc.get("world_size"), where, None, "world_size", lo=1, hi=MAX_WORLD)
     user = doc.get("user", {})
     if not isinstance(user, dict):
         raise MetadataError(f"{where}: 'user' must be an object")
@@ -340,12 +343,12 @@ def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
     numel = math.prod(shape)
     if numel > _MAX_ELEMENTS:
         raise _fail(where, key, f"shape {list(shape)} is absurdly large")
-    layout = e.get("layout")
-    if layout is not None and not isinstance(layout, dict):
-        raise _fail(where, key, "layout must be an object")
     chunks_raw = e.get("chunks")
     if not isinstance(chunks_raw, list):
         raise _fail(where, key, "chunks must be a list")
+    layout = e.get("layout")
+    if layout is not None:
+        layout = validate_layout_record(layout, len(shape), where, key)
     chunks = []
     volume = 0
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
@@ -382,6 +385,46 @@ def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
     if kind == "bytes" and len(shape) != 1:
         raise _fail(where, key, "bytes entries must be 1-d")
     return Entry(key, kind, path, dtype, shape, chunks, layout)
+
+
+def validate_layout_record(rec: Any, ndim: int, where: str = METADATA_FILE,
+                           key: str | None = None) -> dict[str, Any]:
+    """Check a saved layout (mesh shape, dim names, placements) before anything uses it.
+
+    The mesh may hold at most ``MAX_WORLD`` positions, and nothing that reads a saved layout
+    allocates or walks per mesh position (a layout is read in O(mesh dims)); returns the
+    record with only its known members.
+    """
+    if not isinstance(rec, dict):
+        raise _fail(where, key, f"layout must be an object, found {type(rec).__name__}")
+    mesh = rec.get("mesh_shape")
+    if not isinstance(mesh, list) or not 1 <= len(mesh) <= _MAX_MESH_NDIM:
+        raise _fail(where, key, f"layout mesh_shape must be a list of 1 to {_MAX_MESH_NDIM} sizes, found {mesh!r:.100}")
+    mesh = [_int(m, where, key, "layout mesh size", lo=1, hi=MAX_WORLD) for m in mesh]
+    ranks = math.prod(mesh)
+    if ranks > MAX_WORLD:
+        raise _fail(where, key, f"layout mesh {mesh} has {ranks} positions, more than any job ({MAX_WORLD})")
+    names = rec.get("mesh_dim_names")
+    if names is not None and (not isinstance(names, list) or len(names) != len(mesh) or len(set(map(str, names)))
+                              != len(names) or any(type(n) is not str or not 0 < len(n) <= 256 or n == "None"
+                                                   for n in names)):
+        raise _fail(where, key, f"layout mesh_dim_names must be {len(mesh)} distinct non-empty names, "
+                                f"found {names!r:.200}")
+    placements = rec.get("placements")
+    if not isinstance(placements, list) or len(placements) != len(mesh):
+        raise _fail(where, key, f"layout needs one placement per mesh dim ({len(mesh)}), found {placements!r:.200}")
+    for p in placements:
+        match = _PLACEMENT_NAME.match(p) if isinstance(p, str) else None
+        if match is None:
+            raise _fail(where, key, f"layout placement {p!r:.50} is not 'R', 'S(d)' or '_S(d,k)'")
+        if p == "R":
+            continue
+        d = int(match.group(1) if match.group(1) is not None else match.group(2))
+        if not -ndim <= d < ndim:
+            raise _fail(where, key, f"layout placement {p} shards dim {d} of a {ndim}-d tensor")
+        if match.group(3) is not None and not 1 <= int(match.group(3)) <= ranks:
+            raise _fail(where, key, f"layout placement {p}: split factor must be in [1, {ranks}]")
+    return {"mesh_shape": mesh, "mesh_dim_names": names, "placements": placements}
 
 
 def replicas(chunks: list[ChunkRecord]) -> list[list[ChunkRecord]]:

@@ -235,7 +235,7 @@ def _check_writable(strategy: Mapping[str, TensorLayout]) -> None:
             raise TypeError(f"strategy[{name!r}] is a {type(tl).__name__}, expected a TensorLayout")
         if _GLOB.search(name):
             raise ValueError(f"{name!r} is a glob pattern; a MindSpore strategy names each parameter exactly")
-        if tl.layout.rank_list != tuple(range(tl.layout.world_size)):
+        if list(tl.layout.rank_list) != list(range(tl.layout.world_size)):
             raise ValueError(f"{name!r}: its mesh has rank_list {list(tl.layout.rank_list)}; a MindSpore "
                              "strategy numbers ranks row-major from 0")
 

@@ -17,6 +17,7 @@ that need distributed checkpoints.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -28,12 +29,14 @@ import torch
 
 from . import metadata as md
 from .box import Box
+from .commit import commit_and_agree, write_and_report
+from .coordination import Coordinator
 from .errors import CheckpointError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
 from .loader import read_box
 from .planner import EntrySpec, SavePlan, WriteItem
-from .saver import build_metadata, commit_metadata, tensor_bytes, write_plan
+from .saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
 from .storage import StorageReader
 
 HF_INDEX = "model.safetensors.index.json"
@@ -97,16 +100,22 @@ def write_streaming(
     save_id = uuid.uuid4().hex[:16]
     objects = [k for k, e in entries.items() if e.kind == "object"]
     resolver = _Lazy(produce)
-    results = []
-    try:
-        for rank, items in enumerate(files or [[]]):
-            plan = SavePlan(entries, items, objects if rank == 0 else [])
-            results.append(write_plan(plan, resolver, writer, rank, save_id))
-        meta = build_metadata(SavePlan(entries, [], []), results, save_id, max(1, len(files)), user_metadata or {})
-        commit_metadata(writer, meta)
-    except BaseException:
-        writer.remove(f for r in results for f in r.files)
-        raise
+    # A layout's mesh may be larger than the number of files (replicas written once).
+    world = max([len(files), 1] + [math.prod(e.layout["mesh_shape"]) for e in entries.values() if e.layout])
+    coord = Coordinator(None, no_dist=True)
+    own = [n for r in range(len(files or [[]])) for n in data_file_names(r, save_id, 1)]
+    what = f"writing {os.fspath(dst)}"
+
+    def write_all() -> list[WriteResult]:
+        return [write_plan(SavePlan(entries, items, objects if rank == 0 else []), resolver, writer, rank, save_id)
+                for rank, items in enumerate(files or [[]])]
+
+    results = write_and_report(coord, writer, "write", write_all, own, what, save_id)[0]
+    meta = commit_and_agree(
+        coord, writer, "commit",
+        lambda: build_metadata(SavePlan(entries, [], []), results, save_id, world, user_metadata or {}),
+        own, what, save_id)
+    assert meta is not None
     return meta
 
 
@@ -270,38 +279,68 @@ def _tensor_entries(meta: md.Metadata, prefix: str) -> list[md.Entry]:
 
 
 def save_state_dict_as_huggingface_format(
-    src: str | os.PathLike | dict[str, Any],
-    dst_dir: str | os.PathLike,
-    *,
+    src: str | os.PathLike | Mapping[str, Any] | None = None,
+    dst_dir: str | os.PathLike | Mapping[str, Any] | None = None,
     max_shard_size: int | str = "5GB",
+    *,
     prefix: str = "",
     verify: bool = True,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    save_directory: str | os.PathLike | None = None,
+    state_dict: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Export tensors as Hugging Face sharded safetensors, streaming one tensor at a time.
 
     Writes ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` each
     (a single larger tensor gets a file of its own) and ``model.safetensors.index.json``.
-    With one shard the file is named ``model.safetensors``, as ``transformers`` does.
+    With one shard the file is named ``model.safetensors`` and no index is written, as
+    ``transformers`` does.
+
+    Two argument orders are accepted: ours, ``(src, dst_dir)`` with ``src`` a checkpoint path
+    or a state dict; and HyperParallel's, ``(save_directory, state_dict, max_shard_size)``,
+    recognised by a state dict in second place (or by the keywords ``save_directory=`` and
+    ``state_dict=``). Non-tensor values of a state dict are left out.
 
     Args:
         src: a checkpoint path, or an in-memory state dict of full tensors.
-        prefix: export only keys starting with it, with it removed (e.g. ``"model."``).
+        dst_dir: the output directory.
         max_shard_size: bytes per shard file: an int or a string like ``"5GB"``.
+        prefix: export only keys starting with it, with it removed (e.g. ``"model."``).
         progress: called with each tensor's byte count once it is written.
+        save_directory, state_dict: HyperParallel's names for ``dst_dir`` and ``src``.
 
     Returns:
         The index dict (``{"metadata": {"total_size": ...}, "weight_map": {...}}``).
+
+    Raises:
+        TypeError: neither order fits the arguments.
+        CheckpointError: no tensors to export; the directory already holds safetensors files
+            and ``overwrite`` is False.
+
+    Example::
+
+        save_state_dict_as_huggingface_format("/ckpt/step100", "/hf", prefix="model.")
+        save_state_dict_as_huggingface_format("/hf", model.state_dict(), max_shard_size="1GB")
     """
+    if isinstance(dst_dir, Mapping) and src is not None and not isinstance(src, Mapping):
+        src, dst_dir = dst_dir, src  # HyperParallel's order: (save_directory, state_dict)
+    if save_directory is not None or state_dict is not None:
+        if (save_directory is not None and dst_dir is not None) or (state_dict is not None and src is not None):
+            raise TypeError("pass the directory and the state dict once each")
+        dst_dir = save_directory if save_directory is not None else dst_dir
+        src = state_dict if state_dict is not None else src
+    if src is None or dst_dir is None or isinstance(dst_dir, Mapping):
+        raise TypeError("save_state_dict_as_huggingface_format needs (src, dst_dir) or "
+                        "(save_directory, state_dict)")
     limit = parse_size(max_shard_size)
     os.makedirs(dst_dir, exist_ok=True)
     if not overwrite and any(f.endswith(".safetensors") or f == HF_INDEX for f in os.listdir(dst_dir)):
         raise CheckpointError(f"{os.fspath(dst_dir)!r} already holds safetensors files; pass overwrite=True")
-    if isinstance(src, dict):
+    if isinstance(src, Mapping):
         from .flatten import flatten
 
-        flat = {k: leaf.value for k, leaf in flatten(src).leaves.items()
+        flat = {k: leaf.value for k, leaf in flatten(dict(src)).leaves.items()
                 if isinstance(leaf.value, torch.Tensor) and k.startswith(prefix)}
         tensors = [(k[len(prefix):], md.dtype_name(v.dtype), tuple(v.shape)) for k, v in flat.items()]
         produce: Callable[[str], torch.Tensor] = lambda name: flat[prefix + name]
@@ -343,9 +382,44 @@ def save_state_dict_as_huggingface_format(
     finally:
         close()
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    with open(os.path.join(dst_dir, HF_INDEX), "w") as f:
-        json.dump(index, f, indent=2)
+    stale = _previous_export(dst_dir) - set(weight_map.values())
+    index_path = os.path.join(dst_dir, HF_INDEX)
+    if total > 1:
+        _write_atomically(index_path, json.dumps(index, indent=2).encode())
+    else:  # one shard needs no index (as transformers writes it); an old one would name stale files
+        stale.discard("model.safetensors")
+        if os.path.exists(index_path):
+            os.remove(index_path)
+    for name in sorted(stale):  # shards of an earlier export that the new index does not name
+        try:
+            os.unlink(os.path.join(dst_dir, name))
+        except FileNotFoundError:
+            pass
     return index
+
+
+_HF_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def _previous_export(dst_dir: str | os.PathLike) -> set[str]:
+    """Shard files of an earlier export in ``dst_dir`` (by its index, else by HF's naming)."""
+    names = {f for f in os.listdir(dst_dir) if _HF_SHARD.match(f)}
+    try:
+        with open(os.path.join(dst_dir, HF_INDEX)) as f:
+            names |= {n for n in json.load(f).get("weight_map", {}).values()
+                      if isinstance(n, str) and _HF_SHARD.match(n)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return names
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _hf_files(src: str | os.PathLike) -> list[str]:
@@ -380,11 +454,15 @@ def parse_checkpoint_from_huggingface(src: str | os.PathLike, *, prefix: str = "
     return out
 
 
+_SRC_PLATFORMS = {"huggingface": "huggingface", "hf": "huggingface", "safetensors": "huggingface",
+                  "torch": "torch", "pytorch": "torch", "pt": "torch", "mindspore": "mindspore", "ms": "mindspore"}
+
+
 def convert_full_checkpoint_to_dcp(
     src: str | os.PathLike,
     dst_path: str | os.PathLike,
     *,
-    src_platform: str = "torch",
+    src_platform: str | None = None,
     prefix: str = "",
     allow_pickle: bool = False,
     overwrite: bool = False,
@@ -396,23 +474,38 @@ def convert_full_checkpoint_to_dcp(
     a file that needs full unpickling is refused unless ``allow_pickle=True``.
 
     Args:
-        src_platform: ``"torch"`` (the default: Hugging Face safetensors or a torch file) or
-            ``"mindspore"``: a MindSpore ``.ckpt`` or safetensors file, read without MindSpore
-            (see :func:`~.mindspore_format.import_mindspore`, which also takes MindSpore's
-            distributed checkpoints).
+        src: a Hugging Face directory, a ``.safetensors`` file, a torch file, or (with
+            ``src_platform="mindspore"``) a MindSpore ``.ckpt`` or safetensors file.
+        dst_path: the new checkpoint directory.
+        src_platform: HyperParallel's argument naming the source: ``"huggingface"``,
+            ``"torch"`` or ``"mindspore"`` (read without MindSpore by
+            :func:`~.mindspore_format.import_mindspore`, which also takes MindSpore's
+            distributed checkpoints). None (default) tells safetensors from torch files by
+            the path.
+        prefix: prepended to every key (e.g. ``"model."``).
+
+    Raises:
+        ValueError: an unknown ``src_platform``, or one that does not fit ``src``.
 
     Example::
 
-        convert_full_checkpoint_to_dcp("lenet.ckpt", "dcp_ckpt", src_platform="mindspore")
+        convert_full_checkpoint_to_dcp("/hf/llama", "/ckpt/llama", src_platform="huggingface")
+        convert_full_checkpoint_to_dcp("lenet.ckpt", "/ckpt/lenet", src_platform="mindspore")
     """
-    if src_platform == "mindspore":
-        from .mindspore_format import import_mindspore
-
-        return import_mindspore(src, dst_path, prefix=prefix, overwrite=overwrite)
-    if src_platform != "torch":
-        raise ValueError(f"src_platform must be 'torch' or 'mindspore', found {src_platform!r}")
     src = os.fspath(src)
     is_st = os.path.isdir(src) or src.endswith(".safetensors")
+    if src_platform is not None:
+        kind = _SRC_PLATFORMS.get(str(src_platform).lower())
+        if kind is None:
+            raise ValueError(f"src_platform={src_platform!r}: expected 'huggingface', 'torch' or 'mindspore'")
+        if kind == "mindspore":
+            from .mindspore_format import import_mindspore
+
+            return import_mindspore(src, dst_path, prefix=prefix, overwrite=overwrite)
+        if kind == "huggingface" and not is_st:
+            raise ValueError(f"src_platform='huggingface' needs a directory or a .safetensors file, got {src!r}")
+        if kind == "torch" and os.path.isdir(src):
+            raise ValueError(f"src_platform='torch' needs a torch file (.pt/.bin), got the directory {src!r}")
     if is_st:
         from safetensors import safe_open
 

@@ -32,13 +32,14 @@ from typing import Any
 
 from . import metadata as md
 from .box import Box, uncovered
+from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import CorruptCheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .layout import Layout, TensorLayout, match_layout
 from .loader import read_box
 from .planner import EntrySpec, SavePlan, WriteItem
-from .saver import WriteResult, build_metadata, commit_metadata, data_file_names, write_plan
+from .saver import WriteResult, build_metadata, data_file_names, write_plan
 from .storage import StorageReader, StorageWriter
 
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "DEFAULT_MAX_MEMORY"]
@@ -305,12 +306,12 @@ def reshard(
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     coord = Coordinator(process_group, process_group is None, coordinator_rank, timeout)
-    storage_reader.set_up(coord.rank, coord.is_coordinator)
-    storage_writer.set_up(coord.rank, coord.is_coordinator)
     where = f"{os.fspath(src_path) if src_path is not None else 'source'}/{md.METADATA_FILE}"
     raw: list[Any] = []
 
     def read_metadata() -> None:
+        storage_reader.set_up(coord.rank, coord.is_coordinator)
+        storage_writer.set_up(coord.rank, coord.is_coordinator)
         if coord.is_coordinator:
             raw.append((storage_reader.read_metadata(), uuid.uuid4().hex[:16]))
 
@@ -347,22 +348,15 @@ def reshard(
                 out.append(write_plan(sp, source, storage_writer, rank, save_id, thread_count=1))
             return out
 
-        results = coord.gather_to_coordinator("reshard (writing data)", write_mine)
+        mine_files = [n for r in mine for n in data_file_names(r, save_id, 1)]
+        what = f"reshard to {os.fspath(dst_path) if dst_path is not None else 'storage'}"
+        results = write_and_report(coord, storage_writer, "reshard (writing data)", write_mine, mine_files,
+                                   what, save_id)
 
-        def commit() -> md.Metadata | None:
-            if not coord.is_coordinator:
-                return None
+        def new_metadata() -> md.Metadata:
             flat = [r for per_process in results for r in per_process]
-            new = build_metadata(SavePlan(rplan.entries, [], []), flat, save_id, dst.world_size,
-                                 dict(meta.user))
-            commit_metadata(storage_writer, new)
-            return new
+            return build_metadata(SavePlan(rplan.entries, [], []), flat, save_id, dst.world_size, dict(meta.user))
 
-        committed = coord.exchange("reshard (commit)", commit)
-    except BaseException:
-        if mine:  # this process's files of the failed reshard
-            storage_writer.remove([n for r in mine for n in data_file_names(r, save_id, 1)])
-        raise
+        return commit_and_agree(coord, storage_writer, "reshard (commit)", new_metadata, mine_files, what, save_id)
     finally:
         storage_reader.close()
-    return committed[coord.coordinator_rank] if coord.is_coordinator else None

@@ -22,6 +22,7 @@ from . import metadata as md
 from .box import Box
 from .planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from .storage import StorageWriter
+from .streams import StreamFence
 
 BLOCK_BYTES = 4 << 20  # checksum granularity (rounded to whole rows of dim 0)
 
@@ -94,6 +95,7 @@ def write_plan(
 ) -> WriteResult:
     """Write every item of ``plan`` (this rank's share of the global plan)."""
     result = WriteResult()
+    fence = StreamFence()  # device tensors are copied to the host on writer threads
     for key in plan.objects:
         result.objects[key] = planner.resolve_data(WriteItem(key, Box((), ()), 0))
     groups = _split_files(plan.items, thread_count)
@@ -106,7 +108,10 @@ def write_plan(
         def parts() -> Iterator[memoryview]:
             yield memoryview(header)
             for item, start in zip(items, starts, strict=False):
-                data = tensor_bytes(planner.resolve_data(item))
+                value = planner.resolve_data(item)
+                if isinstance(value, torch.Tensor):
+                    fence.before_copy(value)
+                data = tensor_bytes(value)
                 if data.nbytes != item.nbytes:
                     raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {data.nbytes}")
                 rows = item.box.sizes[0] if item.box.sizes else 1
@@ -167,13 +172,4 @@ def _build_metadata(
     return md.Metadata(entries, save_id, world_size, user=user)
 
 
-def commit_metadata(writer: StorageWriter, meta: md.Metadata) -> None:
-    """Commit ``meta`` atomically, then remove the data files of the checkpoint it replaced."""
-    previous = writer.read_committed()
-    writer.commit(meta.to_json())
-    if previous is not None:
-        try:
-            old = set(md.Metadata.from_json(previous).files)
-        except md.MetadataError:
-            old = set()
-        writer.remove(sorted(old - set(meta.files)))
+from .single_file import save_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)

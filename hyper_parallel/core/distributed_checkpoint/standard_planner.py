@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -92,15 +93,18 @@ def _numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
 class StandardPlanner(SavePlanner, LoadPlanner):
     """The default planner for save and load.
 
-    Hooks for subclasses: :meth:`transform_state_dict` (rename/filter keys, called on save
-    and on load with the flattened ``{key: value}`` map) and every protocol method of
-    :class:`~.planner.SavePlanner` / :class:`~.planner.LoadPlanner`.
+    Hooks for subclasses: :meth:`transform_key` (rename or drop one key) or, for changes
+    that need the whole map, :meth:`transform_state_dict` (called on save and on load with
+    the flattened ``{key: value}`` map); and every protocol method of
+    :class:`~.planner.SavePlanner` / :class:`~.planner.LoadPlanner`. On load, every value
+    kind (tensors, plain values, bytes, Stateful objects) goes back to the target key it
+    was renamed from.
 
     Example — save and load every key under a new prefix::
 
         class Prefixed(StandardPlanner):
-            def transform_state_dict(self, sd):
-                return {"v2." + k: v for k, v in sd.items()}
+            def transform_key(self, key):
+                return "v2." + key
     """
 
     def __init__(self, allow_pickle: bool = False):
@@ -108,12 +112,41 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
         self._data: dict[tuple[str, Box], Any] = {}
+        self._origin: dict[str, str] = {}
+        self._origin_identity = True
 
     # ------------------------------------------------------------------ hooks
 
+    def transform_key(self, key: str) -> str | None:
+        """The checkpoint key of one flattened key, or None to leave it out; the identity."""
+        return key
+
     def transform_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Rename or filter flattened keys; the identity by default."""
-        return state_dict
+        """Rename or filter flattened keys (default: :meth:`transform_key` on each key).
+
+        Overriding this instead of :meth:`transform_key` works too; on load, renamed keys
+        are traced back to the target's keys by value identity, or by calling this on the
+        one key alone.
+        """
+        if type(self).transform_key is StandardPlanner.transform_key:
+            return state_dict
+        out = {}
+        for key, value in state_dict.items():
+            new = self.transform_key(key)
+            if new is not None:
+                out[new] = value
+        return out
+
+    def original_key(self, key: str) -> str | None:
+        """On load: the target's key that checkpoint key ``key`` was renamed from (None if unknown)."""
+        return self._origin.get(key, key if self._origin_identity else None)
+
+    def _transform(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`transform_state_dict`, remembering where each new key came from."""
+        out = self.transform_state_dict(state_dict)
+        self._origin_identity = out is state_dict
+        self._origin = {} if out is state_dict else _trace_origins(self, state_dict, out)
+        return out
 
     def cache_key(self) -> Any:
         """Global save plans are reused while this and every rank's local plan are unchanged."""
@@ -126,7 +159,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def set_up_save(self, state_dict: dict[str, Any], is_coordinator: bool) -> None:
         self._paths = dict(getattr(state_dict, "paths", {}))
-        self._values = self.transform_state_dict(state_dict)
+        self._values = self._transform(state_dict)
         self.is_coordinator = is_coordinator
 
     def create_local_save_plan(self) -> SavePlan:
@@ -235,10 +268,14 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self.is_coordinator = is_coordinator
         self.rank = rank
         self._paths = dict(getattr(state_dict, "paths", {})) if state_dict is not None else {}
-        self._targets = self.transform_state_dict(state_dict) if state_dict is not None else None
+        self._targets = self._transform(state_dict) if state_dict is not None else None
         self.missing_keys: list[str] = []
         self.unexpected_keys: list[str] = []
-        self._dest: dict[str, torch.Tensor] = {}
+        # A destination is a target's tensor, or (shape, dtype) to allocate on first use: the
+        # loader checks every file's size before it asks, so a forged shape in .metadata never
+        # makes us allocate more than the files can hold.
+        self._dest: dict[str, torch.Tensor | tuple[tuple[int, ...], torch.dtype]] = {}
+        self._alloc_lock = threading.Lock()
         self._results: dict[str, Any] = {}
 
     def create_local_load_plan(self) -> LoadPlan:
@@ -273,12 +310,12 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             items.extend(self._reads(key, entry, box))
         return LoadPlan(items, targets)
 
-    def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, torch.Tensor | None]:
+    def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, Any]:
         shape, dtype = entry.shape, md.torch_dtype(entry.dtype)
         if target is None or entry.kind in ("bytes", "pickle"):
             if target is not None and entry.kind != _kind_of(target):
                 raise self._mismatch(key, entry, target)
-            return Box.full(shape), torch.empty(shape, dtype=dtype)
+            return Box.full(shape), (shape, dtype)
         if entry.kind not in ("tensor", "ndarray") or _kind_of(target) not in ("tensor", "ndarray"):
             raise self._mismatch(key, entry, target)
         if isinstance(target, np.ndarray):
@@ -319,15 +356,23 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         return reads
 
     def resolve_target(self, key: str) -> torch.Tensor:
-        return self._dest[key]
+        dest = self._dest[key]
+        if isinstance(dest, tuple):
+            with self._alloc_lock:
+                dest = self._dest[key]
+                if isinstance(dest, tuple):
+                    dest = self._dest[key] = torch.empty(dest[0], dtype=dest[1])
+        return dest
 
     def finish_load(self) -> dict[str, Any]:
         out = dict(self._results)
-        for key, tensor in self._dest.items():
+        for key in list(self._dest):
+            tensor = self.resolve_target(key)
             kind = self.metadata.entries[key].kind
             target = None if self._targets is None else self._targets.get(key)
             if kind == "ndarray":
-                out[key] = target if isinstance(target, np.ndarray) else tensor.numpy()
+                # filled in place: a numpy or torch target stays what it is
+                out[key] = target if target is not None else tensor.numpy()
             elif kind == "bytes":
                 out[key] = bytes(tensor.numpy().tobytes())
             elif kind == "pickle":
@@ -335,6 +380,29 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             else:
                 out[key] = target if target is not None else tensor
         return out
+
+
+def _trace_origins(planner: StandardPlanner, before: dict[str, Any], after: dict[str, Any]) -> dict[str, str]:
+    """For a custom ``transform_state_dict``: new key -> original key, where it can be told.
+
+    A value object found under exactly one original key names it; otherwise (equal small
+    ints, None...) each candidate is transformed alone and the one that yields the new key
+    wins. Keys that stay ambiguous are left out (loading a new value into them then raises).
+    """
+    by_id: dict[int, list[str]] = {}
+    for key, value in before.items():
+        by_id.setdefault(id(value), []).append(key)
+    origin: dict[str, str] = {}
+    for new, value in after.items():
+        if new in before and before[new] is value:
+            origin[new] = new
+            continue
+        candidates = by_id.get(id(value), [])
+        if len(candidates) > 1:
+            candidates = [k for k in candidates if new in planner.transform_state_dict({k: before[k]})]
+        if len(candidates) == 1:
+            origin[new] = candidates[0]
+    return origin
 
 
 def _numpy_tensor_view(arr: np.ndarray, key: str) -> torch.Tensor:

@@ -12,9 +12,11 @@ StorageWriter — the saver calls, in this order:
    or None. (The saver uses it to know which old files become garbage after the commit.)
 4. ``commit(metadata)`` on the coordinator, after every rank's writes succeeded: make
    ``.metadata`` hold these bytes atomically. Before this returns, readers see the old
-   checkpoint (or none); after, the new one.
-5. ``remove(names)`` on the coordinator after a commit (files of the replaced checkpoint),
-   or on a rank whose save failed (its own new files). Missing files are not an error.
+   checkpoint (or none); after, the new one. It raises only if the new ``.metadata`` is
+   not in place (see :mod:`.commit`: the commit is the point of no return).
+5. ``remove(names)`` on the coordinator after a commit (files of the replaced checkpoint,
+   best effort), or on a rank whose save did not commit (its own new files). Missing files
+   are not an error.
 
 StorageReader — the loader calls:
 
@@ -38,27 +40,57 @@ Buffer = memoryview
 
 
 class StorageWriter(abc.ABC):
-    """Writes one checkpoint's data files and commits its metadata."""
+    """Writes one checkpoint's data files and commits its metadata.
+
+    Call order (see the module docstring): ``set_up`` -> ``prepare`` -> ``write_file``... ->
+    ``read_committed`` -> ``commit`` -> ``remove``. The commit protocol built on these
+    methods is described in :mod:`.commit`.
+    """
 
     def set_up(self, rank: int, is_coordinator: bool) -> None:
+        """Called first, on every rank."""
         self.rank = rank
         self.is_coordinator = is_coordinator
 
     @abc.abstractmethod
-    def prepare(self) -> None: ...
+    def prepare(self) -> None:
+        """Make the destination exist; every rank calls it, so it must be idempotent and race-safe."""
 
     @abc.abstractmethod
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
-        """Write ``parts`` in order as file ``name``; return the number of bytes written."""
+        """Write ``parts`` in order as file ``name``; return the number of bytes written.
+
+        Called on every rank with data, possibly from several threads at once for different
+        names. The file need not be visible to readers before ``commit``. On error the file
+        may be left partly written; the framework removes it.
+        """
 
     @abc.abstractmethod
-    def read_committed(self) -> bytes | None: ...
+    def read_committed(self) -> bytes | None:
+        """The bytes of the ``.metadata`` the storage holds now, or None if it holds none.
+
+        The coordinator calls it before ``commit`` (to know what the commit replaces) and
+        after a failed ``commit`` (to learn whether the commit took effect after all).
+        """
 
     @abc.abstractmethod
-    def commit(self, metadata: bytes) -> None: ...
+    def commit(self, metadata: bytes) -> None:
+        """Atomically make ``.metadata`` hold ``metadata`` (the coordinator, once per save).
+
+        Before it returns, readers see the previous checkpoint (or none); after, the new one;
+        never a mix. Raise only when the new ``.metadata`` is NOT in place: problems after
+        it is in place (e.g. a directory fsync) are warnings, because the commit is the
+        point of no return and data it names must never be deleted. (If an implementation
+        raises anyway, the framework asks ``read_committed`` what happened.)
+        """
 
     @abc.abstractmethod
-    def remove(self, names: Iterable[str]) -> None: ...
+    def remove(self, names: Iterable[str]) -> None:
+        """Delete data files. Missing files are not an error; any other failure raises.
+
+        Called on the coordinator after a commit (files of the replaced checkpoint, best
+        effort) and on a rank whose save did not commit (its own new files).
+        """
 
 
 class StorageReader(abc.ABC):
@@ -81,6 +113,11 @@ class StorageReader(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release open files; the reader may be set up again afterwards."""
+
+    def list_files(self) -> list[str]:
+        """Names of the files in the checkpoint's directory (optional; used by ``verify``
+        and ``gc`` to find unreferenced files). Raises NotImplementedError if unsupported."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its files")
 
 
 def checkpoint_path(path: str | os.PathLike) -> str:

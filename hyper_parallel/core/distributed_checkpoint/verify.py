@@ -20,6 +20,7 @@ import crc32c
 
 from . import metadata as md
 from .box import Box
+from .commit import unreferenced_files
 from .errors import CheckpointError
 from .filesystem_storage import FileSystemReader
 from .storage import StorageReader
@@ -35,6 +36,7 @@ class VerifyReport:
     chunks: int = 0
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)
+    unreferenced: list[str] = field(default_factory=list)  # debris of failed saves: `hyper-dcp gc` removes it
 
     @property
     def ok(self) -> bool:
@@ -42,7 +44,8 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         return {"path": self.path, "ok": self.ok, "keys": self.keys, "files": self.files,
-                "chunks": self.chunks, "bytes_checked": self.bytes_checked, "problems": self.problems}
+                "chunks": self.chunks, "bytes_checked": self.bytes_checked, "problems": self.problems,
+                "unreferenced": self.unreferenced}
 
 
 def _check_header(reader: StorageReader, name: str, size: int, expected: dict[str, md.ChunkRecord],
@@ -113,6 +116,7 @@ def verify_checkpoint(
             report.problems.append(
                 f"{key!r}: chunks cover {covered} of {math.prod(entry.shape or ())} elements")
     report.files = len(by_file)
+    report.unreferenced = unreferenced_files(reader, meta.files)
     try:
         for name, records in sorted(by_file.items()):
             try:

@@ -347,7 +347,7 @@ def test_a_merged_pipeline_strategy_puts_each_stage_on_its_ranks(tmp_path):
     path = tmp_path / "merged.json"
     path.write_text(json.dumps({"current_stage": 1, "parallel_layout_item": {"0-embed": item, "1-head": item}}))
     strategy = load_layout(str(path))
-    assert strategy["embed"].layout.rank_list == (0, 1) and strategy["head"].layout.rank_list == (2, 3)
+    assert list(strategy["embed"].layout.rank_list) == [0, 1] and list(strategy["head"].layout.rank_list) == [2, 3]
     assert strategy["head"].chunk_box(3, (6, 4)).offsets == (3, 0)
 
 

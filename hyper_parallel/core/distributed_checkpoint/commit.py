@@ -1,0 +1,249 @@
+"""The commit protocol: when a save becomes the checkpoint, and who may delete what.
+
+A save goes through these points, on every rank of the group:
+
+1. **Write.** Each rank writes its data files under names that carry the save's id, so
+   nothing of the checkpoint being replaced is ever overwritten.
+2. **Report.** Each rank reports its outcome to the coordinator. A rank whose own work
+   failed (it reported an error, or never reported) removes its new files: the coordinator
+   never commits without every rank's success.
+3. **Commit** (coordinator). ``.metadata`` is written under a temporary name and atomically
+   put in place (:meth:`StorageWriter.commit`). *This is the point of no return*: from now
+   on nothing deletes the new data. If ``commit`` raises, the coordinator asks the storage
+   what ``.metadata`` now holds: its own bytes mean committed after all (the error becomes
+   a warning), anything else means not committed.
+4. **Verdict.** Every rank learns the coordinator's outcome in one exchange. Not committed:
+   every rank removes its new files and raises :class:`RankFailedError`; the old checkpoint
+   is whole. Committed: the save returns.
+5. **Reclaim** (coordinator, after the verdict). The files of the replaced checkpoint are
+   removed, best effort: a file that cannot be removed is a warning naming it, never an
+   error, and it stays as an unreferenced file that ``hyper-dcp gc`` (or the checkpoint
+   manager's sweep) reclaims later.
+
+What a rank sees when a peer dies or hangs (the exchange fails with
+:class:`LostContactError`):
+
+- Before a rank reported success: it raises ``LostContactError`` and removes its files.
+- After it reported success, before the verdict, on a rank other than the coordinator: it
+  raises :class:`CommitError` with ``committed=None`` (the save may have committed; ``load``
+  decides) and keeps its files, which the new ``.metadata`` may name.
+- During the verdict, on the coordinator: ``CommitError(committed=True)`` if it committed
+  (files kept), else ``LostContactError`` (files removed).
+
+So the path always holds either the previous checkpoint or the new one, each whole; the
+only debris a failure can leave is unreferenced data files.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from . import metadata as md
+from .coordination import Coordinator
+from .errors import CommitError, LostContactError, NotACheckpointError, RankFailedError
+from .storage import StorageWriter
+
+T = TypeVar("T")
+
+
+def write_and_report(coord: Coordinator, writer: StorageWriter, phase: str, write: Callable[[], T],
+                     own_files: list[str], what: str, save_id: str) -> list[T] | None:
+    """Steps 1-2: run ``write`` and hand its result to the coordinator (payloads on the
+    coordinator, None elsewhere). On failure, this rank's files are removed unless the
+    coordinator may already commit them."""
+    reported = False
+
+    def run() -> T:
+        nonlocal reported
+        result = write()
+        reported = True
+        return result
+
+    try:
+        return coord.gather_to_coordinator(phase, run)
+    except LostContactError as lost:
+        if reported and not coord.is_coordinator:
+            raise CommitError(
+                f"{what}: lost contact with the coordinator after this rank's data was written ({lost}); "
+                f"the save (id {save_id}) may have committed or not. load() decides", None, save_id) from lost
+        remove_own_files(writer, own_files)
+        raise
+    except BaseException:
+        remove_own_files(writer, own_files)
+        raise
+
+
+def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make_meta: Callable[[], md.Metadata],
+                     own_files: list[str], what: str, save_id: str) -> md.Metadata | None:
+    """Steps 3-5: the coordinator commits ``make_meta()``; every rank learns the verdict.
+
+    Returns the committed Metadata on the coordinator, None elsewhere; raises as the module
+    docstring says.
+    """
+    outcome: dict[str, Any] = {}
+
+    def commit() -> tuple[str, str | None] | None:
+        if not coord.is_coordinator:
+            return None
+        try:
+            meta = make_meta()
+            outcome["previous"] = commit_metadata(writer, meta)
+            outcome["meta"] = meta
+            return ("committed", None)
+        except CommitError as exc:
+            outcome["error"] = exc
+            return ("unknown", str(exc))
+        except BaseException as exc:
+            outcome["error"] = exc
+            return ("failed", f"{type(exc).__name__}: {exc}")
+
+    try:
+        statuses, own = coord.statuses(phase, commit)
+    except LostContactError as lost:
+        if "meta" in outcome:
+            raise CommitError(f"{what} is committed (save id {save_id}), but contact with other ranks was lost "
+                              f"during the commit: {lost}", True, save_id) from lost
+        if isinstance(outcome.get("error"), CommitError) or not coord.is_coordinator:
+            raise CommitError(f"{what}: lost contact with the other ranks during the commit ({lost}); the save "
+                              f"(id {save_id}) may have committed or not. load() decides", None, save_id) from lost
+        remove_own_files(writer, own_files)
+        raise
+    status = statuses[coord.coordinator_rank]
+    kind, detail = status[1] if status[0] == "ok" else ("failed", status[1])
+    if kind == "failed":
+        remove_own_files(writer, own_files)
+        error = outcome.get("error")
+        if not coord.distributed and error is not None:  # alone: the storage's own error, as it was
+            raise error.__cause__ if isinstance(error, NotCommittedError) and error.__cause__ else error
+        raise RankFailedError(phase, {coord._name(coord.coordinator_rank): detail}) from error
+    if kind == "unknown":
+        error = outcome.get("error")
+        raise error if isinstance(error, CommitError) else CommitError(detail, None, save_id)
+    if own is not None:  # committed; a rank interrupted meanwhile still raises its interruption
+        raise own
+    if not coord.is_coordinator:
+        return None
+    reclaim_replaced(writer, outcome["previous"], outcome["meta"].files)
+    return outcome["meta"]
+
+
+class NotCommittedError(Exception):
+    """Internal: the coordinator's commit failed and ``.metadata`` is unchanged."""
+
+
+def commit_metadata(writer: StorageWriter, meta: md.Metadata) -> bytes | None:
+    """Put ``meta`` in place as the checkpoint's ``.metadata``; the point of no return.
+
+    Returns the bytes of the ``.metadata`` it replaced (None if there was none or it could
+    not be read), for :func:`reclaim_replaced` to use after the verdict.
+
+    Raises:
+        NotCommittedError: the storage kept the previous ``.metadata`` (cause chained).
+        CommitError: ``commit`` failed and what the storage holds now cannot be read
+            (``committed=None``).
+    """
+    try:
+        previous = writer.read_committed()
+    except Exception as exc:  # an unreadable old checkpoint: commit anyway, reclaim nothing
+        warnings.warn(f"could not read the checkpoint being replaced ({exc}); its data files will "
+                      "not be removed after the commit", stacklevel=3)
+        previous = None
+    payload = meta.to_json()
+    try:
+        writer.commit(payload)
+        return previous
+    except BaseException as exc:
+        try:
+            now = writer.read_committed()
+        except Exception as probe:
+            raise CommitError(
+                f"committing .metadata failed ({type(exc).__name__}: {exc}) and the storage could not "
+                f"say what it holds now ({probe}); the checkpoint is either this save (save id "
+                f"{meta.save_id}) or the previous one. load() decides", None, meta.save_id) from exc
+        if now != payload:
+            raise NotCommittedError(f"{type(exc).__name__}: {exc}") from exc
+        warnings.warn(f"the checkpoint is committed (save id {meta.save_id}), but the storage reported "
+                      f"an error after putting .metadata in place: {type(exc).__name__}: {exc}", stacklevel=3)
+        return previous
+
+
+def reclaim_replaced(writer: StorageWriter, previous: bytes | None, keep: Iterable[str]) -> list[str]:
+    """Remove the data files of the replaced checkpoint (best effort; never raises).
+
+    ``keep`` are the files of the new checkpoint (never removed). Returns the names that
+    could not be removed, after warning about them.
+    """
+    if previous is None:
+        return []
+    try:
+        old = md.Metadata.from_json(previous).files
+    except Exception:  # not ours or corrupt: nothing we know to be garbage
+        return []
+    keep = set(keep)
+    left: list[tuple[str, str]] = []
+    for name in old:
+        if name in keep:
+            continue
+        try:
+            writer.remove([name])
+        except Exception as exc:
+            left.append((name, f"{type(exc).__name__}: {exc}"))
+    if left:
+        shown = "; ".join(f"{n} ({why})" for n, why in left[:10])
+        more = f" and {len(left) - 10} more" if len(left) > 10 else ""
+        warnings.warn(
+            f"the new checkpoint is committed, but {len(left)} data file(s) of the checkpoint it replaced "
+            f"could not be removed: {shown}{more}. They are unreferenced; `hyper-dcp gc PATH` removes them",
+            stacklevel=3)
+    return [n for n, _ in left]
+
+
+def remove_own_files(writer: StorageWriter, names: Iterable[str]) -> None:
+    """Remove this rank's files of a save that did not commit (best effort; warns)."""
+    failed = []
+    for name in names:
+        try:
+            writer.remove([name])
+        except Exception as exc:
+            failed.append(f"{name} ({exc})")
+    if failed:
+        warnings.warn(f"the save did not commit and {len(failed)} of its data file(s) could not be removed: "
+                      f"{'; '.join(failed[:10])}. They are unreferenced; `hyper-dcp gc PATH` removes them",
+                      stacklevel=3)
+
+
+_DEBRIS = re.compile(r"^(data-r\d+-\d+-[0-9a-f]+\.safetensors|\.metadata\.tmp-.*)$")
+
+
+def unreferenced_files(reader: Any, referenced: list[str]) -> list[str]:
+    """Files this library writes into a checkpoint directory that its ``.metadata`` does not
+    name: data files of saves that failed or were replaced, stray temporary metadata. []
+    when the storage cannot list its files."""
+    try:
+        names = reader.list_files()
+    except (NotImplementedError, OSError):
+        return []
+    keep = set(referenced)
+    return [n for n in names if n not in keep and _DEBRIS.match(n)]
+
+
+def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False) -> list[str]:
+    """Remove the debris of failed or replaced saves from a checkpoint directory.
+
+    Debris is what this library writes that the committed ``.metadata`` does not name (data
+    files, temporary metadata); everything else is left alone. Do not run it while a save
+    to the same path is in progress: that save's files are not named by ``.metadata`` yet.
+    Returns the names removed (or, with ``dry_run``, that would be).
+    """
+    try:
+        referenced = md.Metadata.from_json(reader.read_metadata()).files
+    except NotACheckpointError:
+        referenced = []
+    garbage = unreferenced_files(reader, referenced)
+    if not dry_run:
+        for name in garbage:
+            writer.remove([name])
+    return garbage

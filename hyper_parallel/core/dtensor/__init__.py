@@ -1,0 +1,13 @@
+"""HyperParallel's ``hyper_parallel.core.dtensor`` import paths, as torch's own objects.
+
+HyperParallel ships its own DTensor; this package has none. Its modules re-export
+``torch.distributed.tensor``'s classes and functions under HyperParallel's names, so that
+code written against ``hyper_parallel.core.dtensor.*`` runs on torch's DTensor unchanged.
+"""
+
+from .device_mesh import DeviceMesh, init_device_mesh
+from .dtensor import DTensor, distribute_module, distribute_tensor
+from .placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = ["DeviceMesh", "init_device_mesh", "DTensor", "distribute_tensor", "distribute_module",
+           "Placement", "Shard", "Replicate", "Partial"]

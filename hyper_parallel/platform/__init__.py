@@ -1,0 +1,138 @@
+"""HyperParallel's ``get_platform()`` on torch: rank, world size, barrier and groups.
+
+HyperParallel code asks a platform object for its process facts instead of calling
+``torch.distributed`` (the same code runs on MindSpore there). Here there is one platform,
+torch, and its methods are thin calls into ``torch.distributed``::
+
+    from hyper_parallel.platform import get_platform
+    platform = get_platform()
+    if platform.get_rank() == 0:
+        ...
+    platform.barrier()
+
+:meth:`TorchPlatform.create_group` and meshes over some ranks
+(``init_device_mesh(..., rank_list=)``) create their groups with only the member ranks
+taking part; see :func:`member_group`.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["get_platform", "TorchPlatform", "PlatformType", "member_group"]
+
+
+class PlatformType(enum.Enum):
+    """The frameworks HyperParallel names; only ``PYTORCH`` exists here."""
+
+    MINDSPORE = 0
+    PYTORCH = 1
+
+
+_LOCK = threading.Lock()
+_GROUPS: dict[tuple[int, ...], Any] = {}
+_CALLS: dict[tuple[int, ...], int] = {}
+
+
+def _pg_count() -> int:
+    return len(dist.distributed_c10d._world.pg_names)
+
+
+def member_group(ranks: Sequence[int]) -> Any:
+    """The process group of ``ranks``, created (once) by those ranks alone.
+
+    Only the members call this; ranks outside ``ranks`` must not (and need not) take part.
+    torch names a group created this way (``use_local_synchronization=True``) from its ranks
+    and from how many groups the creating process already has, and the members rendezvous
+    under that name; members whose histories differ would wait under different names. So
+    the members first agree, through the default store, on the largest such count, and the
+    ones below it make private one-rank groups until they reach it. The group is cached:
+    asking again for the same ranks returns the same group, without any communication.
+
+    Raises:
+        ValueError: this rank is not in ``ranks``, or ``ranks`` repeats a rank.
+    """
+    key = tuple(int(r) for r in ranks)
+    if len(set(key)) != len(key):
+        raise ValueError(f"group ranks {list(key)} repeat a rank")
+    me = dist.get_rank()
+    if me not in key:
+        raise ValueError(f"rank {me} is not in the group {list(key)}; only its members create it")
+    canon = tuple(sorted(key))
+    with _LOCK:
+        if canon in _GROUPS:
+            return _GROUPS[canon]
+        if len(canon) == dist.get_world_size():
+            _GROUPS[canon] = dist.group.WORLD
+            return dist.group.WORLD
+        n = _CALLS.get(canon, 0)
+        _CALLS[canon] = n + 1
+        store = dist.distributed_c10d._get_default_store()
+        tag = f"hyper_parallel/member_group/{'_'.join(map(str, canon))}/{n}"
+        store.set(f"{tag}/{me}", str(_pg_count()))
+        target = max(int(store.get(f"{tag}/{r}")) for r in canon)
+        while _pg_count() < target:
+            dist.new_group([me], use_local_synchronization=True)
+        group = dist.new_group(list(canon), use_local_synchronization=True)
+        _GROUPS[canon] = group
+        return group
+
+
+class TorchPlatform:
+    """The platform object HyperParallel code gets from :func:`get_platform`, on torch."""
+
+    platform_type = PlatformType.PYTORCH
+    Tensor = torch.Tensor
+    dtype = torch.dtype
+
+    @staticmethod
+    def get_rank(group: Any = None) -> int:
+        """This process's rank (in ``group``; default: the world). 0 without a process group."""
+        return dist.get_rank(group) if dist.is_initialized() else 0
+
+    @staticmethod
+    def get_world_size(group: Any = None) -> int:
+        """Ranks in ``group`` (default: the world). 1 without a process group."""
+        return dist.get_world_size(group) if dist.is_initialized() else 1
+
+    @staticmethod
+    def get_global_rank(group: Any, group_rank: int) -> int:
+        return dist.get_global_rank(group, group_rank)
+
+    @staticmethod
+    def get_process_group_ranks(group: Any = None) -> list[int]:
+        return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+    @staticmethod
+    def barrier(group: Any = None) -> None:
+        """Wait for every rank of ``group`` (default: the world); no-op without a process group."""
+        if dist.is_initialized():
+            dist.barrier(group)
+
+    @staticmethod
+    def create_group(rank_list: Sequence[int], group_name: str | None = None) -> Any:
+        """The process group of ``rank_list``; only its members call this (see :func:`member_group`)."""
+        del group_name  # torch names groups itself
+        return member_group(rank_list)
+
+    @staticmethod
+    def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
+        dist.all_gather_object(object_list, obj, group=group)
+
+    @staticmethod
+    def is_tensor(obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+
+_PLATFORM = TorchPlatform()
+
+
+def get_platform() -> TorchPlatform:
+    """The platform object (always torch here; ``HYPER_PARALLEL_PLATFORM`` is not consulted)."""
+    return _PLATFORM

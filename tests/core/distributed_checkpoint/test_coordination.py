@@ -1,0 +1,83 @@
+"""No rank waits out a timeout for another rank's local error; ranks agree on cached plans."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from helpers import make_dtensor, make_tensor
+from multiprocess import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+from hyper_parallel.core.distributed_checkpoint import RankFailedError, load, save
+
+
+def state(ws: int, step: int) -> dict:
+    mesh = init_device_mesh("cpu", (ws,))
+    return {"w": make_dtensor(make_tensor((16, 8), seed=step), mesh, [Shard(0)]), "step": step}
+
+
+def rank_solo_saves_then_collective(rank: int, ws: int, path: str) -> int:
+    save(state(ws, 1), os.path.join(path, "a"))  # both ranks cache this structure's plan
+    if rank == 1:  # rank 1 alone saves 12 other structures: its cached plan is evicted
+        for i in range(12):
+            save({f"x{i}": torch.zeros(i + 1)}, os.path.join(path, f"solo-{rank}-{i}"), no_dist=True)
+    save(state(ws, 2), os.path.join(path, "b"))  # same structure: rank 0 hits, rank 1 misses
+    save(state(ws, 3), os.path.join(path, "c"))  # now both hit
+    target = {"w": make_dtensor(torch.zeros(16, 8), init_device_mesh("cpu", (ws,)), [Shard(0)]), "step": 0}
+    load(target, os.path.join(path, "c"))
+    assert torch.equal(target["w"].to_local(), state(ws, 3)["w"].to_local()) and target["step"] == 3
+    return target["step"]
+
+
+def test_a_rank_with_an_evicted_plan_cache_still_saves_with_the_others(tmp_path):
+    # A miss anywhere is a miss everywhere; before, rank 1 ran the plan exchange alone and hung.
+    assert run_ranks(rank_solo_saves_then_collective, 2, str(tmp_path), timeout_s=90) == [3, 3]
+
+
+def rank_loads_a_bad_target(rank: int, ws: int, path: str) -> tuple[str, float]:
+    save(state(ws, 1), path)
+    if rank == 1:  # two values flatten to the same key: rank 1's target is bad
+        target = {"w": {"x": torch.zeros(2)}, "w.x": torch.zeros(2)}
+    else:
+        target = {"w": make_dtensor(torch.zeros(16, 8), init_device_mesh("cpu", (ws,)), [Shard(0)]), "step": 0}
+    start = time.monotonic()
+    try:
+        load(target, path)  # the default timeout (30 min) applies
+    except RankFailedError as exc:
+        assert "rank(s) [1]" in str(exc) and "same key" in str(exc), str(exc)
+        return "raised", time.monotonic() - start
+    return "loaded", time.monotonic() - start
+
+
+def test_a_bad_target_on_one_rank_fails_every_rank_within_seconds(tmp_path):
+    results = run_ranks(rank_loads_a_bad_target, 2, str(tmp_path / "c"), timeout_s=60, pg_timeout_s=1800)
+    assert [r[0] for r in results] == ["raised", "raised"]
+    assert max(r[1] for r in results) < 30, results
+
+
+def rank_interrupted(rank: int, ws: int, path: str) -> str:
+    class Interrupting:
+        def state_dict(self):
+            if rank == 1:
+                raise KeyboardInterrupt
+            return {"n": 1}
+
+        def load_state_dict(self, sd):
+            pass
+
+    try:
+        save({"app": Interrupting(), "w": torch.ones(3)}, path)
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"  # the interrupted rank keeps its interruption...
+    except RankFailedError as exc:  # ...and the others learn of it at once
+        assert "KeyboardInterrupt" in str(exc)
+        return "RankFailedError"
+    return "saved"
+
+
+def test_a_keyboard_interrupt_on_one_rank_reaches_every_rank(tmp_path):
+    assert run_ranks(rank_interrupted, 2, str(tmp_path / "c"), timeout_s=60) == ["RankFailedError",
+                                                                                  "KeyboardInterrupt"]
