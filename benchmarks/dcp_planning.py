@@ -30,68 +30,53 @@ import pickle
 import sys
 import time
 
-from benchmarks.dcp_common import chunk_box, mem_available, reset_peak_rss, rss_status
+from benchmarks.dcp_common import mem_available, reset_peak_rss, rss_status
 
 
 def simulate(ranks: int, tensors: int, hidden: int = 8192) -> dict:
+    """One save's planning and metadata work at ``ranks`` x ``tensors``, as format v2 does it.
+
+    Every rank's structure is the same (one digest), so the exchange carries one structure;
+    every rank computes the global plan (entries and stores: O(tensors)) and its own writes;
+    the coordinator builds ``.metadata`` from one file record per rank.
+    """
     from hyper_parallel.core.distributed_checkpoint import metadata as md
-    from hyper_parallel.core.distributed_checkpoint.box import Box
-    from hyper_parallel.core.distributed_checkpoint.planner import EntrySpec, SavePlan, WriteItem
-    from hyper_parallel.core.distributed_checkpoint.saver import WriteResult, block_rows, build_metadata
+    from hyper_parallel.core.distributed_checkpoint.planner import EntrySpec, SavePlan
+    from hyper_parallel.core.distributed_checkpoint.saver import WriteResult, build_metadata
     from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardPlanner
 
     h = hidden
     shapes = [(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)]
     layout = {"mesh_shape": [ranks], "mesh_dim_names": ["dp"], "placements": ["S(0)"]}
     keys = [f"model.layers.{i // 4}.w{i % 4}" for i in range(tensors)]
-    entries = {k: EntrySpec("tensor", ("model", "layers", str(i // 4), f"w{i % 4}"), "bfloat16",
-                            shapes[i % 4], layout) for i, k in enumerate(keys)}
-    splits = {s: [chunk_box(s[0], ranks, r) for r in range(ranks)] for s in shapes}
 
     t = time.perf_counter()
-    plans = []
-    for r in range(ranks):
-        items = []
-        for i, k in enumerate(keys):
-            rows, cols = shapes[i % 4]
-            off, n = splits[shapes[i % 4]][r]
-            if n:
-                items.append(WriteItem(k, Box((off, 0), (n, cols)), n * cols * 2))
-        plans.append(SavePlan(entries, items, []))
+    entries = {k: EntrySpec("tensor", ("model", "layers", str(i // 4), f"w{i % 4}"), "bfloat16",
+                            shapes[i % 4], dict(layout)) for i, k in enumerate(keys)}
+    local = SavePlan(entries, [], [])
     local_s = time.perf_counter() - t
 
-    sample = plans[:: max(1, ranks // 256)]
-    blobs = [pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL) for p in sample]
+    blob = pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL)  # the one structure every rank receives
     t = time.perf_counter()
-    for blob in blobs:
-        pickle.loads(blob)
-    decode_s = (time.perf_counter() - t) * ranks / len(sample)
-    plan_bytes = sum(map(len, blobs)) * ranks // len(sample)
-    del blobs, sample
+    pickle.loads(blob)
+    decode_s = time.perf_counter() - t
+    plan_bytes = len(blob) + 96 * ranks  # plus a digest, a save id and cache flags per rank
 
+    planner = StandardPlanner()
     t = time.perf_counter()
-    global_plans = StandardPlanner().create_global_save_plan(plans)
+    global_plans = planner.create_global_save_plan([local] * ranks)
+    mine = global_plans[ranks // 2]  # each rank works out its own writes
     global_s = time.perf_counter() - t
-    del plans
-    gc.collect()
+    assert len(mine.items) == tensors
 
     results = []
-    for r, plan in enumerate(global_plans):  # what each rank's write_plan would report
+    for r in range(ranks):  # what each rank's write_plan reports to the coordinator
         wr = WriteResult()
-        name = f"data-r{r:05d}-0-0123456789abcdef.safetensors"
-        pos = 4096
-        for item in plan.items:
-            br = block_rows(item.box.sizes, item.nbytes)
-            crcs = (0x1234ABCD,) * -(-item.box.sizes[0] // br)
-            wr.chunks.setdefault(item.key, []).append(
-                md.ChunkRecord(item.box.offsets, item.box.sizes, name, pos, item.nbytes, br, crcs))
-            pos += item.nbytes
-        wr.files.append(name)
-        wr.nbytes = pos
+        wr.files.append(md.FileRecord(f"data-r{r:05d}-0-0123456789abcdef.safetensors", "", r, 1 << 20, 24_000,
+                                      0x1234ABCD, (1 << 20) + 24_000))
         results.append(wr)
-
     t = time.perf_counter()
-    meta = build_metadata(global_plans[0], results, "0123456789abcdef", ranks, {})
+    meta = build_metadata(mine.entries, results, "0123456789abcdef", ranks, {})
     build_s = time.perf_counter() - t
     del results, global_plans
     gc.collect()

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .core.distributed_checkpoint import metadata as md
+from .core.distributed_checkpoint.chunks import count as chunk_count
 from .core.distributed_checkpoint.errors import CheckpointError
 from .core.distributed_checkpoint.filesystem_storage import FileSystemReader
 from .core.distributed_checkpoint.verify import verify_checkpoint
@@ -87,7 +88,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for key, e in meta.entries.items():
         rows.append({
             "key": key, "kind": e.kind, "dtype": e.dtype, "shape": list(e.shape) if e.shape is not None else None,
-            "chunks": len(e.chunks), "bytes": e.nbytes, "layout": e.layout,
+            "chunks": chunk_count(meta, e), "bytes": e.nbytes, "layout": e.layout,
             **({"value": md.encode_value(e.value)} if e.kind == "object" else {}),
         })
     totals = {"keys": len(rows), "tensors": sum(r["kind"] != "object" for r in rows),

@@ -106,3 +106,37 @@ def zeros_like_tree(v: Any) -> Any:
     if isinstance(v, tuple):
         return tuple(zeros_like_tree(x) for x in v)
     return v
+
+
+def stored_chunks(meta: Any, key: str) -> list[tuple[Any, int, int]]:
+    """The chunks of ``key`` as saved: (box, writing rank, bytes), each stored copy once."""
+    from hyper_parallel.core.distributed_checkpoint.chunks import all_chunks
+
+    return [(ref.box, ref.files[0].rank if ref.files else -1, ref.nbytes)
+            for ref in all_chunks(meta, meta.entries[key])]
+
+
+def files_holding(path: str, key: str) -> list[str]:
+    """The data files of a checkpoint directory whose safetensors header has a chunk of ``key``."""
+    import json
+    import os
+
+    out = []
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(path, name), "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        if any(k.startswith(key + "@") for k in header):
+            out.append(name)
+    return out
+
+
+def payload_start(path: str, entry: str) -> int:
+    """Where a safetensors entry's bytes start in a file (read from the file's own header)."""
+    import json
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return 8 + n + header[entry]["data_offsets"][0]

@@ -20,13 +20,14 @@ from datetime import timedelta
 from typing import Any
 
 from . import metadata as md
+from .box import Box
 from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import StateDictMismatchError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .flatten import FlatStateDict, flatten, unflatten
 from .loader import read_plan
-from .planner import LoadPlanner, SavePlan, SavePlanner
+from .planner import LoadPlanner, SavePlan, SavePlanner, WriteItem
 from .saver import build_metadata, data_file_names, write_plan
 from .standard_planner import StandardPlanner, plan_digest
 from .storage import StorageReader, StorageWriter
@@ -186,13 +187,16 @@ def save(
             writer = _default_writer(where, sync_files)
         writer.set_up(coord.rank, coord.is_coordinator)
         flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
+        if hasattr(planner, "group_ranks"):  # mesh ranks are recorded as ranks of the saving group
+            planner.group_ranks = coord.group_ranks if coord.world_size > 1 else None
         planner.set_up_save(flat, coord.is_coordinator)
         local.append(planner.create_local_save_plan())
         if coord.world_size == 1:
             _check_complete_alone(local[0])
         writer.prepare()
         cached.update(_cached_plans(scope))
-        return plan_digest(local[0]), uuid.uuid4().hex[:16], list(cached) if scope is not None else None
+        digest = planner.structure_digest(local[0]) if hasattr(planner, "structure_digest") else plan_digest(local[0])
+        return digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None
 
     summaries = coord.exchange("save (planning)", plan_locally)
     save_id = summaries[coord.coordinator_rank][1]
@@ -200,12 +204,13 @@ def save(
     mine = global_plans[coord.rank]
     own_files = data_file_names(coord.rank, save_id, thread_count)
     what = f"save to {where or 'storage'}"
-    results = write_and_report(coord, writer, "save (writing data)",
-                               lambda: write_plan(mine, planner, writer, coord.rank, save_id, thread_count),
-                               own_files, what, save_id)
+    results = write_and_report(
+        coord, writer, "save (writing data)",
+        lambda: write_plan(mine, planner, writer, coord.rank, save_id, thread_count).for_coordinator(),
+        own_files, what, save_id)
     return commit_and_agree(
         coord, writer, "save (commit)",
-        lambda: build_metadata(mine, results, save_id, coord.world_size, user_metadata or {}),
+        lambda: build_metadata(mine.entries, results, save_id, coord.world_size, user_metadata or {}),
         own_files, what, save_id)
 
 
@@ -214,17 +219,51 @@ def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
                    cached: dict[str, list[SavePlan]]) -> list[SavePlan]:
     """The global plan of this save. A cached plan is used only when EVERY rank has it for
     this exact set of local plans; a miss anywhere is a miss everywhere (else ranks would
-    run different collectives)."""
-    fingerprint = hashlib.sha256("|".join(d for d, _, _ in summaries).encode()).hexdigest()
+    run different collectives).
+
+    A planner with ``structure_digest`` (StandardPlanner) needs only every rank's entries:
+    each distinct structure travels once, from the first rank that has it, so the exchange
+    grows with tensors and distinct structures, not with ranks x chunks. Other planners
+    get every rank's full local plan, as the SavePlanner protocol says.
+    """
+    digests = [d for d, _, _ in summaries]
+    fingerprint = hashlib.sha256("|".join(digests).encode()).hexdigest()
     if all(have is not None and fingerprint in have for _, _, have in summaries):
         return cached[fingerprint]
-    with md.paused_gc():  # unpickling every rank's plan: millions of small objects at scale
-        plans = coord.exchange("save (plan exchange)", lambda: local)
+    if hasattr(planner, "structure_digest"):
+        first: dict[str, int] = {}
+        for rank, d in enumerate(digests):
+            first.setdefault(d, rank)
+        shared: dict[str, SavePlan] = {}
+        for d, rank in first.items():
+            entries = coord.broadcast_from(rank, local.entries if coord.rank == rank else None,
+                                           "save (structure exchange)")
+            shared[d] = SavePlan(entries, [], [])
+        plans = [shared[d] for d in digests]
+    else:
+        with md.paused_gc():  # unpickling every rank's plan: many small objects at scale
+            plans = coord.exchange("save (plan exchange)", lambda: local)
     computed: list[list[SavePlan]] = []
     # Every rank computes the same global plan; only the statuses are exchanged.
-    coord.exchange("save (global plan)", lambda: computed.append(planner.create_global_save_plan(plans)))
+    coord.exchange("save (global plan)", lambda: computed.append(_numbered(planner.create_global_save_plan(plans))))
     _remember_plan(scope, fingerprint, computed[0])
     return computed[0]
+
+
+def _numbered(plans: list[SavePlan]) -> list[SavePlan]:
+    """Give the chunks of table-stored keys (a planner that sets no store) ids 0..n-1, the
+    same on every rank: sorted by box over all ranks' plans. Grid-stored keys keep theirs."""
+    if not plans or all(spec.store is not None or spec.kind == "object" for spec in plans[0].entries.values()):
+        return plans
+    boxes: dict[str, list[Box]] = {}
+    for plan in plans:
+        for item in plan.items:
+            if plan.entries[item.key].store is None:
+                boxes.setdefault(item.key, []).append(item.box)
+    ids = {key: {b: i for i, b in enumerate(sorted(set(bs), key=lambda b: (b.offsets, b.sizes)))}
+           for key, bs in boxes.items()}
+    return [SavePlan(plan.entries, [WriteItem(i.key, i.box, i.nbytes, ids[i.key][i.box]) if i.key in ids else i
+                                    for i in plan.items], plan.objects) for plan in plans]
 
 
 def load(

@@ -126,7 +126,7 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
         raise own
     if not coord.is_coordinator:
         return None
-    reclaim_replaced(writer, outcome["previous"], outcome["meta"].files)
+    reclaim_replaced(writer, outcome["previous"], outcome["meta"].file_names())
     return outcome["meta"]
 
 
@@ -179,7 +179,7 @@ def reclaim_replaced(writer: StorageWriter, previous: bytes | None, keep: Iterab
     if previous is None:
         return []
     try:
-        old = md.Metadata.from_json(previous).files
+        old = md.Metadata.from_json(previous).file_names()
     except Exception:  # not ours or corrupt: nothing we know to be garbage
         return []
     keep = set(keep)
@@ -239,7 +239,7 @@ def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False) -
     Returns the names removed (or, with ``dry_run``, that would be).
     """
     try:
-        referenced = md.Metadata.from_json(reader.read_metadata()).files
+        referenced = md.Metadata.from_json(reader.read_metadata()).file_names()
     except NotACheckpointError:
         referenced = []
     garbage = unreferenced_files(reader, referenced)

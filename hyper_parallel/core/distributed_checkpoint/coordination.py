@@ -185,12 +185,22 @@ class Coordinator:
 
     def broadcast(self, obj: Any, phase: str = "broadcast") -> Any:
         """The coordinator's ``obj`` on every rank."""
+        return self.broadcast_from(self.coordinator_rank, obj, phase)
+
+    def broadcast_from(self, src: int, obj: Any, phase: str = "broadcast") -> Any:
+        """Group rank ``src``'s ``obj`` on every rank."""
         if not self.distributed:
             return obj
         box = [obj]
-        self._collective(phase, lambda: dist.broadcast_object_list(
-            box, src=self._global(self.coordinator_rank), group=self.group))
+        self._collective(phase, lambda: dist.broadcast_object_list(box, src=self._global(src), group=self.group))
         return box[0]
+
+    @property
+    def group_ranks(self) -> list[int]:
+        """The global rank of each group rank (identity without a process group)."""
+        if not self.distributed:
+            return [self.global_rank]
+        return list(dist.get_process_group_ranks(self.group))
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

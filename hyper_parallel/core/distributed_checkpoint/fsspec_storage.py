@@ -87,7 +87,12 @@ class FsspecReader(StorageReader):
         self.bytes_read = 0
 
     def _path(self, name: str) -> str:
+        if name.startswith("../"):  # a file of an earlier step beside this checkpoint (validated names)
+            return f"{self.root.rsplit('/', 1)[0]}/{name[3:]}"
         return f"{self.root}/{name}"
+
+    def _missing(self, name: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"data file {self._path(name)!r} is missing; the checkpoint is incomplete")
 
     def read_metadata(self) -> bytes:
         try:
@@ -99,12 +104,12 @@ class FsspecReader(StorageReader):
 
     def file_size(self, name: str) -> int:
         if name not in self._sizes:
+            path = self._path(name)
             try:
-                self._sizes[name] = int(self.fs.size(self._path(name)))
+                self.fs.invalidate_cache(path)  # a listing made before the files were written may be cached
+                self._sizes[name] = int(self.fs.size(path))
             except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"data file {self._path(name)!r} is missing; the checkpoint is incomplete"
-                ) from None
+                raise self._missing(name) from None
         return self._sizes[name]
 
     def list_files(self) -> list[str]:
@@ -114,7 +119,10 @@ class FsspecReader(StorageReader):
         view = memoryview(buffer).cast("B")
         if not view.nbytes:
             return
-        data = self.fs.cat_file(self._path(name), start=offset, end=offset + view.nbytes)
+        try:
+            data = self.fs.cat_file(self._path(name), start=offset, end=offset + view.nbytes)
+        except FileNotFoundError:
+            raise self._missing(name) from None
         if len(data) != view.nbytes:
             raise CorruptCheckpointError(
                 f"data file {self._path(name)!r} ends early: wanted {view.nbytes} bytes at {offset}"

@@ -1,7 +1,10 @@
 """Executes a rank's load plan: reads overlapping byte ranges straight into target memory.
 
-For each (saved chunk, target) overlap the loader reads only the checksum blocks (whole
-rows of the chunk's dim 0) that hold needed rows, verifies every block it reads, and:
+First the plan's chunk references are resolved into byte ranges and checksums: each data
+file involved has its index read once per reader (checked against the crc32c that
+``.metadata`` records for it), in parallel across files. Then, for each (saved chunk,
+target) overlap the loader reads only the checksum blocks (whole rows of the chunk's dim
+0) that hold needed rows, verifies every block it reads, and:
 
 - when the chunk lies whole inside the target and lands contiguously in a CPU tensor, reads
   it directly into the destination (no copy);
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,9 +29,10 @@ import torch
 
 from . import metadata as md
 from .box import Box
+from .chunks import ChunkRef, overlapping
+from .data_file import FileIndex, check_index, tensor_bytes
 from .errors import CorruptCheckpointError
 from .planner import LoadPlan, ReadItem
-from .saver import tensor_bytes
 from .storage import StorageReader
 from .streams import StreamFence
 
@@ -196,6 +201,80 @@ class _Fixed:
         return self.dest
 
 
+class IndexCache:
+    """The data-file indexes one reader has read: each read and checked once."""
+
+    def __init__(self, reader: StorageReader, max_files: int = 1 << 16):
+        self.reader, self.max_files = reader, max_files
+        self._indexes: dict[str, FileIndex] = {}
+        self._lock = threading.Lock()
+
+    def get(self, f: md.FileRecord) -> FileIndex:
+        found = self._indexes.get(f.path)
+        if found is not None:
+            return found
+        raw = bytearray(f.index_length)
+        self.reader.read_into(f.path, f.index_offset, memoryview(raw))
+        check_index(raw, f.index_crc, f.path)
+        index = FileIndex(raw, f.path, f.index_offset)
+        with self._lock:
+            if len(self._indexes) >= self.max_files:
+                self._indexes.clear()
+            self._indexes[f.path] = index
+        return index
+
+
+_CACHES: weakref.WeakKeyDictionary[StorageReader, IndexCache] = weakref.WeakKeyDictionary()
+
+
+def index_cache(reader: StorageReader) -> IndexCache:
+    cache = _CACHES.get(reader)
+    if cache is None:
+        cache = _CACHES[reader] = IndexCache(reader)
+    return cache
+
+
+def resolve(ref: ChunkRef, cache: IndexCache) -> md.ChunkRecord:
+    """The byte range and checksums of a chunk, from the first candidate file that holds it."""
+    if ref.record is not None:
+        return ref.record
+    errors = []
+    for f in ref.files:
+        try:
+            found = cache.get(f).find(ref.key, ref.sub, ref.box.sizes, ref.nbytes)
+        except CorruptCheckpointError as exc:
+            errors.append(str(exc))
+            continue
+        if found is not None:
+            return md.ChunkRecord(ref.box.offsets, ref.box.sizes, f.path, found.start, ref.nbytes,
+                                  found.block_rows, found.crc32c)
+    names = [f.path for f in ref.files]
+    why = f" ({'; '.join(errors)})" if errors else ""
+    raise CorruptCheckpointError(
+        f"{ref.key!r}: chunk {ref.box} (id {ref.sub}) is in none of the data files that should hold it "
+        f"{names or '(no file of its writer is listed)'}{why}; the checkpoint is incomplete or damaged")
+
+
+def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: int) -> list[ReadItem]:
+    refs = [i for i in items if not isinstance(i.chunk, md.ChunkRecord)]
+    if not refs:
+        return items
+    cache = index_cache(reader)
+    files = {f.path: f for i in refs for f in i.chunk.files[:1]}
+    if len(files) > 1 and thread_count > 1:  # read the indexes of different files in parallel
+        with ThreadPoolExecutor(min(thread_count, len(files)), thread_name_prefix="dcp-index") as pool:
+            list(pool.map(lambda f: _try(cache, f), files.values()))
+    return [i if isinstance(i.chunk, md.ChunkRecord) else ReadItem(i.key, resolve(i.chunk, cache), i.region)
+            for i in items]
+
+
+def _try(cache: IndexCache, f: md.FileRecord) -> None:
+    try:
+        cache.get(f)
+    except Exception:  # reported by resolve(), with the chunk that needed it
+        pass
+
+
 def read_plan(
     plan: LoadPlan,
     planner: TargetResolver,
@@ -206,6 +285,7 @@ def read_plan(
 ) -> ReadStats:
     """Fill every target of ``plan``; raises CorruptCheckpointError on any bad byte or file."""
     stats = ReadStats()
+    plan = LoadPlan(_resolve_items(plan.items, reader, thread_count), plan.targets)
     # Check every range against its file's size before reading (and before trusting sizes).
     sizes: dict[str, int] = {}
     for item in plan.items:
@@ -258,21 +338,26 @@ def read_box(
     verify: bool = True,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     out: torch.Tensor | None = None,
+    meta: md.Metadata | None = None,
 ) -> tuple[torch.Tensor, ReadStats]:
     """Read region ``box`` (default: all) of a saved tensor into a new CPU tensor (or ``out``).
 
     The offline tools' primitive: memory is the region itself plus one bounded read buffer.
+    ``meta`` is the checkpoint's metadata (default: the one the entry belongs to).
+
     Raises CorruptCheckpointError when the saved chunks do not cover the region.
     """
+    meta = meta if meta is not None else entry.metadata
+    if meta is None:
+        raise ValueError(f"read_box({entry.key!r}): pass meta= (the checkpoint's Metadata)")
     shape = tuple(entry.shape or ())
     box = box if box is not None else Box.full(shape)
     dest = out if out is not None else torch.empty(box.sizes, dtype=md.torch_dtype(entry.dtype))
     reads, covered = [], 0
-    for group in md.replicas(entry.chunks):
-        region = Box(group[0].offsets, group[0].sizes).intersect(box)
-        if region is not None:
-            reads.append(ReadItem(entry.key, group[0], region))
-            covered += region.numel
+    for ref in overlapping(meta, entry, box):
+        region = ref.box.intersect(box)
+        reads.append(ReadItem(entry.key, ref, region))
+        covered += region.numel
     if covered != box.numel:
         raise CorruptCheckpointError(
             f"{entry.key!r}: saved chunks cover {covered} of the {box.numel} elements of region {box}; "
@@ -280,5 +365,11 @@ def read_box(
     stats = read_plan(LoadPlan(reads, {entry.key: box}), _Fixed(dest), reader, thread_count=1,
                       buffer_bytes=buffer_bytes, verify=verify)
     return dest, stats
+
+
+def read_metadata(reader: StorageReader, where: str | None = None) -> md.Metadata:
+    """Read and validate a checkpoint's ``.metadata`` through ``reader`` (for offline tools)."""
+    return md.Metadata.from_json(reader.read_metadata(), where=where or md.METADATA_FILE)
+
 
 from .single_file import load_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)

@@ -1,51 +1,64 @@
 """The checkpoint's ``.metadata``: schema, JSON (de)serialization, validation, versions.
 
-``.metadata`` is one JSON object, written last and atomically; its presence is the commit::
+``.metadata`` is one JSON object, written last and atomically; its presence is the commit.
+Its last member, ``"crc32c"``, is the checksum of every byte before it, so any flipped byte
+of ``.metadata`` is detected. Nothing here ever unpickles: values are plain JSON plus type
+tags. ``docs/format.md`` is the full description; in short:
 
-    {"format": "hyper-parallel-dcp", "version": 1, "save_id": "...", "world_size": 4,
-     "files": ["data-r00000-<id>.safetensors", ...], ...,
+Version 2 (written) grows with tensors and files, not chunks::
+
+    {"format": "hyper-parallel-dcp", "version": 2, "save_id": "...", "world_size": 4,
+     "user": {...}, "dirs": [""], "rank_lists": [],
+     "files": [[name, dir, rank, index_offset, index_length, index_crc32c, size], ...],
      "entries": {
        "<key>": {"kind": "tensor", "path": [...], "dtype": "float32", "shape": [8, 5],
                  "layout": {"mesh_shape": [4], "mesh_dim_names": ["dp"], "placements": ["S(0)"]},
-                 "chunks": [[offsets, sizes, file_index, start, length, block_rows, [crc32c...]]]},
+                 "store": {"grid": {"tiles": 1, "offset": 0, "copies": "one"}}},
+       "<key>": {"kind": "tensor", ..., "store": {"grid": {"writer": 0, "tiles": 1}}},
+       "<key>": {"kind": "tensor", ..., "store": {"table": {"n": 3, "offsets": <b64>, "sizes": <b64>,
+                                                            "file": <b64>}}},
        "<key>": {"kind": "object", "path": [...], "value": <typed JSON>}}}
 
-A chunk is a box of the global tensor (``offsets``/``sizes``) stored row-major at bytes
-``[start, start+length)`` of ``files[file_index]``. Its bytes are checksummed in blocks of
-``block_rows`` rows of dim 0 (the whole chunk for 0-d tensors), one crc32c per block.
-Distinct boxes of a key never overlap; the same box may appear in several files (replicas,
-so that every rank of a resharded job finds all it loads in its own file).
+A *grid* store's chunks are the boxes of a layout (the entry's, or the store's own
+``"layout"``), computed by :mod:`.grid`; each box is written by one of its holders (the
+writer rule ``(offset + box) % replicas``) or by all of them (``"copies": "all"``); without a
+layout it is one box written by rank ``"writer"``. ``"where"`` (incremental checkpoints) says,
+in runs over box ids, which of ``"dirs"`` holds each box: ``""`` is this checkpoint, other
+names are earlier steps in the same parent directory. A *table* store lists irregular chunks
+(imports, hand-made layouts) as binary columns. Where a chunk's bytes and checksums are
+inside its data file is in that file's own index (:mod:`.data_file`).
+
+Version 1 (still read) listed every chunk with its file, byte range and checksums.
 
 Kinds: ``tensor``, ``ndarray`` (numpy, returned as numpy), ``bytes``, ``pickle`` (opt-in
 only), ``object`` (a JSON-representable value kept with its type: int stays int, tuple stays
 tuple). ``path`` says where the key sits in the nested state dict: a string is a dict key,
 ``{"i": n}`` a list index, ``{"t": n}`` a tuple index, ``{"k": n}`` an int dict key.
-
-The last member, ``"crc32c"``, is the checksum of every byte of the document before it
-(with ``}`` closing it), so any flipped byte of ``.metadata`` is detected.
-
-Nothing here ever unpickles: decoding a value is plain JSON plus type tags.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import gc
 import json
 import math
 import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
+import numpy as np
 import torch
 
 from .box import Box
 from .errors import MetadataError
 
 FORMAT_NAME = "hyper-parallel-dcp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA_FILE = ".metadata"
 
 KINDS = ("tensor", "ndarray", "bytes", "pickle", "object")
@@ -53,6 +66,7 @@ _MAX_NDIM = 64
 _MAX_ELEMENTS = 1 << 56  # far beyond any real tensor; stops overflow games early
 MAX_WORLD = 1 << 20  # ranks; beyond any job, small enough that a mesh of it can be walked
 _MAX_MESH_NDIM = 8
+_MAX_TILES = 4096
 _PLACEMENT_NAME = re.compile(r"^(?:R|S\((-?\d{1,3})\)|_S\((-?\d{1,3}),(\d{1,7})\))$")
 
 # dtype name -> (torch dtype, safetensors dtype name or None when it has none)
@@ -141,6 +155,62 @@ class ChunkRecord:
         return self.sizes[0] if self.sizes else 1
 
 
+@dataclass(frozen=True)
+class FileRecord:
+    """A data file: where it is, who wrote it, and where its index is (format v2).
+
+    ``dir`` is "" for this checkpoint's directory, else the name of an earlier step's
+    directory beside it (incremental checkpoints). v1 files have no index (offsets 0).
+    """
+
+    name: str
+    dir: str = ""
+    rank: int = -1
+    index_offset: int = 0
+    index_length: int = 0
+    index_crc: int = 0
+    size: int = 0
+
+    @property
+    def path(self) -> str:
+        """The name storage readers open: a plain name, or ``../<dir>/<name>``."""
+        return self.name if not self.dir else f"../{self.dir}/{self.name}"
+
+
+@dataclass
+class GridStore:
+    """Chunks = the boxes of a layout (see :mod:`.grid`); locations follow from the writer rule.
+
+    ``layout`` is the storage layout when it differs from the entry's; ``writer`` is the
+    rank that wrote a layout-less (whole) tensor; ``where`` are runs ``(count, dir index)``
+    over box ids (None: every box is in this checkpoint).
+    """
+
+    tiles: int = 1
+    offset: int = 0
+    copies: str = "one"
+    writer: int | None = None
+    layout: dict[str, Any] | None = None
+    where: list[tuple[int, int]] | None = None
+
+
+@dataclass
+class TableStore:
+    """Irregular chunks listed one by one: box offsets and sizes, and the file of each.
+
+    Chunk ``i`` has sub id ``i`` in its file's index. ``records`` are the v1 chunk records
+    (byte ranges and checksums known from ``.metadata`` itself).
+    """
+
+    offsets: np.ndarray  # (n, ndim) int64
+    sizes: np.ndarray  # (n, ndim) int64
+    file: np.ndarray  # (n,) int32, index into Metadata.files
+    records: list[ChunkRecord] | None = None
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+
 @dataclass
 class Entry:
     """One flattened key of the saved state dict."""
@@ -150,13 +220,29 @@ class Entry:
     path: tuple[Any, ...]
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
-    chunks: list[ChunkRecord] = field(default_factory=list)
     layout: dict[str, Any] | None = None
     value: Any = None  # the decoded value, for kind "object"
+    store: GridStore | TableStore | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(c.length for c in self.chunks)
+        """Bytes of the tensor's data (each element once, replicas not counted)."""
+        if self.kind == "object" or self.shape is None:
+            return 0
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+    @property
+    def metadata(self) -> Metadata | None:
+        """The checkpoint metadata this entry was read or built with (None if detached)."""
+        ref = self.__dict__.get("_meta")
+        return ref() if ref is not None else None
+
+    @property
+    def chunks(self) -> list[ChunkRecord]:
+        """The v1 chunk records (format v1 only; v2 readers use :mod:`.chunks`)."""
+        if isinstance(self.store, TableStore) and self.store.records is not None:
+            return self.store.records
+        return []
 
 
 @dataclass
@@ -168,18 +254,44 @@ class Metadata:
     world_size: int
     version: int = FORMAT_VERSION
     user: dict[str, Any] = field(default_factory=dict)
+    files: list[FileRecord] = field(default_factory=list)
+    dirs: list[str] = field(default_factory=lambda: [""])
+    rank_lists: list[list[int]] = field(default_factory=list)
 
-    @property
-    def files(self) -> list[str]:
-        return sorted({c.file for e in self.entries.values() for c in e.chunks})
+    def attach(self) -> Metadata:
+        """Let every entry know the metadata it belongs to (``Entry.metadata``); returns self."""
+        for entry in self.entries.values():
+            entry.__dict__["_meta"] = weakref.ref(self)
+        return self
+
+    def file_names(self) -> list[str]:
+        """The data files in this checkpoint's own directory (what retention may delete)."""
+        return sorted({f.name for f in self.files if not f.dir})
+
+    def referenced_dirs(self) -> list[str]:
+        """Earlier steps' directories whose files this checkpoint reads (incremental)."""
+        return sorted({f.dir for f in self.files if f.dir})
 
     def to_json(self) -> bytes:
+        """Serialise as format v2 (a checkpoint read from v1 cannot be written back)."""
         with paused_gc():
             return self._to_json()
 
     def _to_json(self) -> bytes:
-        files = self.files
-        index = {f: i for i, f in enumerate(files)}
+        rank_lists: list[list[int]] = []
+        interned: dict[tuple[int, ...], int] = {}
+
+        def layout_json(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+            if rec is None or rec.get("rank_list") is None:
+                return rec
+            ranks = tuple(rec["rank_list"])
+            if ranks == tuple(range(len(ranks))):
+                return {k: v for k, v in rec.items() if k != "rank_list"}
+            if ranks not in interned:
+                interned[ranks] = len(rank_lists)
+                rank_lists.append(list(ranks))
+            return {**rec, "rank_list": interned[ranks]}
+
         entries = {}
         for key, e in self.entries.items():
             d: dict[str, Any] = {"kind": e.kind, "path": [_encode_path_part(p) for p in e.path]}
@@ -189,20 +301,19 @@ class Metadata:
                 d["dtype"] = e.dtype
                 d["shape"] = list(e.shape or ())
                 if e.layout is not None:
-                    d["layout"] = e.layout
-                # tuples serialise as JSON arrays: no per-chunk list copies
-                d["chunks"] = [
-                    (c.offsets, c.sizes, index[c.file], c.start, c.length, c.block_rows, c.crc32c)
-                    for c in e.chunks
-                ]
+                    d["layout"] = layout_json(e.layout)
+                d["store"] = _encode_store(e.store, key, layout_json)
             entries[key] = d
         doc = {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": FORMAT_VERSION,
             "save_id": self.save_id,
             "world_size": self.world_size,
-            "files": files,
             "user": self.user,
+            "dirs": self.dirs,
+            "rank_lists": rank_lists,
+            "files": [[f.name, self.dirs.index(f.dir), f.rank, f.index_offset, f.index_length, f.index_crc, f.size]
+                      for f in self.files],
             "entries": entries,
         }
         return seal_json(doc)
@@ -223,7 +334,32 @@ class Metadata:
         if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME:
             _check_own_crc(raw, doc, where)
         with paused_gc():
-            return _parse(doc, where)
+            return _parse(doc, where).attach()
+
+
+def _b64(a: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, dtype=dtype).tobytes()).decode()
+
+
+def _encode_store(store: Any, key: str, layout_json: Any) -> dict[str, Any]:
+    if isinstance(store, GridStore):
+        g: dict[str, Any] = {"tiles": store.tiles}
+        if store.writer is not None:
+            g["writer"] = store.writer
+        else:
+            g["offset"] = store.offset
+            g["copies"] = store.copies
+        if store.layout is not None:
+            g["layout"] = layout_json(store.layout)
+        if store.where is not None:
+            g["where"] = [list(r) for r in store.where]
+        return {"grid": g}
+    if isinstance(store, TableStore):
+        if store.records is not None:
+            raise ValueError(f"{key!r} was read from a format-v1 checkpoint; it cannot be written as v2")
+        return {"table": {"n": len(store), "offsets": _b64(store.offsets, "<i8"), "sizes": _b64(store.sizes, "<i8"),
+                          "file": _b64(store.file, "<i4")}}
+    raise ValueError(f"{key!r} has no store")
 
 
 _CRC_MEMBER = b',"crc32c":'
@@ -298,10 +434,6 @@ def _parse(doc: Any, where: str) -> Metadata:
             f"{where}: format version {version} is newer than this hyper-parallel reads "
             f"(up to {FORMAT_VERSION}); upgrade hyper-parallel to load it"
         )
-    files_raw = doc.get("files")
-    if not isinstance(files_raw, list):
-        raise MetadataError(f"{where}: 'files' must be a list of file names")
-    files = [validate_file_name(f, where) for f in files_raw]
     entries_raw = doc.get("entries")
     if not isinstance(entries_raw, dict):
         raise MetadataError(f"{where}: 'entries' must be an object")
@@ -312,11 +444,68 @@ def _parse(doc: Any, where: str) -> Metadata:
     user = doc.get("user", {})
     if not isinstance(user, dict):
         raise MetadataError(f"{where}: 'user' must be an object")
-    entries = {key: _parse_entry(key, e, files, where) for key, e in entries_raw.items()}
-    return Metadata(entries, save_id, world_size, version, user)
+    meta = Metadata({}, save_id, world_size, version, user)
+    if version == 1:
+        files_raw = doc.get("files")
+        if not isinstance(files_raw, list):
+            raise MetadataError(f"{where}: 'files' must be a list of file names")
+        names = [validate_file_name(f, where) for f in files_raw]
+        meta.files = [FileRecord(n) for n in names]
+        meta.entries = {key: _parse_entry_v1(key, e, names, where) for key, e in entries_raw.items()}
+        return meta
+    meta.dirs = _parse_dirs(doc.get("dirs"), where)
+    meta.rank_lists = _parse_rank_lists(doc.get("rank_lists"), where)
+    meta.files = _parse_files(doc.get("files"), meta.dirs, where)
+    meta.entries = {key: _parse_entry_v2(key, e, meta, where) for key, e in entries_raw.items()}
+    return meta
 
 
-def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
+def _parse_dirs(raw: Any, where: str) -> list[str]:
+    if not isinstance(raw, list) or not raw or raw[0] != "" or len(raw) > 1 << 16:
+        raise MetadataError(f"{where}: 'dirs' must be a list starting with \"\" (this checkpoint)")
+    dirs = [""] + [validate_file_name(d, where) for d in raw[1:]]
+    if len(set(dirs)) != len(dirs):
+        raise MetadataError(f"{where}: 'dirs' repeats a directory")
+    return dirs
+
+
+def _parse_rank_lists(raw: Any, where: str) -> list[list[int]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > 1 << 12:
+        raise MetadataError(f"{where}: 'rank_lists' must be a list of rank lists")
+    out = []
+    for ranks in raw:
+        if not isinstance(ranks, list) or not 0 < len(ranks) <= MAX_WORLD or any(
+                type(r) is not int or not 0 <= r < MAX_WORLD for r in ranks) or len(set(ranks)) != len(ranks):
+            raise MetadataError(f"{where}: a rank list must hold distinct ranks in [0, {MAX_WORLD}), "
+                                f"found {ranks!r:.100}")
+        out.append(ranks)
+    return out
+
+
+def _parse_files(raw: Any, dirs: list[str], where: str) -> list[FileRecord]:
+    if not isinstance(raw, list):
+        raise MetadataError(f"{where}: 'files' must be a list of file records")
+    out = []
+    for f in raw:
+        if not isinstance(f, list) or len(f) != 7:
+            raise MetadataError(f"{where}: a file record must be a list of 7 fields, found {f!r:.200}")
+        name = validate_file_name(f[0], where)
+        d = _int(f[1], where, None, f"file {name!r}: dir index", hi=len(dirs) - 1)
+        rank = _int(f[2], where, None, f"file {name!r}: rank", lo=-1, hi=MAX_WORLD)
+        size = _int(f[6], where, None, f"file {name!r}: size", hi=1 << 62)
+        off = _int(f[3], where, None, f"file {name!r}: index offset", hi=size)
+        length = _int(f[4], where, None, f"file {name!r}: index length", hi=size - off)
+        crc = _int(f[5], where, None, f"file {name!r}: index crc32c", hi=0xFFFFFFFF)
+        out.append(FileRecord(name, dirs[d], rank, off, length, crc, size))
+    if len({(f.dir, f.name) for f in out}) != len(out):
+        raise MetadataError(f"{where}: 'files' lists a file twice")
+    return out
+
+
+def _parse_common(key: str, e: Any, where: str) -> Entry:
+    """Kind, path and (objects) value, or dtype and shape: the part v1 and v2 share."""
     if not isinstance(e, dict):
         raise _fail(where, key, "entry must be an object")
     kind = e.get("kind")
@@ -334,21 +523,112 @@ def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
         except (ValueError, TypeError) as exc:
             raise _fail(where, key, f"bad value encoding: {exc}") from None
         return Entry(key, kind, path, value=value)
-
     dtype = e.get("dtype")
     if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise _fail(where, key, f"dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
-    size = itemsize(dtype)
     shape = _int_list(e.get("shape"), where, key, "shape")
-    numel = math.prod(shape)
-    if numel > _MAX_ELEMENTS:
+    if math.prod(shape) > _MAX_ELEMENTS:
         raise _fail(where, key, f"shape {list(shape)} is absurdly large")
+    if kind == "bytes" and len(shape) != 1:
+        raise _fail(where, key, "bytes entries must be 1-d")
+    return Entry(key, kind, path, dtype, shape)
+
+
+def _parse_entry_v2(key: str, e: Any, meta: Metadata, where: str) -> Entry:
+    entry = _parse_common(key, e, where)
+    if entry.kind == "object":
+        return entry
+    shape = entry.shape or ()
+    if e.get("layout") is not None:
+        entry.layout = validate_layout_record(e["layout"], len(shape), where, key, meta.rank_lists)
+    store = e.get("store")
+    if not isinstance(store, dict) or len(store) != 1:
+        raise _fail(where, key, f"store must be {{'grid': ...}} or {{'table': ...}}, found {store!r:.100}")
+    (kind, body), = store.items()
+    if not isinstance(body, dict):
+        raise _fail(where, key, f"store {kind!r} must be an object")
+    if kind == "grid":
+        entry.store = _parse_grid(key, body, entry, meta, where)
+    elif kind == "table":
+        entry.store = _parse_table(key, body, shape, len(meta.files), where)
+    else:
+        raise _fail(where, key, f"unknown store {kind!r}")
+    return entry
+
+
+def _parse_grid(key: str, g: dict, entry: Entry, meta: Metadata, where: str) -> GridStore:
+    shape = entry.shape or ()
+    tiles = _int(g.get("tiles", 1), where, key, "grid tiles", lo=1, hi=_MAX_TILES)
+    layout = g.get("layout")
+    if layout is not None:
+        layout = validate_layout_record(layout, len(shape), where, key, meta.rank_lists)
+    elif "writer" not in g:
+        layout = entry.layout
+    store = GridStore(tiles=tiles, layout=layout if "layout" in g else None)
+    if "writer" in g:
+        store.writer = _int(g["writer"], where, key, "grid writer", hi=MAX_WORLD)
+    else:
+        if layout is None:
+            raise _fail(where, key, "a grid store needs a layout or a writer")
+        store.offset = _int(g.get("offset", 0), where, key, "grid offset", hi=1 << 31)
+        store.copies = g.get("copies", "one")
+        if store.copies not in ("one", "all"):
+            raise _fail(where, key, f"grid copies must be 'one' or 'all', found {store.copies!r:.20}")
+    if g.get("where") is not None:
+        runs = g["where"]
+        if not isinstance(runs, list) or len(runs) > MAX_WORLD:
+            raise _fail(where, key, "grid where must be a list of [count, dir] runs")
+        store.where = []
+        for run in runs:
+            if not isinstance(run, list) or len(run) != 2:
+                raise _fail(where, key, f"a where run must be [count, dir], found {run!r:.50}")
+            store.where.append((_int(run[0], where, key, "where count", lo=1, hi=_MAX_ELEMENTS),
+                                _int(run[1], where, key, "where dir", hi=len(meta.dirs) - 1)))
+    return store
+
+
+def _column(raw: Any, dtype: str, count: int, where: str, key: str, what: str) -> np.ndarray:
+    if not isinstance(raw, str) or len(raw) > 4 * (count * np.dtype(dtype).itemsize + 3) // 3 + 4:
+        raise _fail(where, key, f"table {what} must be base64 of {count} values")
+    try:
+        data = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise _fail(where, key, f"table {what} is not valid base64") from None
+    if len(data) != count * np.dtype(dtype).itemsize:
+        raise _fail(where, key, f"table {what} holds {len(data)} bytes, expected {count} values")
+    return np.frombuffer(data, dtype=dtype).astype(np.int64)
+
+
+def _parse_table(key: str, t: dict, shape: tuple[int, ...], n_files: int, where: str) -> TableStore:
+    n = _int(t.get("n"), where, key, "table n", hi=1 << 24)
+    ndim = len(shape)
+    offsets = _column(t.get("offsets"), "<i8", n * ndim, where, key, "offsets").reshape(n, ndim)
+    sizes = _column(t.get("sizes"), "<i8", n * ndim, where, key, "sizes").reshape(n, ndim)
+    files = _column(t.get("file"), "<i4", n, where, key, "file")
+    dims = np.array(shape, dtype=np.int64).reshape(1, ndim)
+    if n and ((offsets < 0).any() or (sizes < 1).any() or (offsets + sizes > dims).any()):
+        raise _fail(where, key, f"a table chunk is empty or lies outside shape {list(shape)}")
+    if n and ((files < 0).any() or (files >= n_files).any()):
+        raise _fail(where, key, "a table chunk names a file that is not in 'files'")
+    boxes = {(tuple(o), tuple(s)) for o, s in zip(offsets.tolist(), sizes.tolist(), strict=True)}
+    if sum(math.prod(s) for _, s in boxes) > math.prod(shape):
+        raise _fail(where, key, "table chunks hold more elements than the tensor: they overlap")
+    _check_disjoint(boxes, where, key)
+    return TableStore(offsets, sizes, files.astype(np.int32))
+
+
+def _parse_entry_v1(key: str, e: Any, files: list[str], where: str) -> Entry:
+    entry = _parse_common(key, e, where)
+    if entry.kind == "object":
+        return entry
+    shape = entry.shape or ()
+    size = itemsize(entry.dtype)
+    numel = math.prod(shape)
     chunks_raw = e.get("chunks")
     if not isinstance(chunks_raw, list):
         raise _fail(where, key, "chunks must be a list")
-    layout = e.get("layout")
-    if layout is not None:
-        layout = validate_layout_record(layout, len(shape), where, key)
+    if e.get("layout") is not None:
+        entry.layout = validate_layout_record(e["layout"], len(shape), where, key)
     chunks = []
     volume = 0
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
@@ -381,14 +661,18 @@ def _parse_entry(key: str, e: Any, files: list[str], where: str) -> Entry:
             volume += n
     if volume > numel:
         raise _fail(where, key, f"chunks hold {volume} elements but the tensor has {numel}: they overlap")
-    _check_disjoint(chunks, where, key)
-    if kind == "bytes" and len(shape) != 1:
-        raise _fail(where, key, "bytes entries must be 1-d")
-    return Entry(key, kind, path, dtype, shape, chunks, layout)
+    _check_disjoint(seen, where, key)
+    ndim = len(shape)
+    index = {f: i for i, f in enumerate(files)}
+    entry.store = TableStore(
+        np.array([c.offsets for c in chunks], dtype=np.int64).reshape(len(chunks), ndim),
+        np.array([c.sizes for c in chunks], dtype=np.int64).reshape(len(chunks), ndim),
+        np.array([index[c.file] for c in chunks], dtype=np.int32), chunks)
+    return entry
 
 
-def validate_layout_record(rec: Any, ndim: int, where: str = METADATA_FILE,
-                           key: str | None = None) -> dict[str, Any]:
+def validate_layout_record(rec: Any, ndim: int, where: str = METADATA_FILE, key: str | None = None,
+                           rank_lists: list[list[int]] | None = None) -> dict[str, Any]:
     """Check a saved layout (mesh shape, dim names, placements) before anything uses it.
 
     The mesh may hold at most ``MAX_WORLD`` positions, and nothing that reads a saved layout
@@ -424,7 +708,13 @@ def validate_layout_record(rec: Any, ndim: int, where: str = METADATA_FILE,
             raise _fail(where, key, f"layout placement {p} shards dim {d} of a {ndim}-d tensor")
         if match.group(3) is not None and not 1 <= int(match.group(3)) <= ranks:
             raise _fail(where, key, f"layout placement {p}: split factor must be in [1, {ranks}]")
-    return {"mesh_shape": mesh, "mesh_dim_names": names, "placements": placements}
+    out = {"mesh_shape": mesh, "mesh_dim_names": names, "placements": placements}
+    if rec.get("rank_list") is not None:
+        i = rec["rank_list"]
+        if rank_lists is None or type(i) is not int or not 0 <= i < len(rank_lists) or len(rank_lists[i]) != ranks:
+            raise _fail(where, key, f"layout rank_list {i!r:.20} names no rank list of {ranks} ranks")
+        out["rank_list"] = rank_lists[i]
+    return out
 
 
 def replicas(chunks: list[ChunkRecord]) -> list[list[ChunkRecord]]:
@@ -435,15 +725,14 @@ def replicas(chunks: list[ChunkRecord]) -> list[list[ChunkRecord]]:
     return list(groups.values())
 
 
-def _check_disjoint(chunks: list[ChunkRecord], where: str, key: str) -> None:
+def _check_disjoint(boxes: set[tuple[tuple[int, ...], tuple[int, ...]]], where: str, key: str) -> None:
     # Distinct boxes must not overlap (equal boxes are replicas). Sweep along dim 0: only
     # boxes whose dim-0 ranges overlap can overlap.
-    distinct = {(c.offsets, c.sizes) for c in chunks}
-    if len(distinct) < 2 or not chunks[0].sizes:
+    if len(boxes) < 2 or not next(iter(boxes))[1]:
         return
-    boxes = sorted((Box(o, s) for o, s in distinct), key=lambda b: b.offsets[0])
+    ordered = sorted((Box(o, s) for o, s in boxes), key=lambda b: b.offsets[0])
     active: list[Box] = []
-    for box in boxes:
+    for box in ordered:
         active = [a for a in active if a.ends[0] > box.offsets[0]]
         for a in active:
             if a.intersect(box) is not None:

@@ -48,13 +48,13 @@ import torch
 from . import metadata as md
 from . import protowire as pw
 from .box import Box
+from .data_file import tensor_bytes
 from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader
 from .loader import read_box
 from .mindspore_strategy import read_strategy
 from .offline_transform import _prefixed_path, write_streaming
 from .planner import EntrySpec, WriteItem
-from .saver import tensor_bytes
 
 __all__ = ["read_mindspore_checkpoint", "import_mindspore", "export_mindspore", "MindSporeFile",
            "open_mindspore_file", "ExportSummary", "MS_DTYPES"]

@@ -29,12 +29,13 @@ import torch
 
 from . import metadata as md
 from .box import Box
+from .chunks import largest_chunk_bytes
 from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import CheckpointError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
-from .loader import read_box
+from .loader import read_box, read_metadata
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
 from .storage import StorageReader
@@ -60,7 +61,7 @@ def _reader(path: str | os.PathLike | StorageReader) -> StorageReader:
 
 
 def _read_metadata(reader: StorageReader) -> md.Metadata:
-    return md.Metadata.from_json(reader.read_metadata())
+    return read_metadata(reader)
 
 
 def _check_destination(dst: str | os.PathLike, overwrite: bool) -> None:
@@ -100,20 +101,30 @@ def write_streaming(
     save_id = uuid.uuid4().hex[:16]
     objects = [k for k, e in entries.items() if e.kind == "object"]
     resolver = _Lazy(produce)
+    # Chunks of each key get ids 0..n-1 in the order given (they form the key's table).
+    counts: dict[str, int] = {}
+    numbered = []
+    for items in files or [[]]:
+        row = []
+        for item in items:
+            row.append(WriteItem(item.key, item.box, item.nbytes, counts.get(item.key, 0)))
+            counts[item.key] = counts.get(item.key, 0) + 1
+        numbered.append(row)
+    specs = {k: EntrySpec(e.kind, e.path, e.dtype, e.shape, e.layout) for k, e in entries.items()}
     # A layout's mesh may be larger than the number of files (replicas written once).
     world = max([len(files), 1] + [math.prod(e.layout["mesh_shape"]) for e in entries.values() if e.layout])
     coord = Coordinator(None, no_dist=True)
-    own = [n for r in range(len(files or [[]])) for n in data_file_names(r, save_id, 1)]
+    own = [n for r in range(len(numbered)) for n in data_file_names(r, save_id, 1)]
     what = f"writing {os.fspath(dst)}"
 
     def write_all() -> list[WriteResult]:
-        return [write_plan(SavePlan(entries, items, objects if rank == 0 else []), resolver, writer, rank, save_id)
-                for rank, items in enumerate(files or [[]])]
+        return [write_plan(SavePlan(specs, items, objects if rank == 0 else []), resolver, writer, rank, save_id)
+                for rank, items in enumerate(numbered)]
 
     results = write_and_report(coord, writer, "write", write_all, own, what, save_id)[0]
     meta = commit_and_agree(
         coord, writer, "commit",
-        lambda: build_metadata(SavePlan(entries, [], []), results, save_id, world, user_metadata or {}),
+        lambda: build_metadata(specs, results, save_id, world, user_metadata or {}),
         own, what, save_id)
     assert meta is not None
     return meta
@@ -198,7 +209,7 @@ def offline_transform(
     if src_layout is not None:
         _check_src_layout(meta, src_layout)
     if max_memory is None:
-        largest = max((c.length for e in meta.entries.values() for c in e.chunks), default=0)
+        largest = max((largest_chunk_bytes(meta, e) for e in meta.entries.values()), default=0)
         max_memory = max(64 << 20, 4 * largest)
     strategy = _as_strategy(dst_layout)
     if strategy is not None:

@@ -36,27 +36,38 @@ from typing import Any
 import torch
 
 from .box import Box
-from .metadata import ChunkRecord, Metadata
+from .metadata import Metadata
 
 
 @dataclass(frozen=True)
 class EntrySpec:
-    """What a key is, without its data: enough to write its metadata entry."""
+    """What a key is, without its data: enough to write its metadata entry.
+
+    ``layout`` is the saved layout record (mesh shape, dim names, placements, and the
+    ranks of the mesh when they are not 0..N-1). ``store`` is filled by the global plan:
+    how the key's chunks are stored (a :class:`~.metadata.GridStore`), or None for a table
+    of whatever chunks the ranks write (imports, hand-made plans).
+    """
 
     kind: str
     path: tuple[Any, ...]
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
     layout: dict[str, Any] | None = None
+    store: Any = None
 
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One box of one key's data that one rank holds and may write."""
+    """One box of one key's data that one rank holds and may write.
+
+    ``sub`` is the chunk's id within its key (the box id of a grid, or the row of a table).
+    """
 
     key: str
     box: Box
     nbytes: int
+    sub: int = 0
 
 
 @dataclass
@@ -70,10 +81,14 @@ class SavePlan:
 
 @dataclass(frozen=True)
 class ReadItem:
-    """Copy ``region`` (global coordinates) from a saved ``chunk`` into key's target."""
+    """Copy ``region`` (global coordinates) from a saved ``chunk`` into key's target.
+
+    ``chunk`` is a :class:`~.chunks.ChunkRef` (where to look) until the loader resolves it
+    into a :class:`~.metadata.ChunkRecord` (byte range and checksums).
+    """
 
     key: str
-    chunk: ChunkRecord
+    chunk: Any
     region: Box
 
 

@@ -22,21 +22,27 @@ is re-exported here.
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 import warnings
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from . import metadata as md
 from .box import Box, uncovered
+from .chunks import all_chunks, covered
 from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import CorruptCheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
-from .layout import Layout, TensorLayout, match_layout
+from .grid import Grid
+from .layout import Layout, TensorLayout, match_layout, placement_to_name
 from .loader import read_box
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, write_plan
@@ -49,17 +55,41 @@ DEFAULT_MAX_MEMORY = 256 << 20
 
 @dataclass
 class ReshardPlan:
-    """What a reshard writes: entries of the new checkpoint and each destination rank's chunks."""
+    """What a reshard writes: the new checkpoint's entries (with their grid stores on the
+    destination mesh) and, per destination rank, the chunks it holds (computed on demand)."""
 
     entries: dict[str, EntrySpec]
-    items: dict[int, list[WriteItem]]  # destination global rank -> its chunks
+    ranks: list[int]  # destination ranks, in mesh order
     object_rank: int  # the destination rank whose result carries the plain values
     objects: list[str]
+    grids: dict[str, Grid] = field(default_factory=dict)
     layouts: dict[str, TensorLayout | None] = field(default_factory=dict)  # destination layout per key
     dropped: dict[str, list[str]] = field(default_factory=dict)  # key -> source mesh dims the new mesh lacks
 
+    def items(self, rank: int) -> list[WriteItem]:
+        """The chunks destination rank ``rank`` holds (all replicas with ``copies == "all"``)."""
+        out = []
+        for key, spec in self.entries.items():
+            grid = self.grids.get(key)
+            if grid is None:
+                continue
+            store = spec.store
+            pos = self._position(rank)
+            b, q = grid.locate(pos)
+            if store.copies != "all" and q != (store.offset + b) % grid.replicas:
+                continue
+            size = md.itemsize(spec.dtype)
+            out.extend(WriteItem(key, box, box.numel * size, sub) for sub, box in grid.band_subs(b))
+        return out
+
+    def _position(self, rank: int) -> int:
+        pos = self.__dict__.get("_pos")
+        if pos is None:
+            pos = self.__dict__["_pos"] = {r: i for i, r in enumerate(self.ranks)}
+        return pos[rank]
+
     def rank_bytes(self) -> dict[int, int]:
-        return {r: sum(i.nbytes for i in items) for r, items in self.items.items()}
+        return {r: sum(i.nbytes for i in self.items(r)) for r in self.ranks}
 
 
 def _mesh(value: Any, what: str) -> Layout:
@@ -90,16 +120,22 @@ def _source_layout(key: str, entry: md.Entry, src_mesh: Layout | None, dst: Layo
         raise ValueError(f"{key!r}: cannot read its saved layout {rec}: {exc}") from None
 
 
+def _record(tl: TensorLayout) -> dict[str, Any]:
+    rec = tl.to_record()
+    if not isinstance(tl.layout.rank_list, range):
+        rec["rank_list"] = list(tl.layout.rank_list)
+    return rec
+
+
 def plan_reshard(
     meta: md.Metadata,
     dst_mesh: Any,
     src_mesh: Any = None,
     rules: Mapping[str, TensorLayout] | None = None,
-    max_chunk_bytes: int | None = None,
     where: str = "source checkpoint",
     copy_replicas: bool = True,
 ) -> ReshardPlan:
-    """Plan a reshard of ``meta`` onto ``dst_mesh`` (see :func:`reshard`); deterministic.
+    """Plan a reshard of ``meta`` onto ``dst_mesh`` (see :func:`reshard`); deterministic, O(tensors).
 
     Raises:
         CorruptCheckpointError: the source chunks of a key leave a region uncovered.
@@ -108,11 +144,13 @@ def plan_reshard(
     dst = _mesh(dst_mesh, "dst_mesh")
     src = _mesh(src_mesh, "src_mesh") if src_mesh is not None else None
     dst_ranks = set(dst.rank_list)
+    everywhere = Layout(dst.mesh_shape, dst.alias_name, None if isinstance(dst.rank_list, range) else dst.rank_list)
     entries: dict[str, EntrySpec] = {}
+    grids: dict[str, Grid] = {}
     layouts: dict[str, TensorLayout | None] = {}
     dropped: dict[str, list[str]] = {}
-    boxes: list[tuple[str, Box, list[int], int]] = []
     objects: list[str] = []
+    copies = "all" if copy_replicas else "one"
     for key, entry in meta.entries.items():
         if entry.kind == "object":
             entries[key] = EntrySpec("object", entry.path)
@@ -140,38 +178,29 @@ def plan_reshard(
                 if lost:
                     dropped[key] = lost
         layouts[key] = tl
-        entries[key] = EntrySpec(entry.kind, entry.path, entry.dtype, shape,
-                                 tl.to_record() if tl is not None else None)
-        numel = Box.full(shape).numel
-        if numel == 0:
-            continue
-        _check_coverage(key, entry, shape, where)
-        itemsize = entry.chunks[0].length // Box(entry.chunks[0].offsets, entry.chunks[0].sizes).numel
+        _check_coverage(key, meta, entry, shape, where)
+        # Tensors without a layout stay whole, held by every destination rank.
+        storage = tl if tl is not None else TensorLayout(everywhere, {}, len(shape))
         try:
-            holders = tl.holders(shape) if tl is not None else {Box.full(shape): sorted(dst_ranks)}
+            grid = Grid(shape, storage.layout.mesh_shape, [placement_to_name(p) for p in storage.placements],
+                        None if isinstance(storage.layout.rank_list, range) else list(storage.layout.rank_list))
         except ValueError as exc:
             raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
-        for box, ranks in holders.items():
-            boxes.append((key, box, ranks, box.numel * itemsize))
-    # Every holder gets its copy (copy_replicas), or: boxes one rank holds are forced, and
-    # replicas go, largest first, to the lightest holder.
-    load = dict.fromkeys(sorted(dst_ranks), 0)
-    items: dict[int, list[WriteItem]] = {r: [] for r in sorted(dst_ranks)}
-    for key, box, ranks, nbytes in sorted(boxes, key=lambda b: (len(b[2]) > 1, -b[3], b[0], b[1].offsets)):
-        writers = ranks if copy_replicas else [min(ranks, key=lambda r: (load[r], r))]
-        itemsize = nbytes // box.numel
-        pieces = box.split(max(1, max_chunk_bytes // itemsize)) if max_chunk_bytes else [box]
-        for rank in writers:
-            load[rank] += nbytes
-            items[rank].extend(WriteItem(key, p, p.numel * itemsize) for p in pieces)
-    return ReshardPlan(entries, items, min(dst_ranks), objects, layouts, dropped)
+        offset = zlib.crc32(key.encode()) % grid.replicas
+        store = md.GridStore(tiles=1, offset=offset, copies=copies,
+                             layout=None if tl is not None else _record(storage))
+        entries[key] = EntrySpec(entry.kind, entry.path, entry.dtype, shape,
+                                 _record(tl) if tl is not None else None, store)
+        if math.prod(shape):
+            grids[key] = grid
+    return ReshardPlan(entries, list(dst.rank_list), min(dst_ranks), objects, grids, layouts, dropped)
 
 
-def _check_coverage(key: str, entry: md.Entry, shape: tuple[int, ...], where: str) -> None:
+def _check_coverage(key: str, meta: md.Metadata, entry: md.Entry, shape: tuple[int, ...], where: str) -> None:
     full = Box.full(shape)
-    if sum(Box(g[0].offsets, g[0].sizes).numel for g in md.replicas(entry.chunks)) == full.numel:
+    if covered(meta, entry) == full.numel:
         return  # distinct boxes are disjoint (metadata validation checks it), so they cover it all
-    missing = uncovered(full, [Box(c.offsets, c.sizes) for c in entry.chunks])
+    missing = uncovered(full, [ref.box for ref in all_chunks(meta, entry)])
     shown = ", ".join(str(b) for b in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
     raise CorruptCheckpointError(
         f"{key!r}: {where} holds no data for region(s) {shown} of its shape {list(shape)} "
@@ -180,29 +209,61 @@ def _check_coverage(key: str, entry: md.Entry, shape: tuple[int, ...], where: st
 
 
 class _SourceData:
-    """Reads destination chunks out of the source checkpoint (the saver's data resolver)."""
+    """Reads destination chunks out of the source checkpoint (the saver's data resolver).
+
+    A source tensor small enough is read whole once and kept (up to ``cache_bytes`` in
+    all), so a tensor split into thousands of small destination chunks costs one read; a
+    larger chunk is produced in row slabs of at most ``slab_bytes``, which bounds memory.
+    """
 
     def __init__(self, meta: md.Metadata, reader: StorageReader, buffer_bytes: int, verify: bool,
-                 progress: Callable[[int], None] | None = None):
+                 progress: Callable[[int], None] | None = None, slab_bytes: int | None = None,
+                 cache_bytes: int = 0):
         self.meta, self.reader, self.buffer_bytes, self.verify = meta, reader, buffer_bytes, verify
         self.progress = progress
+        self.slab_bytes = slab_bytes
+        self.cache_bytes = cache_bytes
+        self._cache: dict[str, torch.Tensor] = {}
+        self._cached = 0
         self.bytes_read = 0
         self.bytes_needed = 0
+
+    def _read(self, entry: md.Entry, box: Box) -> torch.Tensor:
+        dest, stats = read_box(entry, self.reader, box, verify=self.verify, buffer_bytes=self.buffer_bytes,
+                               meta=self.meta)
+        self.bytes_read += stats.bytes_read
+        self.bytes_needed += stats.bytes_needed
+        return dest
+
+    def _whole(self, entry: md.Entry) -> torch.Tensor | None:
+        found = self._cache.get(entry.key)
+        if found is not None or entry.nbytes > self.cache_bytes // 4:
+            return found
+        while self._cache and self._cached + entry.nbytes > self.cache_bytes:
+            old = self._cache.pop(next(iter(self._cache)))  # the oldest
+            self._cached -= old.numel() * old.element_size()
+        found = self._cache[entry.key] = self._read(entry, Box.full(tuple(entry.shape or ())))
+        self._cached += entry.nbytes
+        return found
 
     def resolve_data(self, item: WriteItem) -> Any:
         entry = self.meta.entries[item.key]
         if entry.kind == "object":
             return entry.value
-        dest, stats = read_box(entry, self.reader, item.box, verify=self.verify, buffer_bytes=self.buffer_bytes)
-        self.bytes_read += stats.bytes_read
-        self.bytes_needed += stats.bytes_needed
         if self.progress is not None:
             self.progress(item.nbytes)
-        return dest
+        whole = self._whole(entry)
+        if whole is not None:
+            return whole[item.box.relative_to(Box.full(tuple(entry.shape or ())))]
+        if self.slab_bytes is None or item.nbytes <= self.slab_bytes or not item.box.ndim:
+            return self._read(entry, item.box)
+        return (self._read(entry, slab) for slab in item.box.split(max(1, self.slab_bytes // md.itemsize(entry.dtype))))
 
 
 def _share(plan: ReshardPlan, world: int) -> list[list[int]]:
     """Destination ranks per process: largest first, each to the least-loaded process."""
+    if world == 1:
+        return [list(plan.ranks)]
     loads = [0] * world
     out: list[list[int]] = [[] for _ in range(world)]
     sizes = plan.rank_bytes()
@@ -322,10 +383,9 @@ def reshard(
         meta_bytes, save_id = coord.broadcast(raw[0] if raw else None)
 
         def plan() -> None:
-            meta = md.Metadata.from_json(meta_bytes, where=where)
+            meta = md.Metadata.from_json(meta_bytes, where=where).attach()
             state["meta"] = meta
-            state["plan"] = plan_reshard(meta, dst, src_mesh, rules, max(1, max_memory // 4), where,
-                                         copy_replicas=copy_replicas)
+            state["plan"] = plan_reshard(meta, dst, src_mesh, rules, where, copy_replicas=copy_replicas)
             storage_writer.prepare()
 
         coord.exchange("reshard (planning)", plan)
@@ -340,12 +400,13 @@ def reshard(
         mine.extend(_share(rplan, coord.world_size)[coord.rank])
 
         def write_mine() -> list[WriteResult]:
-            source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify, progress)
+            source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify, progress,
+                                 slab_bytes=max(1, max_memory // 4), cache_bytes=max_memory // 2)
             out = []
             for rank in sorted(mine):
                 objects = rplan.objects if rank == rplan.object_rank else []
-                sp = SavePlan(rplan.entries, rplan.items[rank], objects)
-                out.append(write_plan(sp, source, storage_writer, rank, save_id, thread_count=1))
+                sp = SavePlan(rplan.entries, rplan.items(rank), objects)
+                out.append(write_plan(sp, source, storage_writer, rank, save_id, thread_count=1).for_coordinator())
             return out
 
         mine_files = [n for r in mine for n in data_file_names(r, save_id, 1)]
@@ -355,7 +416,7 @@ def reshard(
 
         def new_metadata() -> md.Metadata:
             flat = [r for per_process in results for r in per_process]
-            return build_metadata(SavePlan(rplan.entries, [], []), flat, save_id, dst.world_size, dict(meta.user))
+            return build_metadata(rplan.entries, flat, save_id, dst.world_size, dict(meta.user))
 
         return commit_and_agree(coord, storage_writer, "reshard (commit)", new_metadata, mine_files, what, save_id)
     finally:

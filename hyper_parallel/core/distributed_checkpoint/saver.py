@@ -1,88 +1,110 @@
-"""Executes a rank's save plan: writes its chunks as safetensors files, checksummed on the way.
+"""Executes a rank's save plan: writes its chunks into format-v2 data files.
 
-Each data file is a valid safetensors file: an 8-byte header length, a JSON header naming
-one entry per chunk (``"<key>@<offsets>"``), then the chunks' bytes back to back. Bytes go
-from tensor memory to the file with no intermediate copy; the crc32c of each block of rows
-is computed just before the block is written, while it is still in cache.
+Each data file is laid out by :func:`.data_file.plan_file` before a byte is written (so the
+safetensors header, padding and index positions are known), then streamed in order:
+header, payloads, index. Bytes go from tensor memory to storage with no intermediate copy;
+the crc32c of each block is computed just before the block is handed to storage, while it
+is still in cache. A resolver may produce a chunk as several row slabs (an iterable of
+tensors), which bounds the memory of offline tools; checksums run across slab boundaries.
+
+The coordinator then merges every rank's file records into the checkpoint's metadata
+(:func:`build_metadata`): O(files + tensors), never a loop over chunks.
 """
 
 from __future__ import annotations
 
-import json
-import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
+import numpy as np
 import torch
 
 from . import metadata as md
 from .box import Box
+from .data_file import BLOCK_BYTES, ContentHash, Item, block_rows, encode_index, plan_file, tensor_bytes
 from .planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from .storage import StorageWriter
 from .streams import StreamFence
 
-BLOCK_BYTES = 4 << 20  # checksum granularity (rounded to whole rows of dim 0)
-
 
 @dataclass
 class WriteResult:
-    """What one rank wrote: chunk records per key, JSON values it records, its files."""
+    """What one rank wrote: its data files, the JSON values it records, table chunks it wrote.
 
-    chunks: dict[str, list[md.ChunkRecord]] = field(default_factory=dict)
+    ``rows`` are ``(key, sub, box, file name)`` of chunks of table-stored keys (those whose
+    spec has no store); ``digests`` the content hash of every chunk written, when asked for
+    (incremental saves keep them; they are not sent to the coordinator).
+    """
+
+    files: list[md.FileRecord] = field(default_factory=list)
     objects: dict[str, Any] = field(default_factory=dict)
-    files: list[str] = field(default_factory=list)
+    rows: list[tuple[str, int, Box, str]] = field(default_factory=list)
     nbytes: int = 0
+    digests: dict[tuple[str, int], bytes] = field(default_factory=dict)
 
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a tensor's data, row-major, as a flat memoryview (copies only if it must)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def block_rows(sizes: tuple[int, ...], nbytes: int) -> int:
-    rows = sizes[0] if sizes else 1
-    row_bytes = max(1, nbytes // max(rows, 1))
-    return max(1, min(rows, BLOCK_BYTES // row_bytes))
+    def for_coordinator(self) -> WriteResult:
+        return WriteResult(self.files, self.objects, self.rows, self.nbytes)
 
 
 def _split_files(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+    """Items into at most ``n`` files of similar size, each in (key, sub) order."""
     bins: list[list[WriteItem]] = [[] for _ in range(max(1, min(n, len(items))))]
     loads = [0] * len(bins)
     for item in sorted(items, key=lambda i: -i.nbytes):
         j = loads.index(min(loads))
         bins[j].append(item)
         loads[j] += item.nbytes
-    for b in bins:  # keep a file's chunks in key order: nicer to inspect, same speed
-        b.sort(key=lambda i: (i.key, i.box.offsets))
+    for b in bins:
+        b.sort(key=lambda i: (i.key, i.sub))
     return [b for b in bins if b]
 
 
-def _header(items: list[WriteItem], entries: dict[str, EntrySpec], save_id: str) -> tuple[bytes, list[int]]:
-    header: dict[str, Any] = {"__metadata__": {"format": md.FORMAT_NAME, "save_id": save_id}}
-    starts, pos = [], 0
-    for item in items:
-        dtype = entries[item.key].dtype
-        st = md.safetensors_dtype(dtype)
-        shape = list(item.box.sizes) if st else [item.nbytes]
-        name = f"{item.key}@{','.join(map(str, item.box.offsets))}"
-        header[name] = {"dtype": st or "U8", "shape": shape, "data_offsets": [pos, pos + item.nbytes]}
-        starts.append(pos)
-        pos += item.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors allows space padding; keeps data 8-aligned
-    base = 8 + len(raw)
-    return struct.pack("<Q", len(raw)) + raw, [base + s for s in starts]
+def data_file_name(rank: int, index: int, save_id: str) -> str:
+    return f"data-r{rank:05d}-{index}-{save_id}.safetensors"
+
+
+def data_file_names(rank: int, save_id: str, count: int) -> list[str]:
+    """The names ``write_plan`` may use for a rank (to clean up after a failed save)."""
+    return [data_file_name(rank, i, save_id) for i in range(max(1, count))]
+
+
+def _pieces(value: Any) -> Iterator[memoryview]:
+    """A resolved chunk as byte pieces: one tensor, raw bytes, or an iterable of row slabs."""
+    if isinstance(value, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)):
+        value = [value]
+    for part in value:
+        if isinstance(part, torch.Tensor):
+            yield tensor_bytes(part)
+        elif isinstance(part, np.ndarray):
+            yield memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)).cast("B")
+        else:
+            yield memoryview(part).cast("B")
+
+
+class _Checksums:
+    """crc32c of fixed-size blocks over a stream of pieces (blocks may span pieces)."""
+
+    def __init__(self, step: int):
+        self.step, self.crcs, self.crc, self.filled = step, [], 0, 0
+
+    def feed(self, data: memoryview) -> None:
+        pos = 0
+        while pos < data.nbytes:
+            take = min(self.step - self.filled, data.nbytes - pos)
+            self.crc = crc32c.crc32c(data[pos:pos + take], self.crc)
+            self.filled += take
+            pos += take
+            if self.filled == self.step:
+                self.crcs.append(self.crc)
+                self.crc, self.filled = 0, 0
+
+    def finish(self) -> list[int]:
+        if self.filled:
+            self.crcs.append(self.crc)
+        return self.crcs
 
 
 def write_plan(
@@ -92,6 +114,7 @@ def write_plan(
     rank: int,
     save_id: str,
     thread_count: int = 1,
+    hashes: bool = False,
 ) -> WriteResult:
     """Write every item of ``plan`` (this rank's share of the global plan)."""
     result = WriteResult()
@@ -99,77 +122,103 @@ def write_plan(
     for key in plan.objects:
         result.objects[key] = planner.resolve_data(WriteItem(key, Box((), ()), 0))
     groups = _split_files(plan.items, thread_count)
+    tables = {k for k, spec in plan.entries.items() if spec.store is None and spec.kind != "object"}
 
-    def write_group(index: int, items: list[WriteItem]) -> tuple[str, list[tuple[str, md.ChunkRecord]], int]:
-        name = f"data-r{rank:05d}-{index}-{save_id}.safetensors"
-        header, starts = _header(items, plan.entries, save_id)
-        records: list[tuple[str, md.ChunkRecord]] = []
+    def write_group(index: int, witems: list[WriteItem]) -> tuple[md.FileRecord, dict, int]:
+        name = data_file_name(rank, index, save_id)
+        items = [Item(w.key, w.sub, w.box, plan.entries[w.key].dtype, w.nbytes) for w in witems]
+        layout = plan_file(items, save_id, hashes)
+        crcs: list[int] = []
+        digests: dict[tuple[str, int], bytes] = {}
+        index_blob: list[bytes] = []
 
         def parts() -> Iterator[memoryview]:
-            yield memoryview(header)
-            for item, start in zip(items, starts, strict=False):
-                value = planner.resolve_data(item)
+            yield memoryview(layout.header)
+            pos = layout.base
+            for witem, item, start in zip(witems, items, layout.starts, strict=True):
+                if start > pos:
+                    yield memoryview(bytes(start - pos))
+                value = planner.resolve_data(witem)
                 if isinstance(value, torch.Tensor):
                     fence.before_copy(value)
-                data = tensor_bytes(value)
-                if data.nbytes != item.nbytes:
-                    raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {data.nbytes}")
-                rows = item.box.sizes[0] if item.box.sizes else 1
-                br = block_rows(item.box.sizes, item.nbytes)
-                step = item.nbytes // rows * br
-                crcs = []
-                for off in range(0, item.nbytes, step):
-                    block = data[off:off + step]
-                    crcs.append(crc32c.crc32c(block))
-                    yield block
-                records.append((item.key, md.ChunkRecord(
-                    item.box.offsets, item.box.sizes, name, start, item.nbytes, br, tuple(crcs))))
+                step = (item.nbytes // max(1, item.box.sizes[0] if item.box.sizes else 1)) * block_rows(
+                    item.box.sizes, item.nbytes, BLOCK_BYTES) if item.nbytes else 1
+                sums = _Checksums(max(1, step))
+                hasher = ContentHash() if hashes else None
+                got = 0
+                for data in _pieces(value):
+                    sums.feed(data)
+                    if hasher is not None:
+                        hasher.feed(data)
+                    got += data.nbytes
+                    yield data
+                value = data = None  # free this chunk before the next one is produced
+                if got != item.nbytes:
+                    raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {got}")
+                crcs.extend(sums.finish())
+                if hasher is not None:
+                    digests[(item.key, item.sub)] = hasher.digest()
+                pos = start + item.nbytes
+            if layout.index_offset > pos:
+                yield memoryview(bytes(layout.index_offset - pos))
+            blob = encode_index(layout, items, crcs, [digests[(i.key, i.sub)] for i in items] if hashes else None)
+            index_blob.append(blob)
+            yield memoryview(blob)
 
         written = writer.write_file(name, parts())
-        return name, records, written
+        record = md.FileRecord(name, "", rank, layout.index_offset, layout.index_length,
+                               crc32c.crc32c(memoryview(index_blob[0])[:layout.index_length]), layout.size)
+        return record, digests, written
 
     if len(groups) > 1:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="dcp-write") as pool:
             outs = list(pool.map(lambda a: write_group(*a), enumerate(groups)))
     else:
         outs = [write_group(i, g) for i, g in enumerate(groups)]
-    for name, records, written in outs:
-        result.files.append(name)
+    for (record, digests, written), witems in zip(outs, groups, strict=True):
+        result.files.append(record)
         result.nbytes += written
-        for key, rec in records:
-            result.chunks.setdefault(key, []).append(rec)
+        result.digests.update(digests)
+        result.rows.extend((w.key, w.sub, w.box, record.name) for w in witems if w.key in tables)
     return result
 
 
-def data_file_names(rank: int, save_id: str, count: int) -> list[str]:
-    """The names ``write_plan`` may use for a rank (to clean up after a failed save)."""
-    return [f"data-r{rank:05d}-{i}-{save_id}.safetensors" for i in range(max(1, count))]
-
-
 def build_metadata(
-    plan: SavePlan, results: list[WriteResult], save_id: str, world_size: int, user: dict[str, Any]
+    entries: dict[str, EntrySpec], results: Iterable[WriteResult], save_id: str, world_size: int,
+    user: dict[str, Any], extra_files: Iterable[md.FileRecord] = (), dirs: list[str] | None = None,
 ) -> md.Metadata:
     """The coordinator's merge of every rank's write results into the checkpoint's metadata."""
     with md.paused_gc():
-        return _build_metadata(plan, results, save_id, world_size, user)
+        return _build_metadata(entries, list(results), save_id, world_size, user, list(extra_files), dirs)
 
 
-def _build_metadata(
-    plan: SavePlan, results: list[WriteResult], save_id: str, world_size: int, user: dict[str, Any]
-) -> md.Metadata:
-    chunks: dict[str, list[md.ChunkRecord]] = {}
+def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], save_id: str, world_size: int,
+                    user: dict[str, Any], extra_files: list[md.FileRecord], dirs: list[str] | None) -> md.Metadata:
+    files = list(extra_files) + [f for r in results for f in r.files]
+    file_index = {(f.dir, f.name): i for i, f in enumerate(files)}
     objects: dict[str, Any] = {}
+    rows: dict[str, list[tuple[int, Box, str]]] = {}
     for r in results:
-        for key, recs in r.chunks.items():
-            chunks.setdefault(key, []).extend(recs)
         objects.update(r.objects)
-    entries = {}
-    for key, spec in plan.entries.items():
-        recs = sorted(chunks.get(key, []), key=lambda c: c.offsets)
-        entries[key] = md.Entry(
-            key, spec.kind, spec.path, spec.dtype, spec.shape, recs, spec.layout, objects.get(key)
-        )
-    return md.Metadata(entries, save_id, world_size, user=user)
+        for key, sub, box, name in r.rows:
+            rows.setdefault(key, []).append((sub, box, name))
+    out = {}
+    for key, spec in entries.items():
+        entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, objects.get(key), spec.store)
+        if spec.kind != "object" and spec.store is None:
+            entry.store = _table(key, spec, sorted(rows.get(key, [])), file_index)
+        out[key] = entry
+    return md.Metadata(out, save_id, world_size, user=user, files=files, dirs=dirs or [""]).attach()
+
+
+def _table(key: str, spec: EntrySpec, rows: list[tuple[int, Box, str]], file_index: dict) -> md.TableStore:
+    ndim = len(spec.shape or ())
+    if [s for s, _, _ in rows] != list(range(len(rows))):
+        raise ValueError(f"{key!r}: table chunks must have sub ids 0..n-1, found {[s for s, _, _ in rows][:10]}")
+    return md.TableStore(
+        np.array([b.offsets for _, b, _ in rows], dtype=np.int64).reshape(len(rows), ndim),
+        np.array([b.sizes for _, b, _ in rows], dtype=np.int64).reshape(len(rows), ndim),
+        np.array([file_index[("", n)] for _, _, n in rows], dtype=np.int32))
 
 
 from .single_file import save_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)

@@ -1,22 +1,29 @@
-"""StandardPlanner: flatten values into chunk boxes, dedup replicas, intersect on load.
+"""StandardPlanner: what every rank writes and reads, from layouts, in O(tensors).
 
-Save: every DTensor contributes the box its rank holds (torch's own chunk computation, so
-uneven splits and FSDP+TP's ``_StridedShard`` are right); plain tensors, numpy arrays and
-bytes are assumed equal on every rank that has them. The global plan writes each distinct
-box once: boxes held by one rank go to it; replicated boxes go, largest first, to the
-holder with the fewest bytes so far, so every rank's share differs from the even share by
-at most the largest single box.
+Save: each rank describes its state dict by *structure* (keys, kinds, dtypes, shapes, and
+for DTensors the layout: mesh shape, placements, the ranks of the mesh). Ranks with the same
+structure share one description, so the exchange sends a digest per rank and each distinct
+structure once. From the structures alone every rank computes the same global plan, in
+O(tensors): a DTensor is stored as the grid of its layout (:mod:`.grid`) and each box is
+written by one of its holders, the replicas taking turns by box id; a tensor held whole by
+several ranks (plain tensors, numpy arrays, bytes) goes to the least-loaded holder,
+largest first. A rank then works out only its own writes.
 
 Load: every target box (a DTensor's local shard, or a whole tensor) is intersected with the
-saved chunks; the loader copies each overlap straight into the target's memory.
+saved chunks by arithmetic (:mod:`.chunks`); the loader copies each overlap straight into
+the target's memory. A target of another dtype is filled through a temporary of the saved
+dtype and converted (``convert_dtype=False`` refuses instead).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
+import math
 import pickle
-import re
 import threading
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +32,9 @@ from torch.distributed.tensor import DTensor
 
 from . import metadata as md
 from .box import Box, uncovered
+from .chunks import overlapping
 from .errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
+from .grid import Grid
 from .layout import TensorLayout, placement_to_name
 from .planner import (
     EntrySpec,
@@ -40,13 +49,26 @@ from .planner import (
 __all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner", "dtensor_box", "layout_record"]
 
 
-def layout_record(t: DTensor) -> dict[str, Any]:
+def layout_record(t: DTensor, group_rank: dict[int, int] | None = None) -> dict[str, Any]:
+    """A DTensor's layout as metadata records it; ``rank_list`` (ranks in the saving group,
+    row-major) only when the mesh is not simply ranks 0..N-1."""
     mesh = t.device_mesh
-    return {
+    rec: dict[str, Any] = {
         "mesh_shape": list(mesh.shape),
         "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
         "placements": [placement_to_name(p) for p in t.placements],
     }
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if group_rank is not None:
+        missing = [r for r in ranks if r not in group_rank]
+        if missing:
+            raise UnsupportedValueError(
+                f"a DTensor's mesh holds rank(s) {missing[:8]} outside the process group that saves it; "
+                "save with a process_group that contains the whole mesh")
+        ranks = [group_rank[r] for r in ranks]
+    if ranks != list(range(len(ranks))):
+        rec["rank_list"] = ranks
+    return rec
 
 
 def dtensor_box(t: DTensor, key: str) -> Box | None:
@@ -107,15 +129,19 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                 return "v2." + key
     """
 
-    def __init__(self, allow_pickle: bool = False):
+    def __init__(self, allow_pickle: bool = False, *, enable_plan_caching: bool = True,
+                 convert_dtype: bool = True, allow_partial_load: bool = False, topology_mapper: Any = None):
         self.allow_pickle = allow_pickle
+        self.enable_plan_caching = enable_plan_caching
+        self.convert_dtype = convert_dtype
+        self.allow_partial_load = allow_partial_load
+        self.topology_mapper = topology_mapper
+        self.group_ranks: Sequence[int] | None = None  # global rank of each group rank (set by save/load)
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
-        self._data: dict[tuple[str, Box], Any] = {}
+        self._held: dict[str, tuple[Box, Any]] = {}
         self._origin: dict[str, str] = {}
         self._origin_identity = True
-
-    # ------------------------------------------------------------------ hooks
 
     def transform_key(self, key: str) -> str | None:
         """The checkpoint key of one flattened key, or None to leave it out; the identity."""
@@ -149,7 +175,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         return out
 
     def cache_key(self) -> Any:
-        """Global save plans are reused while this and every rank's local plan are unchanged."""
+        """Global save plans are reused while this and every rank's structure are unchanged."""
         return (type(self).__qualname__, self.allow_pickle)
 
     def _path(self, key: str) -> tuple:
@@ -163,18 +189,20 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_save_plan(self) -> SavePlan:
+        """This rank's entries (structure) and the boxes it holds; no tensor data."""
+        group_rank = None if self.group_ranks is None else {g: r for r, g in enumerate(self.group_ranks)}
         entries: dict[str, EntrySpec] = {}
         items: list[WriteItem] = []
         objects: list[str] = []
-        self._data = {}
+        self._held = {}
         for key, value in self._values.items():
             path = self._path(key)
             if isinstance(value, DTensor):
                 box = dtensor_box(value, key)
                 dtype = md.dtype_name(value.dtype)
-                entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value))
+                entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value, group_rank))
                 if box is not None:
-                    self._add(items, key, box, value._local_tensor)
+                    self._hold(items, key, box, value._local_tensor)
                 continue
             if isinstance(value, torch.Tensor):
                 kind, tensor = "tensor", value
@@ -185,7 +213,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             elif md.is_json_value(value):
                 entries[key] = EntrySpec("object", path)
                 objects.append(key)
-                self._data[(key, Box((), ()))] = value
+                self._held[key] = (Box((), ()), value)
                 continue
             elif self.allow_pickle:
                 kind, tensor = "pickle", _bytes_tensor(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
@@ -198,66 +226,35 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             shape = tuple(tensor.shape)
             entries[key] = EntrySpec(kind, path, md.dtype_name(tensor.dtype), shape)
             if tensor.numel():
-                self._add(items, key, Box.full(shape), tensor)
+                self._hold(items, key, Box.full(shape), tensor)
         return SavePlan(entries, items, objects)
 
-    def _add(self, items: list[WriteItem], key: str, box: Box, tensor: torch.Tensor) -> None:
+    def _hold(self, items: list[WriteItem], key: str, box: Box, tensor: torch.Tensor) -> None:
         items.append(WriteItem(key, box, box.numel * tensor.element_size()))
-        self._data[(key, box)] = tensor
+        self._held[key] = (box, tensor)
+
+    def structure_digest(self, plan: SavePlan) -> str:
+        """Equal for ranks whose local plans have the same entries (the boxes follow from them)."""
+        return hashlib.sha256(repr(sorted(plan.entries.items())).encode()).hexdigest()
 
     def create_global_save_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        with md.paused_gc():
-            return self._global_save_plan(plans)
+        """Every rank's writes, from every rank's entries (items are not needed).
 
-    def _global_save_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        merged: dict[str, EntrySpec] = {}
-        first_rank: dict[str, int] = {}
-        for rank, plan in enumerate(plans):
-            for key, spec in plan.entries.items():
-                seen = merged.get(key)
-                if seen is None:
-                    merged[key], first_rank[key] = spec, rank
-                elif (seen.kind, seen.dtype, seen.shape) != (spec.kind, spec.dtype, spec.shape):
-                    raise StateDictMismatchError(
-                        f"{key!r} differs between ranks: rank {first_rank[key]} has "
-                        f"{seen.kind} {seen.dtype} {seen.shape}, rank {rank} has "
-                        f"{spec.kind} {spec.dtype} {spec.shape}"
-                    )
-        # (key, offsets, sizes) -> [first item, holder ranks...]; plain tuples hash in C.
-        holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[Any]] = {}
-        for rank, plan in enumerate(plans):
-            for item in plan.items:
-                k = (item.key, item.box.offsets, item.box.sizes)
-                h = holders.get(k)
-                if h is None:
-                    holders[k] = [item, rank]
-                else:
-                    h.append(rank)
-        load = [0] * len(plans)
-        assigned: list[list[WriteItem]] = [[] for _ in plans]
-        replicated = []
-        # Boxes only one rank holds are forced; replicas then fill up the lightest holders,
-        # largest first (ties by key and offsets, so every rank decides the same).
-        for h in holders.values():
-            if len(h) == 2:
-                item, rank = h
-                load[rank] += item.nbytes
-                assigned[rank].append(item)
-            else:
-                replicated.append(h)
-        replicated.sort(key=lambda h: (-h[0].nbytes, h[0].key, h[0].box.offsets))
-        for item, *ranks in replicated:
-            rank = min(ranks, key=lambda r: (load[r], r))
-            load[rank] += item.nbytes
-            assigned[rank].append(item)
-        objects: list[list[str]] = [[] for _ in plans]
-        for key, spec in merged.items():
-            if spec.kind == "object":
-                objects[first_rank[key]].append(key)
-        return [SavePlan(merged, assigned[r], objects[r]) for r in range(len(plans))]
+        Ranks with equal structure may share one SavePlan object; the result computes a
+        rank's own plan when it is asked for, so each rank does O(tensors) work.
+        """
+        with md.paused_gc():
+            return _GlobalPlan(self, plans)
+
+    def tiles(self, key: str, spec: EntrySpec) -> int:
+        """Column bands per saved box (1: none); a hook for tiled storage."""
+        return 1
 
     def resolve_data(self, item: WriteItem) -> torch.Tensor | Any:
-        return self._data[(item.key, item.box)]
+        box, value = self._held[item.key]
+        if item.box == box or not isinstance(value, torch.Tensor):
+            return value
+        return value[item.box.relative_to(box)]  # a column band of the held box
 
     # ------------------------------------------------------------------ load
 
@@ -277,6 +274,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._dest: dict[str, torch.Tensor | tuple[tuple[int, ...], torch.dtype]] = {}
         self._alloc_lock = threading.Lock()
         self._results: dict[str, Any] = {}
+        self._convert: dict[str, torch.Tensor] = {}  # key -> target tensor filled from a temporary
 
     def create_local_load_plan(self) -> LoadPlan:
         entries = self.metadata.entries
@@ -322,11 +320,15 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             if not target.flags.writeable:
                 raise StateDictMismatchError(f"{key!r}: target numpy array is read-only")
             target = _numpy_tensor_view(target, key)
-        if tuple(target.shape) != shape or target.dtype != dtype:
+        if tuple(target.shape) != shape or (target.dtype != dtype and not self.convert_dtype):
             raise self._mismatch(key, entry, target)
-        if isinstance(target, DTensor):
-            return dtensor_box(target, key), target._local_tensor
-        return Box.full(shape), target
+        local = target._local_tensor if isinstance(target, DTensor) else target
+        box = dtensor_box(target, key) if isinstance(target, DTensor) else Box.full(shape)
+        if target.dtype != dtype and box is not None:
+            # read into a temporary of the saved dtype; finish_load converts into the target
+            self._convert[key] = local
+            return box, (box.sizes, dtype)
+        return box, local
 
     def _mismatch(self, key: str, entry: md.Entry, target: Any) -> StateDictMismatchError:
         found = _describe(target)
@@ -340,11 +342,10 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     def _reads(self, key: str, entry: md.Entry, box: Box) -> list[ReadItem]:
         reads = []
         covered = 0
-        for group in md.replicas(entry.chunks):
-            region = Box(group[0].offsets, group[0].sizes).intersect(box)
-            if region is not None:
-                reads.append(ReadItem(key, pick_replica(group, self.rank), region))
-                covered += region.numel
+        for ref in overlapping(self.metadata, entry, box, self.rank):
+            region = ref.box.intersect(box)
+            reads.append(ReadItem(key, ref, region))
+            covered += region.numel
         if covered != box.numel:  # saved chunks are disjoint (metadata validation checks it)
             missing = uncovered(box, [r.region for r in reads])
             shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -368,6 +369,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         out = dict(self._results)
         for key in list(self._dest):
             tensor = self.resolve_target(key)
+            if key in self._convert:
+                with torch.no_grad():
+                    self._convert[key].copy_(tensor)  # the saved dtype into the target's
             kind = self.metadata.entries[key].kind
             target = None if self._targets is None else self._targets.get(key)
             if kind == "ndarray":
@@ -380,6 +384,188 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             else:
                 out[key] = target if target is not None else tensor
         return out
+
+
+class _GlobalPlan(Sequence):
+    """The global save plan: entries with their stores for everyone, writes per rank on demand."""
+
+    def __init__(self, planner: StandardPlanner, plans: list[SavePlan]):
+        self.size = len(plans)
+        groups: dict[int, tuple[SavePlan, list[int]]] = {}
+        for r, plan in enumerate(plans):
+            groups.setdefault(id(plan), (plan, []))[1].append(r)
+        merged: dict[str, EntrySpec] = {}
+        first: dict[str, int] = {}
+        holders: dict[str, list[int]] = {}  # for keys held whole: the group ids holding them
+        submeshes: dict[str, dict[tuple[int, ...], None]] = {}  # keys on different sub-meshes of one shape
+        group_members = [members for _, members in groups.values()]
+        for g, (plan, members) in enumerate(groups.values()):
+            for key, spec in plan.entries.items():
+                seen = merged.get(key)
+                if seen is None:
+                    merged[key], first[key] = spec, members[0]
+                    holders[key] = [g]
+                    continue
+                if _same_but_ranks(seen, spec):  # e.g. TP+DP: each DP replica has its own TP sub-mesh
+                    found = submeshes.setdefault(key, {_ranks_of(seen.layout): None})
+                    found[_ranks_of(spec.layout)] = None
+                elif (seen.kind, seen.dtype, seen.shape, seen.layout) != (spec.kind, spec.dtype, spec.shape,
+                                                                          spec.layout):
+                    what = "layout" if seen.layout != spec.layout else "kind, dtype or shape"
+                    raise StateDictMismatchError(
+                        f"{key!r} differs between ranks ({what}): rank {first[key]} has {_spec_text(seen)}, rank "
+                        f"{members[0]} has {_spec_text(spec)}")
+                first[key] = min(first[key], members[0])
+                holders[key].append(g)
+        self.entries: dict[str, EntrySpec] = {}
+        self.grids: dict[str, Grid] = {}
+        self.owner: dict[str, int] = {}
+        single: list[tuple[int, str, tuple]] = []  # (bytes, key, holder set): one box, many holders
+        for key, spec in merged.items():
+            if spec.kind == "object":
+                self.owner[key] = first[key]
+                self.entries[key] = spec
+                continue
+            tiles = planner.tiles(key, spec)
+            nbytes = math.prod(spec.shape or ()) * md.itemsize(spec.dtype)
+            if spec.layout is None or self.size == 1:  # held whole (a process alone holds everything)
+                self.entries[key] = _with_store(spec, None)
+                self.grids[key] = Grid(spec.shape or (), (1,), ["R"], None, tiles)
+                hs = tuple(sorted(holders[key]))
+                single.append((nbytes, key, ("groups", hs)))
+                continue
+            lay = spec.layout if key not in submeshes else _stacked(key, spec.layout, list(submeshes[key]))
+            try:
+                grid = Grid(spec.shape or (), lay["mesh_shape"], lay["placements"], lay.get("rank_list"), tiles)
+            except ValueError as exc:
+                raise UnsupportedValueError(f"{key!r}: {exc}") from None
+            self.grids[key] = grid
+            own = None if lay is spec.layout else lay  # a storage layout of its own (stacked sub-meshes)
+            if own is not None:  # the entry keeps the DTensor's layout, without one sub-mesh's ranks
+                spec = EntrySpec(spec.kind, spec.path, spec.dtype, spec.shape,
+                                 {k: v for k, v in spec.layout.items() if k != "rank_list"})
+            if grid.num_boxes == 1 and grid.replicas > 1:
+                single.append((nbytes, key, ("mesh", tuple(lay["rank_list"]) if "rank_list" in lay
+                                             else grid.replicas)))
+                self.entries[key] = _with_store(spec, md.GridStore(tiles=tiles, layout=own))
+            else:
+                offset = zlib.crc32(key.encode()) % grid.replicas
+                self.entries[key] = _with_store(spec, md.GridStore(tiles=tiles, offset=offset, layout=own))
+        # One-box tensors with several holders: largest first, to the least-loaded holder.
+        load = [0] * self.size
+        heaps: dict[tuple, list[tuple[int, int]]] = {}
+        for nbytes, key, hs in sorted(single, key=lambda t: (-t[0], t[1])):
+            heap = heaps.get(hs)
+            if heap is None:
+                ranks = (sorted(r for g in hs[1] for r in group_members[g]) if hs[0] == "groups"
+                         else list(hs[1]) if isinstance(hs[1], tuple) else list(range(hs[1])))
+                heap = heaps[hs] = [(load[r], r) for r in ranks]
+                heapq.heapify(heap)
+            while True:  # entries go stale when a rank of several holder sets gained load elsewhere
+                got, rank = heapq.heappop(heap)
+                if got == load[rank]:
+                    break
+                heapq.heappush(heap, (load[rank], rank))
+            load[rank] += nbytes
+            heapq.heappush(heap, (load[rank], rank))
+            spec, grid = self.entries[key], self.grids[key]
+            if spec.layout is None or self.size == 1:
+                self.entries[key] = _with_store(spec, md.GridStore(tiles=grid.tiles, writer=rank))
+            else:  # a replicated DTensor: the holder with replica index q writes it
+                own = spec.store.layout
+                q = grid.locate(_position(own or spec.layout, rank))[1]
+                self.entries[key] = _with_store(spec, md.GridStore(tiles=grid.tiles, offset=q, layout=own))
+        self._plans: dict[int, SavePlan] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, rank: int) -> SavePlan:  # type: ignore[override]
+        plan = self._plans.get(rank)
+        if plan is None:
+            plan = self._plans[rank] = self._plan_of(rank)
+        return plan
+
+    def _plan_of(self, rank: int) -> SavePlan:
+        items: list[WriteItem] = []
+        objects: list[str] = []
+        for key, spec in self.entries.items():
+            if spec.kind == "object":
+                if self.owner[key] == rank:
+                    objects.append(key)
+                continue
+            store, grid = spec.store, self.grids[key]
+            if store.writer is not None:
+                box = 0 if store.writer == rank else None
+            else:
+                pos = _position(store.layout or spec.layout, rank)
+                box = None
+                if pos is not None:
+                    b, q = grid.locate(pos)
+                    box = b if q == (store.offset + b) % grid.replicas else None
+            if box is None:
+                continue
+            size = md.itemsize(spec.dtype)
+            items.extend(WriteItem(key, sub_box, sub_box.numel * size, sub) for sub, sub_box in grid.band_subs(box))
+        return SavePlan(self.entries, items, objects)
+
+
+_POSITIONS: dict[tuple[int, ...], dict[int, int]] = {}
+
+
+def _position(layout: dict[str, Any], rank: int) -> int | None:
+    """The mesh position of ``rank`` in a layout (None if the mesh does not hold it)."""
+    ranks = layout.get("rank_list")
+    if ranks is None:
+        return rank if rank < math.prod(layout["mesh_shape"]) else None
+    key = tuple(ranks)
+    pos = _POSITIONS.get(key)
+    if pos is None:
+        if len(_POSITIONS) > 64:
+            _POSITIONS.clear()
+        pos = _POSITIONS[key] = {r: i for i, r in enumerate(ranks)}
+    return pos.get(rank)
+
+
+def _ranks_of(layout: dict[str, Any]) -> tuple[int, ...]:
+    ranks = layout.get("rank_list")
+    return tuple(ranks) if ranks is not None else tuple(range(math.prod(layout["mesh_shape"])))
+
+
+def _same_but_ranks(a: EntrySpec, b: EntrySpec) -> bool:
+    """Same tensor and layout pattern on two different sub-meshes (mesh shapes equal)."""
+    if a.layout is None or b.layout is None or (a.kind, a.dtype, a.shape) != (b.kind, b.dtype, b.shape):
+        return False
+    strip = lambda lay: {k: v for k, v in lay.items() if k != "rank_list"}  # noqa: E731
+    return strip(a.layout) == strip(b.layout) and _ranks_of(a.layout) != _ranks_of(b.layout)
+
+
+def _stacked(key: str, layout: dict[str, Any], rank_lists: list[tuple[int, ...]]) -> dict[str, Any]:
+    """One storage layout for copies of a tensor on disjoint sub-meshes: a leading replica dim."""
+    rank_lists = sorted(rank_lists)
+    flat = [r for ranks in rank_lists for r in ranks]
+    if len(set(flat)) != len(flat):
+        raise StateDictMismatchError(
+            f"{key!r} is held on overlapping sub-meshes {[list(r) for r in rank_lists][:4]} with the same "
+            "placements; a rank holds it once")
+    names = layout.get("mesh_dim_names")
+    extra = "replica"
+    while names and extra in names:
+        extra += "_"
+    return {"mesh_shape": [len(rank_lists), *layout["mesh_shape"]],
+            "mesh_dim_names": [extra, *names] if names else None,
+            "placements": ["R", *layout["placements"]], "rank_list": flat}
+
+
+def _with_store(spec: EntrySpec, store: md.GridStore | None) -> EntrySpec:
+    return EntrySpec(spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, store)
+
+
+def _spec_text(spec: EntrySpec) -> str:
+    text = f"{spec.kind} {spec.dtype} {list(spec.shape) if spec.shape is not None else ''}"
+    if spec.layout is not None:
+        text += f" on mesh {spec.layout['mesh_shape']} {spec.layout['placements']}"
+    return text
 
 
 def _trace_origins(planner: StandardPlanner, before: dict[str, Any], after: dict[str, Any]) -> dict[str, str]:
@@ -427,20 +613,6 @@ def _describe(v: Any) -> str:
         kind = "DTensor" if isinstance(v, DTensor) else type(v).__name__
         return f"{kind} {str(v.dtype).replace('torch.', '')} shape {list(v.shape)}"
     return type(v).__name__
-
-
-_FILE_RANK = re.compile(r"^data-r(\d+)-")
-
-
-def pick_replica(group: list[md.ChunkRecord], rank: int) -> md.ChunkRecord:
-    """The replica in ``rank``'s own data file if there is one, else one spread by rank."""
-    if len(group) == 1:
-        return group[0]
-    for c in group:
-        m = _FILE_RANK.match(c.file)
-        if m and int(m.group(1)) == rank:
-            return c
-    return group[rank % len(group)]
 
 
 def plan_digest(plan: SavePlan) -> str:

@@ -2,9 +2,12 @@
 
 ``verify_checkpoint`` re-reads every byte the metadata points at and checks, in order:
 ``.metadata`` parses and validates (including its own checksum); every data file exists,
-is a plain file, and its safetensors header parses and agrees with the metadata (entry
-names, dtypes, shapes, byte ranges); every chunk's crc32c blocks match; and every tensor's
-chunks cover it exactly. Problems are collected, not raised, so one run reports them all.
+is a plain file, its index passes its checksum, and its safetensors header parses and
+agrees with the index and the metadata (entry names, dtypes, byte ranges, padding, no
+holes); every chunk's crc32c blocks match; every tensor's chunks cover it exactly, and
+every chunk is found where the metadata says (in each replica's file, and in earlier
+steps' files for incremental checkpoints). Problems are collected, not raised, so one run
+reports them all.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +24,9 @@ import crc32c
 
 from . import metadata as md
 from .box import Box
+from .chunks import all_chunks, covered
 from .commit import unreferenced_files
+from .data_file import INDEX_NAME, FileIndex, check_index, key_id
 from .errors import CheckpointError
 from .filesystem_storage import FileSystemReader
 from .storage import StorageReader
@@ -104,6 +110,12 @@ def verify_checkpoint(
         report.problems.append(str(exc))
         return report
     report.keys = len(meta.entries)
+    if meta.version >= 2:
+        try:
+            _verify_v2(meta, reader, report, progress)
+        finally:
+            reader.close()
+        return report
     by_file: dict[str, dict[str, md.ChunkRecord]] = {}
     dtypes: dict[str, str] = {}
     for key, entry in meta.entries.items():
@@ -145,3 +157,144 @@ def verify_checkpoint(
     finally:
         reader.close()
     return report
+
+
+def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
+               progress: Callable[[int], None] | None) -> None:
+    size_of = {k: md.itemsize(e.dtype) for k, e in meta.entries.items() if e.kind != "object"}
+    key_of = {key_id(k): k for k in size_of}
+    expected: dict[str, dict[tuple[str, int], Box]] = {}  # file path -> chunks it must hold
+    for key, entry in meta.entries.items():
+        if entry.kind == "object":
+            continue
+        numel = math.prod(entry.shape or ())
+        try:
+            if covered(meta, entry) != numel:
+                report.problems.append(f"{key!r}: chunks cover {covered(meta, entry)} of {numel} elements")
+            refs = list(all_chunks(meta, entry))
+        except CheckpointError as exc:
+            report.problems.append(str(exc))
+            continue
+        for ref in refs:
+            holders = ref.files if _all_copies(entry) else ref.files[:1]
+            if not holders:
+                report.problems.append(f"{key!r}: chunk {ref.box} has no data file listed for its writer")
+            for f in holders:
+                expected.setdefault(f.path, {})[(key, ref.sub)] = ref.box
+    report.unreferenced = unreferenced_files(reader, meta.file_names())
+    report.files = len(meta.files)
+    for f in meta.files:
+        try:
+            size = reader.file_size(f.path)
+            if size != f.size:
+                report.problems.append(f"{f.path}: {size} bytes, the metadata says {f.size}")
+                continue
+            raw = bytearray(f.index_length)
+            reader.read_into(f.path, f.index_offset, memoryview(raw))
+            check_index(raw, f.index_crc, f.path)
+            index = FileIndex(raw, f.path, f.index_offset)
+            header = _read_header(reader, f.path, size, report.problems)
+        except (CheckpointError, OSError) as exc:
+            report.problems.append(str(exc))
+            continue
+        want = expected.get(f.path, {})
+        found = set()
+        named: set[str] = set()
+        for j in range(len(index)):
+            key = key_of.get(int(index.ids[j]))
+            sub = int(index.subs[j])
+            box = want.get((key, sub)) if key is not None else None
+            if box is None:
+                report.problems.append(f"{f.path}: index row {j} (key id {int(index.ids[j]):#x}, chunk {sub}) is "
+                                       "no chunk the metadata places in this file")
+                continue
+            found.add((key, sub))
+            nbytes = box.numel * size_of[key]
+            chunk = index.find(key, sub, box.sizes, nbytes)
+            report.chunks += 1
+            name = f"{key}@{','.join(map(str, box.offsets))}"
+            if header is not None:
+                info = header.get(name)
+                base = header["__base__"]
+                st = md.safetensors_dtype(meta.entries[key].dtype)
+                want_info = {"dtype": st or "U8", "shape": list(box.sizes) if st else [nbytes],
+                             "data_offsets": [chunk.start - base, chunk.start - base + nbytes]}
+                named.add(name)
+                if info != want_info:
+                    report.problems.append(f"{f.path}: safetensors entry {name!r} is {info!r:.200}, "
+                                           f"expected {want_info}")
+            _check_crcs(reader, f.path, key, box, chunk.start, nbytes, chunk.block_rows, chunk.crc32c, report,
+                        progress)
+        for key, sub in sorted(set(want) - found):
+            report.problems.append(f"{f.path}: chunk {want[(key, sub)]} of {key!r} is missing from the file")
+        if header is not None:
+            extra = sorted(k for k in header if k not in named and k not in ("__base__", "__metadata__", INDEX_NAME)
+                           and not _PAD.match(k))
+            if extra:
+                report.problems.append(f"{f.path}: safetensors header has entries the index does not know: "
+                                       f"{extra[:5]}")
+            info = header.get("__metadata__")
+            if not isinstance(info, dict) or info.get("format") != md.FORMAT_NAME:
+                report.problems.append(f"{f.path}: safetensors header's __metadata__ is {info!r:.100}")
+            _check_coverage_of_buffer(f.path, header, f.index_offset - header["__base__"],
+                                      f.size - f.index_offset, report.problems)
+
+
+_PAD = re.compile(r"^__pad\d+$")
+
+
+def _all_copies(entry: md.Entry) -> bool:
+    return isinstance(entry.store, md.GridStore) and entry.store.copies == "all"
+
+
+def _read_header(reader: StorageReader, name: str, size: int, problems: list[str]) -> dict | None:
+    if size < 8:
+        problems.append(f"{name}: {size} bytes is too short for a safetensors file")
+        return None
+    head = bytearray(8)
+    reader.read_into(name, 0, memoryview(head))
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > size - 8 or hlen > 512 << 20:
+        problems.append(f"{name}: safetensors header length {hlen} exceeds the file ({size} bytes)")
+        return None
+    raw = bytearray(hlen)
+    reader.read_into(name, 8, memoryview(raw))
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        problems.append(f"{name}: safetensors header is not valid JSON ({exc})")
+        return None
+    if not isinstance(header, dict):
+        problems.append(f"{name}: safetensors header is not an object")
+        return None
+    header["__base__"] = 8 + hlen
+    return header
+
+
+def _check_coverage_of_buffer(name: str, header: dict, index_rel: int, index_len: int, problems: list[str]) -> None:
+    """Safetensors allows no holes: the entries must tile the byte buffer exactly."""
+    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items()
+                   if k != "__base__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list))
+    pos = 0
+    for lo, hi in spans:
+        if lo != pos:
+            problems.append(f"{name}: the safetensors byte buffer has a gap or overlap at {pos}..{lo}")
+            return
+        pos = hi
+    if pos != index_rel + index_len:
+        problems.append(f"{name}: the safetensors entries end at {pos}, the file's data at {index_rel + index_len}")
+
+
+def _check_crcs(reader: StorageReader, name: str, key: str, box: Box, start: int, nbytes: int, rows_per_block: int,
+                crcs: tuple[int, ...], report: VerifyReport, progress: Callable[[int], None] | None) -> None:
+    rows = box.sizes[0] if box.sizes else 1
+    step = nbytes // max(1, rows) * rows_per_block if nbytes else 1
+    for b, off in enumerate(range(0, nbytes, step)):
+        buf = bytearray(min(step, nbytes - off))
+        reader.read_into(name, start + off, memoryview(buf))
+        if crc32c.crc32c(buf) != crcs[b]:
+            report.problems.append(f"{key!r} in {name}: checksum mismatch in block {b} "
+                                   f"(bytes {start + off}..{start + off + len(buf)}, chunk {box})")
+        report.bytes_checked += len(buf)
+        if progress:
+            progress(len(buf))

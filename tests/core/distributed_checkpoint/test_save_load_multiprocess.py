@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import Counter, assert_same, local_expected, make_dtensor, make_tensor, zeros_like_tree
+from helpers import Counter, assert_same, local_expected, make_dtensor, make_tensor, stored_chunks, zeros_like_tree
 from multiprocess import RankFailure, run_ranks
 from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
@@ -103,12 +103,11 @@ def rank_roundtrip(rank: int, ws: int, path: str) -> dict:
         return {}
     files = sorted(f for f in os.listdir(path) if not f.startswith("."))
     per_rank: dict[int, int] = {}
-    for e in meta.entries.values():
-        for c in e.chunks:
-            r = int(c.file.split("-")[1][1:])
-            per_rank[r] = per_rank.get(r, 0) + c.length
+    for key in meta.entries:
+        for _, r, nbytes in stored_chunks(meta, key):
+            per_rank[r] = per_rank.get(r, 0) + nbytes
     return {"files": files, "per_rank": per_rank,
-            "replicated_chunks": len(meta.entries["model.replicated"].chunks)}
+            "replicated_chunks": len(stored_chunks(meta, "model.replicated"))}
 
 
 @pytest.mark.parametrize("ws", [2, 4])
@@ -118,7 +117,7 @@ def test_round_trip_of_every_kind_of_value_is_bit_exact(tmp_path, ws):
     assert info["replicated_chunks"] == 1, "a replicated tensor must be stored once"
     # the checkpoint holds no pickle: JSON metadata, safetensors data files
     doc = json.loads(open(os.path.join(path, ".metadata"), "rb").read())
-    assert doc["format"] == "hyper-parallel-dcp" and doc["version"] == 1
+    assert doc["format"] == "hyper-parallel-dcp" and doc["version"] == 2
     assert all(e["kind"] != "pickle" for e in doc["entries"].values())
     for f in info["files"]:
         assert f.endswith(".safetensors")
@@ -138,10 +137,11 @@ def rank_dedup(rank: int, ws: int, path: str) -> dict:
     if rank:
         return {}
     per_rank = [0] * ws
-    for e in meta.entries.values():
-        assert len(e.chunks) == 1, f"{e.key} stored {len(e.chunks)} times"
-        per_rank[int(e.chunks[0].file.split("-")[1][1:])] += e.chunks[0].length
-    largest = max(e.chunks[0].length for e in meta.entries.values())
+    for key in meta.entries:
+        chunks = stored_chunks(meta, key)
+        assert len(chunks) == 1, f"{key} stored {len(chunks)} times"
+        per_rank[chunks[0][1]] += chunks[0][2]
+    largest = max(stored_chunks(meta, key)[0][2] for key in meta.entries)
     return {"per_rank": per_rank, "largest": largest}
 
 

@@ -75,6 +75,6 @@ def test_missing_checkpoint_and_missing_data_file_on_every_backend(backend):
         load(storage_reader=new_reader())
     meta = save(_sd(), storage_writer=new_writer())
     writer = new_writer()
-    writer.remove(meta.files)
+    writer.remove(meta.file_names())
     with pytest.raises(CorruptCheckpointError, match="missing"):
         load(storage_reader=new_reader())

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
-from helpers import assert_same, bits, local_expected, make_dtensor, make_tensor
+from helpers import assert_same, bits, local_expected, make_dtensor, make_tensor, payload_start
 from multiprocess import run_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -183,10 +183,14 @@ def test_existing_checkpoints_are_kept_until_the_new_export_commits(sharded, tmp
     src = str(tmp_path / "bad")
     shutil.copytree(sharded, src)
     data = next(os.path.join(src, f) for f in os.listdir(src) if f.startswith("data-r00001"))
+    with open(data, "rb") as f:  # the first tensor payload of that file, from its own header
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    name = next(k for k in header if "@" in k)
+    start = payload_start(data, name)
     with open(data, "r+b") as f:
-        f.seek(-10, os.SEEK_END)
+        f.seek(start)
         b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
+        f.seek(start)
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         export_torch_dcp(src, dst, overwrite=True)
