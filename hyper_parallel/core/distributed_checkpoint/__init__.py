@@ -31,6 +31,7 @@ from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .fsspec_storage import FsspecReader, FsspecWriter
 from .hyper_parallel_import import import_hyper_parallel
 from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
+from .manager import CheckpointManager, SaveTiming, StepInfo, list_steps
 from .metadata import Metadata
 from .offline_transform import (
     convert_full_checkpoint_to_dcp,
@@ -67,6 +68,10 @@ __all__ = [
     "save",
     "load",
     "async_save",
+    "CheckpointManager",
+    "StepInfo",
+    "SaveTiming",
+    "list_steps",
     "AsyncSaveResponse",
     "AsyncCheckpointer",
     "AsyncSaveError",
