@@ -229,13 +229,25 @@ class _FsspecRoot:
     def _key(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
 
-    def listing(self) -> dict[str, dict[str, int]]:
-        with contextlib.suppress(Exception):  # listings must be fresh: never a cached one
+    def _forget_cached_listings(self) -> None:
+        """Drop the filesystem's cached listings under the root. Other processes (the other
+        ranks, the previous job) write here, and s3fs answers ``size``/``info`` (which
+        ``cat_file`` and the core's readers call) from cached listings when it has them."""
+        cache = getattr(self.fs, "dircache", None)
+        with contextlib.suppress(Exception):
+            if cache is not None:
+                for key in [k for k in list(cache) if k == self.root or k.startswith(self.root + "/")]:
+                    cache.pop(key, None)
             self.fs.invalidate_cache(self.root)
+
+    def listing(self) -> dict[str, dict[str, int]]:
+        self._forget_cached_listings()
         try:
             found = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
             return {}
+        finally:
+            self._forget_cached_listings()  # find() fills the cache with every step directory
         out: dict[str, dict[str, int]] = {}
         prefix = self.root + "/"
         for path, info in found.items():
