@@ -727,7 +727,8 @@ class CheckpointManager:
         Args:
             step: the training step (an int >= 0, larger than every committed step).
             state_dict: what :func:`save` accepts (e.g. ``{"app": TrainState(...)}``).
-            metrics: JSON-representable values stored with the step (the coordinator's);
+            metrics: ``{name: value}`` stored with the step (the coordinator's values); values
+                are JSON-representable, or 0-d tensors / numpy scalars (stored as numbers).
                 ``best_metric`` ranks steps by one of them.
             force: save even off the interval (e.g. the last step of training).
 
@@ -740,10 +741,8 @@ class CheckpointManager:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        if metrics is not None and (not isinstance(metrics, dict) or not all(type(k) is str for k in metrics)
-                                    or not md.is_json_value(metrics)):
-            raise ValueError(f"metrics must be a dict with str keys and JSON-representable values (numbers, "
-                             f"strings, lists...), got {metrics!r:.200}")
+        if metrics is not None:
+            metrics = _plain_metrics(metrics)
         if not force and step % self.save_interval_steps:
             return False
         self._settle()
@@ -1054,6 +1053,17 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, steps={self.all_steps()}, "
                 f"in_flight={self._pending.step if self._pending else None})")
+
+
+def _plain_metrics(metrics: Any) -> dict[str, Any]:
+    """``metrics`` with 0-d tensors and numpy scalars turned into numbers; validated."""
+    if not isinstance(metrics, dict) or not all(type(k) is str for k in metrics):
+        raise ValueError(f"metrics must be a dict with str keys, got {metrics!r:.200}")
+    plain = {k: v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v for k, v in metrics.items()}
+    if not md.is_json_value(plain):
+        raise ValueError(f"metrics values must be numbers, strings, bools, None, or lists/dicts of them (or 0-d "
+                         f"tensors), got {metrics!r:.200}")
+    return plain
 
 
 def _check_count(name: str, value: Any) -> None:

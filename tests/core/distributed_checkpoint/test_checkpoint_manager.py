@@ -162,7 +162,7 @@ def test_fixed_step_names_interval_policy_and_committed_steps_only(tmp_path):
             mgr.save(10, plain(10))
         with pytest.raises(ValueError, match="metrics"):
             mgr.save(20, plain(20), metrics={"acc": object()})
-        assert mgr.save(20, plain(20), metrics={"acc": 0.9}) is True
+        assert mgr.save(20, plain(20), metrics={"acc": torch.tensor(0.9, dtype=torch.float64)}) is True
         assert mgr.all_steps() == [10, 15, 20] and mgr.latest_step() == 20 and mgr.best_step() == 20
         m = mgr.metrics(10)
         assert m["acc"] == 0.5 and m["note"] == "warmup" and m["bad"] != m["bad"]  # nan survives
