@@ -679,7 +679,11 @@ class CheckpointManager:
         self._async: AsyncCheckpointer | None = AsyncCheckpointer(max_in_flight=1) if async_save else None
         self._coord = Coordinator(process_group, False, 0, timeout)
         self._deleter = _Deleter(self._root) if self._coord.is_coordinator else None
-        self._start()
+        try:
+            self._start()
+        except BaseException:
+            self._release()  # a failed start must not keep the directory claimed
+            raise
 
     # ------------------------------------------------------------------ queries (local)
 

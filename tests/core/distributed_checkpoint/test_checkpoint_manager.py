@@ -245,6 +245,22 @@ def test_one_writer_a_second_open_manager_is_refused_and_a_takeover_is_detected(
     assert os.path.exists(os.path.join(d, OWNER_FILE))  # theirs: left alone
 
 
+def test_a_start_that_fails_to_list_fails_clearly_and_releases_the_directory(tmp_path, monkeypatch):
+    from hyper_parallel.core.distributed_checkpoint import manager as manager_module
+
+    d = str(tmp_path / "run")
+
+    def broken(self):
+        raise PermissionError("injected: listing refused")
+
+    monkeypatch.setattr(manager_module._LocalRoot, "listing", broken)
+    with pytest.raises(PermissionError, match="listing refused"):
+        CheckpointManager(d)
+    monkeypatch.undo()
+    assert not os.path.exists(os.path.join(d, OWNER_FILE))
+    CheckpointManager(d).close()  # not "in use"
+
+
 def test_async_failures_surface_once_on_the_next_save_and_on_wait_and_the_step_is_cleaned_up(tmp_path):
     d = str(tmp_path / "run")
     mgr = Hooked(d, bad_steps=(2, 4), async_save=True, keep_latest=1)
@@ -353,6 +369,26 @@ def test_async_saves_and_best_n_across_a_restart_on_4_ranks(tmp_path):
         assert r["w"] == full[rank * 4:(rank + 1) * 4].tolist() and r["timings"] == 4
         assert r["restart"] == ([4, 8], 4) and r["after"] == [4, 10]
     assert on_disk(d) == {4: "committed", 10: "committed"}
+
+
+def rank_listing_fails_on_the_coordinator(rank: int, ws: int, d: str) -> str:
+    def broken(self):
+        raise PermissionError("injected: listing refused")
+
+    _LocalRoot.listing = broken  # only the coordinator lists
+    started = time.monotonic()
+    try:
+        CheckpointManager(d, timeout=20)
+    except CheckpointError as exc:
+        return f"{type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}"
+    return "no error"
+
+
+def test_a_listing_error_on_the_coordinator_fails_every_rank_at_once(tmp_path):
+    outcomes = run_ranks(rank_listing_fails_on_the_coordinator, 2, str(tmp_path / "run"))
+    for o in outcomes:
+        assert o.startswith("RankFailedError") and "[rank 0] PermissionError: injected" in o, o
+        assert float(o.split(" after ")[1].split("s:")[0]) < 10, o  # not the 20 s timeout
 
 
 def rank_save_then_killed(rank: int, ws: int, d: str) -> None:
