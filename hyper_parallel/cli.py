@@ -163,7 +163,7 @@ def _json_safe(value: Any) -> Any:
 def cmd_ls(args: argparse.Namespace) -> int:
     import os
 
-    from .core.distributed_checkpoint.manager import list_steps
+    from .core.distributed_checkpoint.step_directory import list_steps
 
     if "://" not in args.path and not os.path.isdir(args.path):
         raise CheckpointError(f"{args.path!r} is not a directory")

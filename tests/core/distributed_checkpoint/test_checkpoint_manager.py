@@ -33,12 +33,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     verify_checkpoint,
 )
-from hyper_parallel.core.distributed_checkpoint.manager import (
-    OWNER_FILE,
-    _LocalRoot,
-    plan_retention,
-    step_dir_name,
-)
+from hyper_parallel.core.distributed_checkpoint.manager import plan_retention
+from hyper_parallel.core.distributed_checkpoint.step_directory import OWNER_FILE, LocalDirectory, step_dir_name
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -109,7 +105,7 @@ class Hooked(CheckpointManager):
             directory, storage_options)
 
 
-class KillAfterUncommit(_LocalRoot):
+class KillAfterUncommit(LocalDirectory):
     """Dies in the middle of a deletion: the step's .metadata is gone, its data is not."""
 
     def remove_tree(self, name):
@@ -246,14 +242,12 @@ def test_one_writer_a_second_open_manager_is_refused_and_a_takeover_is_detected(
 
 
 def test_a_start_that_fails_to_list_fails_clearly_and_releases_the_directory(tmp_path, monkeypatch):
-    from hyper_parallel.core.distributed_checkpoint import manager as manager_module
-
     d = str(tmp_path / "run")
 
     def broken(self):
         raise PermissionError("injected: listing refused")
 
-    monkeypatch.setattr(manager_module._LocalRoot, "listing", broken)
+    monkeypatch.setattr(LocalDirectory, "listing", broken)
     with pytest.raises(PermissionError, match="listing refused"):
         CheckpointManager(d)
     monkeypatch.undo()
@@ -375,7 +369,7 @@ def rank_listing_fails_on_the_coordinator(rank: int, ws: int, d: str) -> str:
     def broken(self):
         raise PermissionError("injected: listing refused")
 
-    _LocalRoot.listing = broken  # only the coordinator lists
+    LocalDirectory.listing = broken  # only the coordinator lists
     started = time.monotonic()
     try:
         CheckpointManager(d, timeout=20)
