@@ -12,6 +12,9 @@ Usage (SRC first, DST a new directory, as in ``cp``)::
     hyper-dcp import-torch-dcp SRC DST --trust
     hyper-dcp import-hyper-parallel SRC DST --trust [--allow-pickle]
     hyper-dcp export-torch-dcp SRC DST [--overwrite] [--json]
+    hyper-dcp import-mindspore SRC.ckpt|SRC.safetensors DST [--prefix model.]
+    hyper-dcp import-mindspore SRC_DIR DST --strategy FILE    (rank_<id>/ sliced files)
+    hyper-dcp export-mindspore SRC DST.ckpt [--format ckpt|safetensors] [--prefix model.] [--crc]
     python -m hyper_parallel.core.distributed_checkpoint inspect PATH
 
 Progress bars appear on long work when stderr is a terminal; ``--json`` prints one JSON
@@ -310,6 +313,55 @@ def cmd_export_torch_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mindspore_bytes(src: str) -> int:
+    """Bytes a MindSpore import will write (0 when unknown: the bar then just counts)."""
+    import os
+
+    try:
+        if os.path.isfile(src):
+            return os.path.getsize(src)
+        return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(src) for f in fs)
+    except OSError:
+        return 0
+
+
+def cmd_import_mindspore(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.mindspore_format import import_mindspore
+
+    t0 = time.perf_counter()
+    bar = None if args.json else _progress(_mindspore_bytes(args.src), "import-mindspore")
+    try:
+        meta = import_mindspore(args.src, args.dst, strategy=args.strategy, prefix=args.prefix,
+                                verify=not args.no_verify, overwrite=args.overwrite,
+                                progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    return _report(args, "import-mindspore", args.dst, meta, time.perf_counter() - t0)
+
+
+def cmd_export_mindspore(args: argparse.Namespace) -> int:
+    from .core.distributed_checkpoint.mindspore_format import export_mindspore
+
+    bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-mindspore")
+    try:
+        summary = export_mindspore(args.src, args.dst, format=args.format, prefix=args.prefix, crc=args.crc,
+                                   overwrite=args.overwrite, progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    if args.json:
+        print(json.dumps({"command": "export-mindspore", "destination": args.dst, "format": summary.format,
+                          "seconds": round(summary.seconds, 3), "tensors": summary.tensors,
+                          "bytes": summary.bytes, "skipped": summary.skipped}, indent=1))
+    else:
+        skipped = f"; skipped {len(summary.skipped)} value(s) MindSpore cannot hold: " + ", ".join(
+            summary.skipped[:10]) if summary.skipped else ""
+        print(f"export-mindspore -> {args.dst} ({summary.format}): {summary.tensors} values, "
+              f"{_human(summary.bytes)} ({summary.seconds:.2f} s){skipped}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyper-dcp", description="Inspect, verify and transform checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -369,6 +421,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true", help="export values saved as pickles (unpickles them)")
     p.add_argument("--max-chunk-size", default="256MiB", help="largest torch chunk (e.g. 512MiB); larger boxes are cut")
     p.set_defaults(fn=cmd_export_torch_dcp)
+    p = sub.add_parser("import-mindspore", help="import a MindSpore .ckpt/safetensors file, or a distributed "
+                       "checkpoint directory (rank_<id>/) with --strategy")
+    src_dst(p)
+    p.add_argument("--strategy", help="the MindSpore strategy file (protobuf or JSON) of a distributed checkpoint")
+    p.add_argument("--prefix", default="", help="prepend to every name (e.g. model.)")
+    p.add_argument("--no-verify", action="store_true", help="skip the crc checks of the MindSpore files")
+    p.set_defaults(fn=cmd_import_mindspore)
+    p = sub.add_parser("export-mindspore", help="export as one MindSpore .ckpt (or safetensors) file")
+    src_dst(p)
+    p.add_argument("--format", choices=("ckpt", "safetensors"), default=None,
+                   help="default: from DST's extension (.safetensors, else ckpt)")
+    p.add_argument("--prefix", default="", help="export keys starting with it, without it (e.g. model.)")
+    p.add_argument("--crc", action="store_true", help="add MindSpore's crc (load_checkpoint(crc_check=True))")
+    p.set_defaults(fn=cmd_export_mindspore)
     return parser
 
 

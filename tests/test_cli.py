@@ -89,6 +89,29 @@ def test_import_torch_dcp_requires_trust(tmp_path):
     assert out.returncode == 2 and "--trust" in out.stderr
 
 
+MS_FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "mindspore")
+
+
+def test_import_and_export_mindspore(tmp_path):
+    tp2 = os.path.join(MS_FIX, "tp2")
+    out = run("import-mindspore", tp2, str(tmp_path / "dcp"), "--strategy", os.path.join(tp2, "strategy.ckpt"),
+              "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["keys"] == 10
+    out = run("export-mindspore", str(tmp_path / "dcp"), str(tmp_path / "m.st"), "--format", "safetensors", "--crc")
+    assert out.returncode == 0, out.stderr
+    assert "(safetensors): 10 values" in out.stdout
+    from hyper_parallel.core.distributed_checkpoint import read_mindspore_checkpoint
+    a = read_mindspore_checkpoint(os.path.join(tp2, "full.ckpt"))
+    b = read_mindspore_checkpoint(str(tmp_path / "m.st"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_import_mindspore_errors_are_one_clear_line(tmp_path):
+    out = run("import-mindspore", os.path.join(MS_FIX, "encrypted.ckpt"), str(tmp_path / "x"))
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and "encrypted MindSpore" in out.stderr
+
+
 def test_ls_lists_the_steps_of_a_manager_directory_committed_or_not(tmp_path):
     from hyper_parallel.core.distributed_checkpoint import CheckpointManager
 

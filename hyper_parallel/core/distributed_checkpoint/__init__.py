@@ -33,6 +33,7 @@ from .hyper_parallel_import import import_hyper_parallel
 from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
 from .manager import CheckpointManager, SaveTiming
 from .metadata import Metadata
+from .mindspore_format import export_mindspore, import_mindspore, read_mindspore_checkpoint
 from .offline_transform import (
     convert_full_checkpoint_to_dcp,
     dcp_to_full_state_dict,
@@ -63,6 +64,9 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "export_torch_dcp",
+    "import_mindspore",
+    "export_mindspore",
+    "read_mindspore_checkpoint",
     "verify_checkpoint",
     "FsspecWriter",
     "FsspecReader",

@@ -685,20 +685,36 @@ def match_layout(strategy: Mapping[str, Any], name: str) -> Any:
     return None
 
 
-def save_layout(strategy: Mapping[str, TensorLayout], file: str | os.PathLike | IO[str]) -> None:
+def save_layout(strategy: Mapping[str, TensorLayout], file: str | os.PathLike | IO[str], *,
+                format: str = "hyper-parallel") -> None:
     """Write a strategy as JSON (meshes listed once, rules in match order).
 
     Args:
         strategy: ``{name or glob pattern: TensorLayout}``; order is match order.
         file: a path (written atomically: temporary file, then rename) or a text file object.
+        format: ``"hyper-parallel"`` (this JSON), ``"mindspore"`` (a MindSpore strategy file,
+            protobuf, as ``mindspore.transform_checkpoints`` reads) or ``"mindspore-json"``
+            (its JSON form). MindSpore's forms need a path, exact parameter names (no globs)
+            and meshes in rank order.
 
     Raises:
         TypeError: a value is not a :class:`TensorLayout`.
+        ValueError: an unknown format, or a strategy a MindSpore file cannot hold.
 
     Example::
 
         save_layout({"*.weight": Layout((4,), ("tp",))("tp", "None")}, "tp4.json")
+        save_layout({"fc.weight": Layout((2,), ("tp",))("tp", "None")}, "strategy.ckpt", format="mindspore")
     """
+    if format in ("mindspore", "mindspore-json"):
+        from .mindspore_strategy import write_strategy
+
+        if hasattr(file, "write"):
+            raise ValueError("a MindSpore strategy is written to a path, not a file object")
+        write_strategy(strategy, file, as_json=format == "mindspore-json")  # type: ignore[arg-type]
+        return
+    if format != "hyper-parallel":
+        raise ValueError(f"format must be 'hyper-parallel', 'mindspore' or 'mindspore-json', found {format!r}")
     meshes: list[Layout] = []
     rules = []
     for name, tl in strategy.items():
@@ -725,28 +741,48 @@ def save_layout(strategy: Mapping[str, TensorLayout], file: str | os.PathLike | 
     os.replace(tmp, path)
 
 
-def load_layout(file: str | os.PathLike | IO[str]) -> LayoutStrategy:
-    """Read a strategy written by :func:`save_layout`.
+def load_layout(file: str | os.PathLike | IO[str] | IO[bytes]) -> LayoutStrategy:
+    """Read a strategy written by :func:`save_layout`, or a MindSpore strategy file.
+
+    The kind is told by content: our JSON (``"format": "hyper-parallel-layout"``), or the
+    strategy file a MindSpore job saves (protobuf ``ParallelStrategyMap``, or its JSON form
+    with ``parallel_layout_item``), whose parameters come back by exact name on meshes with
+    dims ``dim0``, ``dim1``, ... (see ``mindspore_strategy.py``).
 
     Raises:
-        ValueError: the file is not a layout file, of a newer version, or malformed (the
+        ValueError: the file is none of those, of a newer version, or malformed (the
             message names the file and the rule).
 
     Example::
 
         strategy = load_layout("tp4.json")
         strategy.match("layers.3.wq.weight")
+        load_layout("strategy.ckpt")          # a MindSpore job's strategy file
     """
     if hasattr(file, "read"):
-        where, text = str(getattr(file, "name", "<stream>")), file.read()
+        where, raw = str(getattr(file, "name", "<stream>")), file.read()
     else:
         where = os.fspath(file)
-        with open(where) as f:
-            text = f.read()
+        with open(where, "rb") as f:
+            raw = f.read()
+    data = raw.encode() if isinstance(raw, str) else raw
     try:
-        doc = json.loads(text)
+        doc = json.loads(data)
     except ValueError as exc:
-        raise ValueError(f"{where}: not a JSON layout file ({exc})") from None
+        doc = None
+        json_error = exc
+    if doc is None or (isinstance(doc, dict) and "parallel_layout_item" in doc):
+        from .mindspore_strategy import parse_strategy, strategy_to_layouts
+
+        try:
+            layouts = parse_strategy(data, where)
+        except ValueError as ms_exc:
+            if doc is None:
+                why = str(ms_exc).removeprefix(f"{where}: ")
+                raise ValueError(f"{where}: not a layout file: neither JSON ({json_error}) nor a MindSpore "
+                                 f"strategy ({why})") from None
+            raise
+        return strategy_to_layouts(layouts, where)
     if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT:
         raise ValueError(f"{where}: format is {doc.get('format') if isinstance(doc, dict) else None!r}, "
                          f"expected {LAYOUT_FORMAT!r}")

@@ -467,27 +467,30 @@ def convert_full_checkpoint_to_dcp(
     allow_pickle: bool = False,
     overwrite: bool = False,
 ) -> md.Metadata:
-    """Convert a full checkpoint (HF safetensors dir/file, or a torch ``.pt``/``.bin``) to DCP.
+    """Convert a full checkpoint (HF safetensors dir/file, a torch ``.pt``/``.bin``, or MindSpore's) to DCP.
 
     safetensors sources stream one tensor at a time. torch files are opened with
     ``torch.load(weights_only=True, mmap=True)`` — tensors are paged in as they are written;
     a file that needs full unpickling is refused unless ``allow_pickle=True``.
 
     Args:
-        src: a Hugging Face directory, a ``.safetensors`` file, or a torch file.
+        src: a Hugging Face directory, a ``.safetensors`` file, a torch file, or (with
+            ``src_platform="mindspore"``) a MindSpore ``.ckpt`` or safetensors file.
         dst_path: the new checkpoint directory.
         src_platform: HyperParallel's argument naming the source: ``"huggingface"``,
-            ``"torch"`` or ``"mindspore"`` (the last goes to ``import_mindspore``). None
-            (default) tells safetensors from torch files by the path.
+            ``"torch"`` or ``"mindspore"`` (read without MindSpore by
+            :func:`~.mindspore_format.import_mindspore`, which also takes MindSpore's
+            distributed checkpoints). None (default) tells safetensors from torch files by
+            the path.
         prefix: prepended to every key (e.g. ``"model."``).
 
     Raises:
         ValueError: an unknown ``src_platform``, or one that does not fit ``src``.
-        UnsupportedValueError: ``"mindspore"`` without an ``import_mindspore`` in this package.
 
     Example::
 
         convert_full_checkpoint_to_dcp("/hf/llama", "/ckpt/llama", src_platform="huggingface")
+        convert_full_checkpoint_to_dcp("lenet.ckpt", "/ckpt/lenet", src_platform="mindspore")
     """
     src = os.fspath(src)
     is_st = os.path.isdir(src) or src.endswith(".safetensors")
@@ -496,7 +499,9 @@ def convert_full_checkpoint_to_dcp(
         if kind is None:
             raise ValueError(f"src_platform={src_platform!r}: expected 'huggingface', 'torch' or 'mindspore'")
         if kind == "mindspore":
-            return _convert_mindspore(src, dst_path, overwrite)
+            from .mindspore_format import import_mindspore
+
+            return import_mindspore(src, dst_path, prefix=prefix, overwrite=overwrite)
         if kind == "huggingface" and not is_st:
             raise ValueError(f"src_platform='huggingface' needs a directory or a .safetensors file, got {src!r}")
         if kind == "torch" and os.path.isdir(src):
@@ -541,19 +546,6 @@ def convert_full_checkpoint_to_dcp(
     if prefix:
         sd = {prefix + k: v for k, v in sd.items()}
     return full_state_dict_to_dcp_format(sd, dst_path, overwrite=overwrite, allow_pickle=allow_pickle)
-
-
-def _convert_mindspore(src: str, dst_path: str | os.PathLike, overwrite: bool) -> md.Metadata:
-    """``src_platform="mindspore"``: hand over to the package's ``import_mindspore``."""
-    import importlib
-
-    package = importlib.import_module(__package__)
-    convert = getattr(package, "import_mindspore", None)
-    if convert is None:
-        raise UnsupportedValueError(
-            f"{src!r}: converting a MindSpore checkpoint needs "
-            f"{__package__}.import_mindspore, which this installation does not have")
-    return convert(src, dst_path, overwrite=True) if overwrite else convert(src, dst_path)
 
 
 def _prefixed_path(prefix: str, name: str) -> tuple[str, ...]:

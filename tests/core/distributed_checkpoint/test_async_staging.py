@@ -551,3 +551,24 @@ def test_async_and_sync_saves_write_the_same_keys_for_tensorless_statefuls(tmp_p
         target = {"extra": {"data": _Position(0)}, "w": torch.zeros(3)}
         load(target, str(tmp_path / name))
         assert target["extra"]["data"].n == 7 and torch.equal(target["w"], torch.ones(3)), name
+
+
+class SlowWriter(FileSystemWriter):
+    """A storage that hangs for a while on every data file (a stuck NFS mount)."""
+
+    def write_file(self, name, parts):
+        time.sleep(4)
+        return super().write_file(name, parts)
+
+
+def test_waits_for_a_stuck_save_are_bounded(tmp_path):
+    ckpt = AsyncCheckpointer(wait_timeout_s=0.5)
+    first = ckpt.save({"w": torch.ones(4)}, storage_writer=SlowWriter(str(tmp_path / "a")), no_dist=True)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="still running"):
+        first.result()  # default: the checkpointer's bound, not forever
+    with pytest.raises(AsyncSaveError, match="still running"):
+        ckpt.save({"w": torch.ones(4)}, str(tmp_path / "b"), no_dist=True)  # no room: refused, not hung
+    assert time.monotonic() - start < 3
+    assert first.result(timeout=None) is not None  # an explicit None still waits to the end
+    ckpt.close()

@@ -173,7 +173,7 @@ def test_hf_export_takes_hyper_parallels_argument_order(tmp_path):
         save_state_dict_as_huggingface_format(str(tmp_path / "x"))
 
 
-def test_convert_full_checkpoint_takes_src_platform(tmp_path, monkeypatch):
+def test_convert_full_checkpoint_takes_src_platform(tmp_path):
     w = torch.randn(6, 6)
     save_state_dict_as_huggingface_format(str(tmp_path / "hf"), {"p": w})
     convert_full_checkpoint_to_dcp(str(tmp_path / "hf"), str(tmp_path / "a"), src_platform="huggingface")
@@ -186,17 +186,10 @@ def test_convert_full_checkpoint_takes_src_platform(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="expected"):
         convert_full_checkpoint_to_dcp(str(tmp_path / "hf"), str(tmp_path / "c"), src_platform="jax")
 
-    import hyper_parallel.core.distributed_checkpoint as dcp
-
-    monkeypatch.delattr(dcp, "import_mindspore", raising=False)
-    with pytest.raises(UnsupportedValueError, match="import_mindspore"):
-        convert_full_checkpoint_to_dcp(str(tmp_path / "m.ckpt"), str(tmp_path / "c"), src_platform="mindspore")
-    calls = []
-    monkeypatch.setattr(dcp, "import_mindspore", lambda src, dst, **kw: calls.append((src, dst, kw)) or "meta",
-                        raising=False)
-    assert convert_full_checkpoint_to_dcp(str(tmp_path / "m.ckpt"), str(tmp_path / "c"),
-                                          src_platform="MindSpore") == "meta"
-    assert calls == [(str(tmp_path / "m.ckpt"), str(tmp_path / "c"), {})]
+    # "mindspore" goes to import_mindspore (tests/core/distributed_checkpoint/test_mindspore_format.py)
+    ms_ckpt = os.path.join(FIXTURES, "..", "mindspore", "full.ckpt")
+    meta = convert_full_checkpoint_to_dcp(ms_ckpt, str(tmp_path / "m"), src_platform="MindSpore", prefix="model.")
+    assert meta.user["imported_from"]["platform"] == "mindspore" and "model.dense.weight" in meta.entries
 
 
 def test_single_file_save_checkpoint_and_load_checkpoint(tmp_path):

@@ -211,3 +211,15 @@ def test_offline_transform_reports_progress(tmp_path):
     offline_transform(str(tmp_path / "a"), str(tmp_path / "b"), dst_layout={"tp": 2}, progress=seen.append)
     assert seen and sum(seen) >= (40 * 30 + 7) * 4
     assert_same(sd, load(path=str(tmp_path / "b")))
+
+
+def test_hf_export_over_an_earlier_one_leaves_no_stale_shards(tmp_path):
+    src = str(tmp_path / "ckpt")
+    save({f"layer{i}": make_tensor((64, 64), seed=i) for i in range(4)}, src)
+    out = tmp_path / "hf"
+    save_state_dict_as_huggingface_format(src, str(out), max_shard_size=20000)
+    first = sorted(os.listdir(out))
+    assert "model.safetensors.index.json" in first and len(first) == 5
+    save_state_dict_as_huggingface_format(src, str(out), max_shard_size="1GB", overwrite=True)
+    assert sorted(os.listdir(out)) == ["model.safetensors"]  # old shards and index are gone
+    assert parse_checkpoint_from_huggingface(str(out))["layer3"].equal(make_tensor((64, 64), seed=3))
