@@ -1,10 +1,12 @@
 """The end-to-end demo: train on 4 processes, crash, resume on 2, convert offline, summarize.
 
-1. 4 processes (FSDP2, 4 shards) train a small transformer on synthetic data and checkpoint
-   the whole training state with ``async_save`` every 10 steps, then stop at step 35 as if
-   the job crashed: the checkpoint of step 30 is the latest committed one.
+1. 4 processes (FSDP2, 4 shards) train a small transformer on synthetic data; a
+   ``CheckpointManager`` saves the whole training state asynchronously every 10 steps (with
+   the loss as a metric), then the job stops at step 35 as if it crashed: step 30 is the
+   newest committed one.
 2. 2 processes (FSDP2, 2 shards: a different layout) resume from it, re-run steps 31-35
    (their losses must match the first run's within 1e-5 relative), and train on to 50.
+   Retention (newest 2, every 20th, lowest loss) decides which steps stay.
 3. The final checkpoint (2 shards) is rewritten offline, in this process, for a 4-rank
    layout (``offline_transform``), verified byte by byte (``verify_checkpoint``), and
    checked to hold the same values.
@@ -30,7 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from train_fsdp import Config, directory_bytes, latest_checkpoint, launch  # noqa: E402
 
-from hyper_parallel.core.distributed_checkpoint import load, offline_transform, verify_checkpoint  # noqa: E402
+from hyper_parallel.core.distributed_checkpoint import (  # noqa: E402
+    list_steps,
+    load,
+    offline_transform,
+    verify_checkpoint,
+)
 
 REL_TOL = 1e-5
 
@@ -79,15 +86,15 @@ def main() -> None:
     print(f"model: {cfg.layers}-layer transformer, d_model {cfg.d_model}, vocab {cfg.vocab}; "
           f"global batch {cfg.global_batch} x {cfg.seq} tokens; AdamW + warmup")
 
-    print("\n[1] 4 processes (FSDP2, 4 shards): train, async_save every 10 steps, crash after step 35")
+    print("\n[1] 4 processes (FSDP2, 4 shards): train, async checkpoints every 10 steps, crash after step 35")
     first = launch(replace(cfg, stop_at=35), 4)
     for s in first["saves"]:
-        print(f"    async_save step {s['step']:2d}: training blocked {s['blocking_s'] * 1e3:6.1f} ms, "
+        print(f"    async save of step {s['step']:2d}: training blocked {s['blocking_s'] * 1e3:6.1f} ms, "
               f"committed after {s['total_s']:.2f} s")
     committed = latest_checkpoint(cfg.ckpt_dir)
     assert committed is not None, "no committed checkpoint after phase 1"
     print(f"    crashed after step {max(first['losses'])}; latest committed checkpoint: "
-          f"{os.path.basename(committed[1])}")
+          f"{os.path.basename(committed[1])} (kept: steps {first['kept']})")
 
     print("\n[2] 2 processes (FSDP2, 2 shards): resume from the latest committed checkpoint")
     second = launch(cfg, 2)
@@ -100,10 +107,13 @@ def main() -> None:
     print(f"    steps {rerun[0]}-{rerun[-1]} ran on both layouts: max relative loss difference {worst:.1e} "
           f"({'OK' if worst <= REL_TOL else 'FAILED'}, tolerance {REL_TOL:g})")
     for s in second["saves"]:
-        print(f"    async_save step {s['step']:2d}: training blocked {s['blocking_s'] * 1e3:6.1f} ms, "
+        print(f"    async save of step {s['step']:2d}: training blocked {s['blocking_s'] * 1e3:6.1f} ms, "
               f"committed after {s['total_s']:.2f} s")
 
     final_step, final_path = latest_checkpoint(cfg.ckpt_dir)
+    kept = [(i.step, (i.metrics or {}).get("loss")) for i in list_steps(cfg.ckpt_dir) if i.state == "committed"]
+    print(f"    retention (newest {cfg.keep_latest}, every {cfg.keep_every}th, lowest loss) kept "
+          + ", ".join(f"step {s} (loss {loss:.4f})" for s, loss in kept))
     print(f"\n[3] offline conversion of {os.path.basename(final_path)}: 2 shards -> 4 shards, no processes")
     conv = convert_offline(final_path, os.path.join(args.out, "converted_4_shards"), 4)
     print(f"    offline_transform wrote {conv['files']} data files ({human(conv['bytes'])}) in "
@@ -122,6 +132,7 @@ def main() -> None:
           f"{final_step} reached on 2 processes")
     print(f"  loss: {first['losses'][1]:.4f} at step 1 -> {first['losses'][r['step']]:.4f} at the checkpoint "
           f"(step {r['step']}) -> {second['losses'][final_step]:.4f} at step {final_step}")
+    print(f"  checkpoints kept: steps {[s for s, _ in kept]} of {[s['step'] for s in saves]} saved")
     print(f"  async saves: {len(saves)}, training blocked {np.mean([s['blocking_s'] for s in saves]) * 1e3:.1f} ms "
           f"on average, commit {np.mean([s['total_s'] for s in saves]):.2f} s on average")
     print(f"  load (resume, 4 -> 2 shards): {r['load_s']:.2f} s")

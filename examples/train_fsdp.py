@@ -1,10 +1,12 @@
 """Train a small transformer with FSDP2 on CPU (gloo), checkpoint asynchronously, resume.
 
-Every ``--save-every`` steps the whole training state (model, Adam, LR scheduler, RNG
-states, step, data position: one :class:`TrainState`) goes to ``<ckpt-dir>/step_NNNNNN``
-with ``async_save``: training continues while a background thread writes it. At start the
-job resumes from the latest COMMITTED checkpoint there (a directory whose ``.metadata``
-exists and parses), on however many processes it now has: the checkpoint reshards on load.
+A :class:`CheckpointManager` owns ``--ckpt-dir``: every ``--save-every`` steps the whole
+training state (model, Adam, LR scheduler, RNG states, step, data position: one
+:class:`TrainState`) goes to ``<ckpt-dir>/step_NNNNNNNN`` asynchronously (training continues
+while a background thread writes it), with the step's loss as a metric. Retention keeps the
+newest 2 steps, every 20th and the one with the lowest loss. At start the job resumes from
+the newest COMMITTED step there, on however many processes it now has: the checkpoint
+reshards on load.
 
     python examples/train_fsdp.py --nproc 4 --steps 30 --save-every 10 --ckpt-dir /tmp/run
     python examples/train_fsdp.py --nproc 2 --steps 50 --save-every 10 --ckpt-dir /tmp/run  # resumes at 30
@@ -19,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -35,10 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel import fully_shard, init_device_mesh
-from hyper_parallel.core.distributed_checkpoint import TrainState, async_save, load
-from hyper_parallel.core.distributed_checkpoint.metadata import METADATA_FILE, Metadata, MetadataError
-
-CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+from hyper_parallel.core.distributed_checkpoint import CheckpointManager, TrainState, list_steps
 
 
 @dataclass
@@ -56,6 +54,9 @@ class Config:
     seed: int = 0
     steps: int = 30  # train until this step (inclusive)
     save_every: int = 10
+    keep_latest: int = 2  # retention: the newest 2 steps, every 20th, and the lowest loss
+    keep_every: int = 20
+    keep_best: int = 1
     stop_at: int = 0  # > 0: stop after this step without saving (simulates a crash)
     ckpt_dir: str = "checkpoints"
     pg_timeout_s: float = 120.0
@@ -144,32 +145,18 @@ def build(cfg: Config, rank: int, world_size: int) -> tuple[nn.Module, torch.opt
 # ------------------------------------------------------------------------ checkpoints
 
 
-def checkpoint_path(cfg: Config, step: int) -> str:
-    return os.path.join(cfg.ckpt_dir, f"step_{step:06d}")
+def manager(cfg: Config) -> CheckpointManager:
+    """The job's checkpoints: async saves every ``save_every`` steps, retention, resume."""
+    return CheckpointManager(cfg.ckpt_dir, save_interval_steps=cfg.save_every, keep_latest=cfg.keep_latest,
+                             keep_every_steps=cfg.keep_every, keep_best=cfg.keep_best, best_metric="loss",
+                             async_save=True)
 
 
 def latest_checkpoint(root: str) -> tuple[int, str] | None:
-    """The committed checkpoint of the highest step under ``root``: ``(step, path)`` or None.
-
-    A directory counts only once its ``.metadata`` exists and parses: a save that is still
-    running, or was interrupted, has none, and the previous checkpoint is used instead.
-    """
-    if not os.path.isdir(root):
-        return None
-    found = []
-    for name in os.listdir(root):
-        match = CHECKPOINT_NAME.match(name)
-        meta = os.path.join(root, name, METADATA_FILE)
-        if match and os.path.isfile(meta):
-            found.append((int(match.group(1)), os.path.join(root, name)))
-    for step, path in sorted(found, reverse=True):
-        try:
-            with open(os.path.join(path, METADATA_FILE), "rb") as f:
-                Metadata.from_json(f.read(), where=path)
-        except (OSError, MetadataError):
-            continue
-        return step, path
-    return None
+    """The newest committed step under ``root``: ``(step, path)`` or None (read-only; a step
+    counts once its ``.metadata`` is committed, so a save in flight or interrupted does not)."""
+    committed = [(i.step, i.path) for i in list_steps(root) if i.state == "committed"] if os.path.isdir(root) else []
+    return max(committed) if committed else None
 
 
 def directory_bytes(path: str) -> int:
@@ -185,39 +172,35 @@ def train(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
     state = TrainState(model, optim, sched, extra={"data_position": data.position})
     report: dict[str, Any] = {"world_size": world_size, "losses": {}, "saves": [], "resumed_from": None}
 
-    # every rank must pick the same checkpoint: rank 0 looks, then tells the others
-    choice = [latest_checkpoint(cfg.ckpt_dir) if rank == 0 else None]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is not None:
-        step, path = choice[0]
+    with manager(cfg) as mgr:  # every rank: the coordinator lists the directory, all agree
         started = time.perf_counter()
-        load({"app": state}, checkpoint_id=path)
-        data.position = state.extra["data_position"]
-        report["resumed_from"] = {"step": state.step, "path": path, "load_s": time.perf_counter() - started,
-                                  "data_position": data.position, "lr": sched.get_last_lr()[0],
-                                  "rng_restored": state.rng_restored}
+        resumed = mgr.load({"app": state})  # the newest committed step, or None on a fresh start
+        if resumed is not None:
+            data.position = state.extra["data_position"]
+            report["resumed_from"] = {"step": resumed, "path": mgr.step_path(resumed),
+                                      "load_s": time.perf_counter() - started, "data_position": data.position,
+                                      "lr": sched.get_last_lr()[0], "rng_restored": state.rng_restored}
 
-    responses = []
-    for step in range(state.step + 1, cfg.steps + 1):
-        tokens, targets = data.next_batch()
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        report["losses"][step] = (mean / world_size).item()
-        if cfg.stop_at and step >= cfg.stop_at:
-            break  # a "crash": whatever was not committed is lost
-        if step % cfg.save_every == 0 or step == cfg.steps:
+        for step in range(state.step + 1, cfg.steps + 1):
+            tokens, targets = data.next_batch()
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            report["losses"][step] = (mean / world_size).item()
+            if cfg.stop_at and step >= cfg.stop_at:
+                break  # a "crash": whatever was not committed is lost
             state.step, state.extra["data_position"] = step, data.position
-            # returns once the state is snapshotted; a background thread writes and commits
-            responses.append((step, async_save({"app": state}, checkpoint_id=checkpoint_path(cfg, step))))
-    for step, response in responses:
-        response.result()  # wait for the commit (raises if the save failed on any rank)
-        report["saves"].append({"step": step, "path": response.checkpoint_id,
-                                "blocking_s": response.blocking_s, "total_s": response.total_s})
+            # saves every save_every steps (and the last one); returns once the state is
+            # snapshotted, a background thread writes and commits
+            mgr.save(step, {"app": state}, metrics={"loss": report["losses"][step]}, force=step == cfg.steps)
+    # leaving the block waited for the save in flight (raising if it failed on any rank)
+    report["saves"] = [{"step": t.step, "path": mgr.step_path(t.step), "blocking_s": t.blocking_s,
+                        "total_s": t.total_s} for t in mgr.save_timings]
+    report["kept"] = mgr.all_steps()
     return report
 
 

@@ -5,6 +5,7 @@ Usage (SRC first, DST a new directory, as in ``cp``)::
     hyper-dcp inspect PATH [--json]
     hyper-dcp verify PATH [--json]
     hyper-dcp gc PATH [--dry-run] [--json]
+    hyper-dcp ls DIR [--json]              the steps of a CheckpointManager directory
     hyper-dcp transform SRC DST --mesh tp=4 | --layout strategy.json
     hyper-dcp export-hf SRC DST [--prefix model.] [--max-shard-size 5GB]
     hyper-dcp import-hf SRC DST [--prefix model.]
@@ -143,6 +144,60 @@ def cmd_gc(args: argparse.Namespace) -> int:
     else:
         verb = "would remove" if args.dry_run else "removed"
         print(f"{verb} {len(removed)} unreferenced file(s)" + "".join(f"\n  {n}" for n in removed))
+    return 0
+
+
+def _metric_text(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _json_safe(value: Any) -> Any:
+    """Metrics for --json: non-finite floats become strings ("nan"), so the output is valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import os
+
+    from .core.distributed_checkpoint.step_directory import list_steps
+
+    if "://" not in args.path and not os.path.isdir(args.path):
+        raise CheckpointError(f"{args.path!r} is not a directory")
+    infos = list_steps(args.path)
+    committed = [i.step for i in infos if i.state == "committed"]
+    latest = max(committed) if committed else None
+    if args.json:
+        steps = [{"step": i.step, "path": i.path, "state": i.state, "files": i.files, "bytes": i.bytes,
+                  "metrics": _json_safe(i.metrics), "references": list(i.references), "error": i.error}
+                 for i in infos]
+        print(json.dumps({"path": args.path, "latest_committed": latest, "steps": steps}, indent=1))
+        return 0
+    if not infos:
+        print(f"no step directories in {args.path}")
+        return 0
+    headers = ["step", "state", "files", "size", "metrics", "references"]
+    table = [[str(i.step) + (" (latest)" if i.step == latest else ""), i.state, str(i.files), _human(i.bytes),
+              ", ".join(f"{k}={_metric_text(v)}" for k, v in (i.metrics or {}).items()) or "-",
+              ", ".join(map(str, i.references)) or "-"] for i in infos]
+    widths = [max(len(h), *(len(t[c]) for t in table)) for c, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    for t in table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip())
+    others = len(infos) - len(committed)
+    print(f"\n{len(committed)} committed step(s), total {_human(sum(i.bytes for i in infos))}"
+          + (f"; {others} not committed (a save in flight, or debris the next manager start sweeps)"
+             if others else ""))
+    for i in infos:
+        if i.error:
+            print(f"step {i.step}: {i.error}")
     return 0
 
 
@@ -324,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list what would be removed")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(fn=cmd_gc)
+    p = sub.add_parser("ls", help="list the steps of a CheckpointManager directory: state, size, metrics")
+    p.add_argument("path", help="the manager's directory (a path or an fsspec URL)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(fn=cmd_ls)
 
     def src_dst(p: argparse.ArgumentParser) -> None:
         p.add_argument("src")

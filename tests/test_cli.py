@@ -110,3 +110,27 @@ def test_import_and_export_mindspore(tmp_path):
 def test_import_mindspore_errors_are_one_clear_line(tmp_path):
     out = run("import-mindspore", os.path.join(MS_FIX, "encrypted.ckpt"), str(tmp_path / "x"))
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "encrypted MindSpore" in out.stderr
+
+
+def test_ls_lists_the_steps_of_a_manager_directory_committed_or_not(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import CheckpointManager
+
+    d = str(tmp_path / "run")
+    with CheckpointManager(d) as mgr:
+        mgr.save(10, {"w": torch.zeros(100)}, metrics={"loss": 0.25, "acc": float("nan")})
+        mgr.save(20, {"w": torch.zeros(100)})
+    os.makedirs(os.path.join(d, "step_00000030"))  # a crashed save: data, no .metadata
+    with open(os.path.join(d, "step_00000030", "data-r00000-0-00ff.safetensors"), "wb") as f:
+        f.write(b"x" * 10)
+    out = run("ls", d)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["step", "state", "files", "size", "metrics", "references"]
+    assert "committed" in lines[1] and "loss=0.25" in lines[1] and "acc=nan" in lines[1]
+    assert lines[2].startswith("20 (latest)") and "uncommitted" in lines[3]
+    doc = json.loads(run("ls", d, "--json").stdout)
+    assert doc["latest_committed"] == 20
+    assert [(s["step"], s["state"], s["files"]) for s in doc["steps"]] == [
+        (10, "committed", 2), (20, "committed", 2), (30, "uncommitted", 1)]
+    assert doc["steps"][0]["metrics"] == {"loss": 0.25, "acc": "nan"} and doc["steps"][0]["references"] == []
+    assert run("ls", str(tmp_path / "missing")).returncode == 2

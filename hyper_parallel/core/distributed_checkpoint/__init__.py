@@ -31,6 +31,7 @@ from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .fsspec_storage import FsspecReader, FsspecWriter
 from .hyper_parallel_import import import_hyper_parallel
 from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
+from .manager import CheckpointManager, SaveTiming
 from .metadata import Metadata
 from .mindspore_format import export_mindspore, import_mindspore, read_mindspore_checkpoint
 from .offline_transform import (
@@ -46,6 +47,7 @@ from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, Wri
 from .single_file import load_checkpoint, save_checkpoint
 from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
+from .step_directory import StepInfo, list_steps
 from .storage import StorageReader, StorageWriter
 from .torch_dcp_export import export_torch_dcp
 from .verify import verify_checkpoint
@@ -71,6 +73,10 @@ __all__ = [
     "save",
     "load",
     "async_save",
+    "CheckpointManager",
+    "StepInfo",
+    "SaveTiming",
+    "list_steps",
     "AsyncSaveResponse",
     "AsyncCheckpointer",
     "AsyncSaveError",

@@ -1,0 +1,659 @@
+"""CheckpointManager: step directories, retention and resume for a training loop.
+
+A training job keeps its checkpoints in one directory (a local or shared path, or an fsspec
+URL such as ``s3://bucket/run``), one *step directory* per saved step::
+
+    directory/
+      .manager-owner.json      which job writes here now (host, pid); see "One writer" below
+      step_00000100/           an ordinary checkpoint: .metadata + data files
+      step_00000200/
+      ...
+
+Step directories are named ``step_`` + the step number zero-padded to 8 digits (longer
+numbers keep all their digits); other names in the directory are ignored and never touched.
+
+**Committed steps.** A step counts only once its ``.metadata`` is in place and parses (the
+commit protocol of :mod:`.commit` puts it there last, atomically). Discovery lists the
+directory once (one recursive listing on object stores) and reads each step's
+``.metadata``; no "latest" pointer exists, so none can run ahead of a commit. Every rank
+sees the same steps: the coordinator (rank 0 of the group) lists and decides, and its result
+reaches every rank through a status-checked exchange, so an error on the coordinator (a
+listing that fails) fails every rank instead of hanging them.
+
+**Retention** (after each commit, never before): keep the newest ``keep_latest`` committed
+steps, every step divisible by ``keep_every_steps``, and the ``keep_best`` best steps by the
+metric ``best_metric`` (metrics are stored in each step's ``.metadata``, so "best" survives
+restarts); the union is kept, and always the newest committed step and the step being saved.
+With no rule set, every step is kept. Only the coordinator deletes, in a background thread:
+first the step's ``.metadata`` (the step stops counting), then its data files, then the
+directory. A crash in between leaves a step directory without ``.metadata``: uncommitted,
+never loaded, swept at the next start.
+
+**Sweep at start.** The coordinator removes (in the background) every step directory that
+has no ``.metadata`` (a crashed save, a failed save, a deletion cut short) and, inside
+committed steps, the data files their ``.metadata`` does not name (debris of an interrupted
+save). A step whose ``.metadata`` exists but does not parse (corrupt, or written by a newer
+version) is neither counted nor deleted: a warning names it.
+
+**One writer.** The manager assumes it is the only writer of its directory while it is
+open: that is what makes the sweep safe (nothing else can be in flight). The coordinator
+records itself in ``.manager-owner.json``; a manager refuses to start while that file names
+a live process on this host (another job, or another open manager in this process), takes
+over otherwise (the previous job is gone), and raises at its next save if another manager
+has taken over meanwhile. A writer on another host cannot be checked for liveness: do not
+point two running jobs at one directory.
+
+**Async saves** (``async_save=True``): at most one save is in flight. ``save`` of the next
+step first waits for the previous one and settles it (every rank learns whether it
+committed; retention runs; a failure is raised as :class:`AsyncSaveError` on every rank).
+The same happens in ``wait()``, ``load()`` and ``close()``. Calls that the interval policy
+skips touch nothing and never block, so errors surface at the next call that saves.
+
+Incremental checkpoints (``incremental=True``) arrive with format version 2; the places they
+plug into are marked ``PLUG (incremental)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import time
+import uuid
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from . import metadata as md
+from .api import load as _load
+from .api import save as _save
+from .async_staging import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
+from .commit import unreferenced_files
+from .coordination import Coordinator
+from .errors import CheckpointError, CommitError, NotACheckpointError
+from .step_directory import (
+    OPEN_TOKENS,
+    USER_KEY,
+    Deleter,
+    Directory,
+    Listed,
+    PathLike,
+    StepInfo,
+    encode_metrics,
+    list_steps,
+    metrics_of,
+    open_directory,
+    owner_alive,
+    process_start,
+    scan,
+    step_dir_name,
+)
+from .storage import StorageReader, StorageWriter
+
+__all__ = ["CheckpointManager", "StepInfo", "SaveTiming", "list_steps", "step_dir_name", "plan_retention"]
+
+
+# ----------------------------------------------------------------------------- retention
+
+
+def plan_retention(
+    steps: dict[int, dict[str, Any] | None],
+    *,
+    keep_latest: int | None = None,
+    keep_every_steps: int | None = None,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+    protect: Iterable[int] = (),
+    references: Callable[[int], Iterable[int]] = lambda step: (),
+) -> list[int]:
+    """The committed steps to delete: those no rule keeps (pure; the manager's policy).
+
+    Kept: the newest ``keep_latest``; every step divisible by ``keep_every_steps``; the
+    ``keep_best`` best by ``steps[step][best_metric]`` (``best_mode`` "min" or "max"; steps
+    without a finite number for it do not compete; ties go to the newer step); the newest
+    step; ``protect``; and, transitively, every step a kept step ``references``. With no rule
+    set, nothing is deleted.
+    """
+    if not steps or (keep_latest is None and keep_every_steps is None and keep_best is None):
+        return []
+    order = sorted(steps)
+    keep = {order[-1], *protect}
+    if keep_latest is not None:
+        keep.update(order[-keep_latest:] if keep_latest > 0 else [])
+    if keep_every_steps is not None:
+        keep.update(s for s in order if s % keep_every_steps == 0)
+    if keep_best is not None and best_metric is not None:
+        keep.update(_best(steps, best_metric, best_mode)[:keep_best])
+    todo = list(keep)
+    while todo:  # PLUG (incremental): a kept step keeps every step whose files it names
+        for ref in references(todo.pop()):
+            if ref in steps and ref not in keep:
+                keep.add(ref)
+                todo.append(ref)
+    return [s for s in order if s not in keep]
+
+
+def _metric_value(metrics: dict[str, Any] | None, name: str) -> float | None:
+    value = metrics.get(name) if isinstance(metrics, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _best(steps: dict[int, dict[str, Any] | None], metric: str, mode: str) -> list[int]:
+    """Steps with a finite ``metric``, best first (ties: the newer step first)."""
+    scored = [(v, s) for s, m in steps.items() if (v := _metric_value(m, metric)) is not None]
+    sign = 1.0 if mode == "min" else -1.0
+    return [s for _, s in sorted(scored, key=lambda vs: (sign * vs[0], -vs[1]))]
+
+
+# ----------------------------------------------------------------------------- the manager
+
+
+@dataclass(frozen=True)
+class SaveTiming:
+    """What one save cost this process: ``blocking_s`` the ``save`` call (for async, until the
+    snapshot was taken), ``total_s`` until committed (None while in flight or if it failed)."""
+
+    step: int
+    blocking_s: float
+    total_s: float | None
+
+
+@dataclass
+class _Pending:
+    """A save whose outcome every rank has not yet learned (async: in flight)."""
+
+    step: int
+    response: AsyncSaveResponse | None = None
+    meta: md.Metadata | None = None  # sync saves, on the coordinator
+    blocking_s: float = 0.0
+
+
+class CheckpointManager:
+    """Saves a training job's checkpoints into step directories, keeps some, resumes from the newest.
+
+    Every rank of the group constructs it and calls ``save``/``load``/``wait``/``close`` alike
+    (same arguments, same order); ``latest_step``/``all_steps``/``best_step``/``metrics`` are
+    local and may be called anywhere.
+
+    Args:
+        directory: where the step directories go: a local/shared path or an fsspec URL.
+        save_interval_steps: ``save(step, ...)`` saves only when ``step`` is a multiple of it
+            (or ``force=True``).
+        keep_latest: keep the newest N committed steps.
+        keep_every_steps: keep every step divisible by it (milestones).
+        keep_best: keep the N best steps by ``best_metric`` (needs ``best_metric``).
+        best_metric: the key in ``save(..., metrics=)`` that ranks steps; ``best_mode``
+            ``"min"`` (a loss) or ``"max"`` (an accuracy).
+        async_save: return from ``save`` once a snapshot is taken; a background thread writes
+            and commits (one save in flight; see the module docstring).
+        incremental: not available yet (needs format version 2); raises NotImplementedError.
+        process_group: the ranks that save together (default: the whole world).
+        timeout: bound on every cross-rank exchange, seconds or timedelta (default 30 min).
+        storage_options: options of the fsspec filesystem for a URL ``directory`` (e.g.
+            ``{"client_kwargs": {"endpoint_url": ...}}``).
+
+    The retention rules keep the union of what each rule keeps, plus always the newest
+    committed step; with none set, every step is kept. Retention runs after each commit.
+
+    Raises:
+        CheckpointError: another open manager (a live process on this host) owns ``directory``.
+        RankFailedError: listing the directory failed on the coordinator (on every rank).
+
+    Example::
+
+        with CheckpointManager("/ckpt/run1", save_interval_steps=100, keep_latest=3,
+                               keep_best=1, best_metric="loss", async_save=True) as mgr:
+            start = mgr.load(state) or 0          # resume from the newest committed step
+            for step in range(start + 1, steps + 1):
+                loss = train_step()
+                mgr.save(step, state, metrics={"loss": loss})
+    """
+
+    def __init__(
+        self,
+        directory: PathLike,
+        *,
+        save_interval_steps: int = 1,
+        keep_latest: int | None = None,
+        keep_every_steps: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = False,
+        incremental: bool = False,
+        process_group: Any = None,
+        timeout: timedelta | float | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ):
+        if incremental:
+            raise NotImplementedError("incremental checkpoints arrive with format v2")
+        _check_count("save_interval_steps", save_interval_steps)
+        for name, value in (("keep_latest", keep_latest), ("keep_every_steps", keep_every_steps),
+                            ("keep_best", keep_best)):
+            if value is not None:
+                _check_count(name, value)
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if keep_best is not None and not best_metric:
+            raise ValueError("keep_best needs best_metric: the key of save(..., metrics=) that ranks steps")
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        self.directory = os.fspath(directory)
+        self.save_interval_steps = save_interval_steps
+        self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.async_save = async_save
+        self.incremental = incremental
+        self.process_group = process_group
+        self.timeout = timeout
+        self._root = self._root_for(directory, storage_options)
+        self._steps: dict[int, dict[str, Any] | None] = {}  # committed step -> metrics, same on every rank
+        self._pending: _Pending | None = None
+        self._timings: deque[SaveTiming] = deque(maxlen=100)
+        self._closed = False
+        self._token = uuid.uuid4().hex
+        self._async: AsyncCheckpointer | None = AsyncCheckpointer(max_in_flight=1) if async_save else None
+        self._coord = Coordinator(process_group, False, 0, timeout)
+        self._deleter = Deleter(self._root) if self._coord.is_coordinator else None
+        try:
+            self._start()
+        except BaseException:
+            self._release()  # a failed start must not keep the directory claimed
+            raise
+
+    # ------------------------------------------------------------------ queries (local)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None. Local: as of this rank's last manager call."""
+        return max(self._steps) if self._steps else None
+
+    def all_steps(self) -> list[int]:
+        """Every committed step the manager keeps, oldest first (not the one in flight)."""
+        return sorted(self._steps)
+
+    def best_step(self) -> int | None:
+        """The best committed step by ``best_metric`` (None without a metric or a scored step)."""
+        if not self.best_metric:
+            return None
+        ranked = _best(self._steps, self.best_metric, self.best_mode)
+        return ranked[0] if ranked else None
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with committed ``step`` (the coordinator's), or None."""
+        m = self._steps.get(step)
+        return dict(m) if m is not None else None
+
+    def step_path(self, step: int) -> str:
+        """Where ``step`` is (or would be) saved."""
+        return self._root.step_path(step_dir_name(step))
+
+    @property
+    def save_timings(self) -> list[SaveTiming]:
+        """This process's last 100 saves: time the call blocked, time until committed."""
+        return list(self._timings)
+
+    # ------------------------------------------------------------------ save / load
+
+    def save(self, step: int, state_dict: dict[str, Any], *, metrics: dict[str, Any] | None = None,
+             force: bool = False) -> bool:
+        """Save ``state_dict`` as ``step`` if the policy says so; return whether it saved.
+
+        Skipped (False, nothing touched, no collective): ``step`` is not a multiple of
+        ``save_interval_steps`` and ``force`` is False. Otherwise every rank first settles the
+        previous async save (waits for it; raises its failure), then agrees on ``step``; a
+        ``step`` equal to the newest committed one is skipped (False). With ``async_save`` the
+        call returns once the snapshot is taken.
+
+        Args:
+            step: the training step (an int >= 0, larger than every committed step).
+            state_dict: what :func:`save` accepts (e.g. ``{"app": TrainState(...)}``).
+            metrics: ``{name: value}`` stored with the step (the coordinator's values); values
+                are JSON-representable, or 0-d tensors / numpy scalars (stored as numbers).
+                ``best_metric`` ranks steps by one of them.
+            force: save even off the interval (e.g. the last step of training).
+
+        Raises:
+            ValueError: ``step`` is older than the newest committed step, or ranks disagree.
+            AsyncSaveError: the previous async save failed (nothing new is started).
+            RankFailedError / CommitError / LostContactError: a synchronous save failed (as
+                :func:`save`).
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if metrics is not None:
+            metrics = _plain_metrics(metrics)
+        if not force and step % self.save_interval_steps:
+            return False
+        self._settle()
+        self._agree("save", step)
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            if step == latest:
+                return False
+            raise ValueError(
+                f"step {step} is older than the newest committed step {latest} in {self.directory!r}: steps "
+                "only go forward (a resume would pick the newer one). Resume from it, or move the newer "
+                "step directories away to restart an older timeline")
+        name = step_dir_name(step)
+        user = {USER_KEY: {"step": step, "metrics": None if metrics is None else encode_metrics(metrics)}}
+        writer = self._storage_writer(name)
+        started = time.perf_counter()
+        if self._async is not None:
+            response = self._async.save(state_dict, storage_writer=writer, process_group=self.process_group,
+                                        timeout=self.timeout, user_metadata=user)
+            self._pending = _Pending(step, response=response, blocking_s=response.blocking_s)
+            return True
+        try:
+            meta = _save(state_dict, storage_writer=writer, process_group=self.process_group,
+                         timeout=self.timeout, user_metadata=user)
+        except Exception as exc:
+            # Not committed unless a CommitError says it may be: the coordinator (alone deleting)
+            # clears the step's debris; a CommitError step is left for the next start to judge.
+            if self._deleter is not None and not isinstance(exc, CommitError):
+                self._deleter.submit("step", name)
+            self._timings.append(SaveTiming(step, time.perf_counter() - started, None))
+            raise
+        elapsed = time.perf_counter() - started
+        self._pending = _Pending(step, meta=meta, blocking_s=elapsed)
+        self._settle()
+        return True
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int | None:
+        """Load committed ``step`` (default: the newest) into ``state_dict`` in place.
+
+        Settles an async save in flight first. Returns the step loaded, or None (and leaves
+        ``state_dict`` untouched) when ``step`` is None and nothing is committed yet.
+
+        Raises:
+            NotACheckpointError: ``step`` is not a committed step of this directory.
+            ValueError: ranks asked for different steps.
+            Errors of :func:`load` (mismatched keys, corrupt data) on every rank.
+        """
+        self._check_open()
+        self._settle()
+        chosen = self.latest_step() if step is None else step
+        self._agree("load", chosen)
+        if chosen is None:
+            return None
+        if chosen not in self._steps:
+            raise NotACheckpointError(
+                f"step {chosen} is not a committed checkpoint in {self.directory!r}; committed steps: "
+                f"{self.all_steps() or 'none'}")
+        _load(state_dict, storage_reader=self._storage_reader(step_dir_name(chosen)),
+              process_group=self.process_group, timeout=self.timeout)
+        return chosen
+
+    def wait(self) -> None:
+        """Wait until the save in flight is committed (and retention has run); raise its error.
+
+        On the coordinator, also waits for background deletions to finish.
+
+        Raises:
+            AsyncSaveError: the save in flight failed (on every rank).
+        """
+        self._check_open()
+        self._settle()
+        if self._deleter is not None:
+            self._deleter.wait_for()
+
+    def close(self) -> None:
+        """Settle the save in flight, finish deletions, release the owner file and threads.
+
+        Idempotent. Raises the in-flight save's error, after releasing everything.
+        """
+        if self._closed:
+            return
+        try:
+            self._settle()
+        finally:
+            self._release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # An error is on its way out, and the ranks may no longer be in step: no collectives.
+        # A save in flight still commits (or fails) on its own; wait for it here, bounded.
+        with contextlib.suppress(Exception):
+            if self._pending is not None and self._pending.response is not None:
+                self._pending.response.exception()
+        self._pending = None
+        self._release()
+
+    # ------------------------------------------------------------------ storage hooks
+
+    def _root_for(self, directory: PathLike, storage_options: dict[str, Any] | None) -> Directory:
+        return open_directory(directory, storage_options)
+
+    def _storage_writer(self, name: str) -> StorageWriter:
+        # PLUG (incremental): hand the previous committed step (self._root.step_path of
+        # step_dir_name(self.latest_step())) to the save here, so unchanged chunks are
+        # referenced instead of written.
+        return self._root.writer(name)
+
+    def _storage_reader(self, name: str) -> StorageReader:
+        # PLUG (incremental): a reader that resolves references to earlier steps' files
+        # inside self.directory.
+        return self._root.reader(name)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the CheckpointManager of {self.directory!r} is closed")
+
+    def _on_coordinator(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the coordinator; every rank gets its result, or every rank raises."""
+        coord = self._coord
+        return coord.exchange(phase, lambda: fn() if coord.is_coordinator else None)[coord.coordinator_rank]
+
+    def _start(self) -> None:
+        found: dict[str, Any] = {}
+
+        def discover() -> dict[int, dict[str, Any] | None]:
+            self._root.make_root()
+            self._claim()
+            infos, listing, parsed = scan(self._root)
+            for info in infos:
+                name = step_dir_name(info.step)
+                if info.state == "uncommitted":
+                    found.setdefault("sweep", []).append(name)
+                elif info.state == "unreadable":
+                    warnings.warn(f"CheckpointManager: {info.error}; step {info.step} is ignored and left in "
+                                  "place (`hyper-dcp verify` it, or move it away)", stacklevel=4)
+                else:
+                    debris = unreferenced_files(Listed(listing[name]), self._referenced_files(parsed[info.step]))
+                    if debris:
+                        found.setdefault("debris", []).append((name, debris))
+            return {i.step: i.metrics for i in infos if i.state == "committed"}
+
+        self._steps = self._on_coordinator("manager start (listing the directory)", discover)
+        if self._deleter is not None:
+            for name in found.get("sweep", []):
+                self._deleter.submit("step", name)
+            for name, files in found.get("debris", []):
+                self._deleter.submit("files", name, files)
+
+    def _referenced_files(self, meta: md.Metadata) -> list[str]:
+        # PLUG (incremental): add the files of this step's directory that later steps reference.
+        return meta.files
+
+    def _claim(self) -> None:
+        """Become the directory's owner (coordinator), or refuse while a live owner holds it."""
+        raw = self._root.read_owner()
+        if raw is not None:
+            try:
+                owner = json.loads(raw)
+            except ValueError:
+                owner = {}
+            if isinstance(owner, dict) and owner_alive(owner):
+                raise CheckpointError(
+                    f"{self.directory!r} is in use by another CheckpointManager (pid {owner.get('pid')} on "
+                    f"{owner.get('host')}, since {owner.get('since')}): one job writes a directory at a time. "
+                    "Close that manager or use another directory")
+        pid = os.getpid()
+        self._root.write_owner(json.dumps({
+            "host": socket.gethostname(), "pid": pid, "started": process_start(pid), "token": self._token,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+        OPEN_TOKENS.add(self._token)
+
+    def _check_owner(self) -> None:
+        raw = self._root.read_owner()
+        try:
+            owner = json.loads(raw) if raw is not None else None
+        except ValueError:
+            owner = None
+        if not isinstance(owner, dict) or owner.get("token") != self._token:
+            who = (f"pid {owner.get('pid')} on {owner.get('host')}" if isinstance(owner, dict)
+                   else "someone (the owner file is gone)")
+            raise CheckpointError(
+                f"another writer took over {self.directory!r} ({who}); this manager stops saving there. "
+                "Two jobs must not share a checkpoint directory")
+
+    def _agree(self, what: str, step: int | None) -> None:
+        """Every rank names the same ``step`` (the coordinator also checks it still owns the
+        directory and that no deletion of that step's directory is pending)."""
+        def check() -> int | None:
+            if self._coord.is_coordinator:
+                self._check_owner()
+                if step is not None and what == "save":
+                    self._deleter.wait_for(step_dir_name(step))  # type: ignore[union-attr]
+            return step
+
+        steps = self._coord.exchange(f"manager {what} (step {step})", check)
+        if len(set(steps)) > 1:
+            raise ValueError(f"CheckpointManager.{what}: the ranks passed different steps {steps} (by rank); "
+                             "every rank must call it with the same step")
+
+    def _settle(self) -> None:
+        """Every rank learns the outcome of the last save; the coordinator updates the steps,
+        plans retention, and starts the deletions after everyone agreed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        own_error: BaseException | None = None
+        meta = pending.meta
+        response = pending.response
+        if response is not None:
+            try:
+                meta = response.result()
+            except BaseException as exc:  # reported to every rank below
+                own_error = exc
+                # ...and by us alone: the checkpointer would raise it again at the next save.
+                with contextlib.suppress(AsyncSaveError, TimeoutError):
+                    self._async.wait(timeout=0)  # type: ignore[union-attr]
+            self._timings.append(SaveTiming(pending.step, pending.blocking_s,
+                                            response.total_s if own_error is None else None))
+        else:
+            self._timings.append(SaveTiming(pending.step, pending.blocking_s, pending.blocking_s))
+        name = step_dir_name(pending.step)
+        plan: dict[str, Any] = {}
+
+        def bookkeeping() -> tuple[str | None, Any]:
+            error = None if own_error is None else f"{type(own_error).__name__}: {own_error}"
+            if not self._coord.is_coordinator:
+                return error, None
+            committed = meta
+            finished = response is None or response.done()
+            if own_error is not None and finished:  # the save may have committed all the same
+                committed = self._probe(name)
+            steps = dict(self._steps)
+            if committed is not None:
+                steps[pending.step] = metrics_of(committed)
+                doomed = self._retention(steps, protect={pending.step})
+                for s in doomed:
+                    del steps[s]
+                plan["delete"] = doomed
+            elif finished:
+                plan["cleanup"] = True
+            return error, (committed is not None, steps)
+
+        results = self._coord.exchange(f"manager (settling the save of step {pending.step})", bookkeeping)
+        committed, self._steps = results[self._coord.coordinator_rank][1]
+        if self._deleter is not None:
+            for s in plan.get("delete", []):
+                self._deleter.submit("step", step_dir_name(s))
+            if plan.get("cleanup"):
+                self._deleter.submit("step", name)
+        failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
+        if not failures:
+            return
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failures.items())
+        where = self.step_path(pending.step)
+        if committed:
+            warnings.warn(f"CheckpointManager: step {pending.step} is committed at {where}, but its save "
+                          f"reported errors: {detail}", stacklevel=3)
+            return
+        raise AsyncSaveError(f"the async save of step {pending.step} to {where} failed ({detail}); the newest "
+                             f"committed step is {self.latest_step()}") from own_error
+
+    def _probe(self, name: str) -> md.Metadata | None:
+        """The step's committed metadata, or None when it has none (or it does not parse)."""
+        try:
+            return md.Metadata.from_json(self._root.read_metadata(name))
+        except NotACheckpointError:
+            return None
+        except CheckpointError as exc:
+            warnings.warn(f"CheckpointManager: {self._root.step_path(name)}: {exc}", stacklevel=4)
+            return None
+
+    def _retention(self, steps: dict[int, dict[str, Any] | None], protect: set[int]) -> list[int]:
+        return plan_retention(steps, keep_latest=self.keep_latest, keep_every_steps=self.keep_every_steps,
+                              keep_best=self.keep_best, best_metric=self.best_metric, best_mode=self.best_mode,
+                              protect=protect, references=self._references)
+
+    def _references(self, step: int) -> tuple[int, ...]:
+        # PLUG (incremental): the steps whose files ``step`` names (from references_of of its
+        # metadata, remembered at discovery and at each commit).
+        return ()
+
+    def _release(self) -> None:
+        """Free threads, groups and the owner file (no collectives)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._async is not None:
+                with contextlib.suppress(AsyncSaveError):
+                    self._async.close()
+        finally:
+            if self._deleter is not None:
+                self._deleter.wait_for()
+                self._deleter.stop()
+                with contextlib.suppress(Exception):
+                    raw = self._root.read_owner()
+                    if raw is not None and json.loads(raw).get("token") == self._token:
+                        self._root.remove_owner()
+            OPEN_TOKENS.discard(self._token)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.directory!r}, steps={self.all_steps()}, "
+                f"in_flight={self._pending.step if self._pending else None})")
+
+
+def _plain_metrics(metrics: Any) -> dict[str, Any]:
+    """``metrics`` with 0-d tensors and numpy scalars turned into numbers; validated."""
+    if not isinstance(metrics, dict) or not all(type(k) is str for k in metrics):
+        raise ValueError(f"metrics must be a dict with str keys, got {metrics!r:.200}")
+    plain = {k: v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v for k, v in metrics.items()}
+    if not md.is_json_value(plain):
+        raise ValueError(f"metrics values must be numbers, strings, bools, None, or lists/dicts of them (or 0-d "
+                         f"tensors), got {metrics!r:.200}")
+    return plain
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
