@@ -488,7 +488,7 @@ class CheckpointManager:
 
     def _referenced_files(self, meta: md.Metadata) -> list[str]:
         # PLUG (incremental): add the files of this step's directory that later steps reference.
-        return meta.files
+        return meta.file_names()
 
     def _claim(self) -> None:
         """Become the directory's owner (coordinator), or refuse while a live owner holds it."""
