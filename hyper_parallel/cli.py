@@ -35,6 +35,7 @@ from .core.distributed_checkpoint import metadata as md
 from .core.distributed_checkpoint.chunks import count as chunk_count
 from .core.distributed_checkpoint.errors import CheckpointError
 from .core.distributed_checkpoint.filesystem_storage import FileSystemReader
+from .core.distributed_checkpoint.loader import read_metadata
 from .core.distributed_checkpoint.verify import verify_checkpoint
 
 
@@ -68,7 +69,7 @@ def _layout_text(layout: dict | None) -> str:
 def _checkpoint_bytes(path: str) -> int:
     """Total data bytes of a checkpoint (0 when unreadable: the command will say why)."""
     try:
-        meta = md.Metadata.from_json(FileSystemReader(path).read_metadata())
+        meta = read_metadata(FileSystemReader(path))
     except (CheckpointError, OSError):
         return 0
     return sum(e.nbytes for e in meta.entries.values())
@@ -77,14 +78,14 @@ def _checkpoint_bytes(path: str) -> int:
 def _tensor_bytes(path: str) -> int:
     """Bytes of the tensors' global data (replicas once; 0 when unreadable)."""
     try:
-        meta = md.Metadata.from_json(FileSystemReader(path).read_metadata())
+        meta = read_metadata(FileSystemReader(path))
     except (CheckpointError, OSError):
         return 0
     return sum(md.itemsize(e.dtype) * math.prod(e.shape or ()) for e in meta.entries.values() if e.kind == "tensor")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    meta = md.Metadata.from_json(FileSystemReader(args.path).read_metadata())
+    meta = read_metadata(FileSystemReader(args.path))
     rows = []
     for key, e in meta.entries.items():
         rows.append({

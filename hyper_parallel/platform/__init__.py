@@ -36,15 +36,15 @@ class PlatformType(enum.Enum):
 
 
 _LOCK = threading.Lock()
-_GROUPS: dict[tuple[int, ...], Any] = {}
-_CALLS: dict[tuple[int, ...], int] = {}
+_GROUPS: dict[tuple, Any] = {}
+_CALLS: dict[tuple, int] = {}
 
 
 def _pg_count() -> int:
     return len(dist.distributed_c10d._world.pg_names)
 
 
-def member_group(ranks: Sequence[int]) -> Any:
+def member_group(ranks: Sequence[int], backend: str | None = None, timeout: Any = None) -> Any:
     """The process group of ``ranks``, created (once) by those ranks alone.
 
     Only the members call this; ranks outside ``ranks`` must not (and need not) take part.
@@ -54,6 +54,8 @@ def member_group(ranks: Sequence[int]) -> Any:
     the members first agree, through the default store, on the largest such count, and the
     ones below it make private one-rank groups until they reach it. The group is cached:
     asking again for the same ranks returns the same group, without any communication.
+
+    ``backend``/``timeout`` go to ``new_group`` (a group per distinct pair is cached).
 
     Raises:
         ValueError: this rank is not in ``ranks``, or ``ranks`` repeats a rank.
@@ -65,22 +67,24 @@ def member_group(ranks: Sequence[int]) -> Any:
     if me not in key:
         raise ValueError(f"rank {me} is not in the group {list(key)}; only its members create it")
     canon = tuple(sorted(key))
+    cache_key = (canon, backend, timeout, id(dist.group.WORLD))
     with _LOCK:
-        if canon in _GROUPS:
-            return _GROUPS[canon]
-        if len(canon) == dist.get_world_size():
-            _GROUPS[canon] = dist.group.WORLD
+        if cache_key in _GROUPS:
+            return _GROUPS[cache_key][1]
+        if len(canon) == dist.get_world_size() and backend is None and timeout is None:
+            _GROUPS[cache_key] = (dist.group.WORLD, dist.group.WORLD)
             return dist.group.WORLD
-        n = _CALLS.get(canon, 0)
-        _CALLS[canon] = n + 1
+        n = _CALLS.get(cache_key, 0)
+        _CALLS[cache_key] = n + 1
         store = dist.distributed_c10d._get_default_store()
-        tag = f"hyper_parallel/member_group/{'_'.join(map(str, canon))}/{n}"
+        tag = f"hyper_parallel/member_group/{'_'.join(map(str, canon))}/{backend}/{n}"
         store.set(f"{tag}/{me}", str(_pg_count()))
         target = max(int(store.get(f"{tag}/{r}")) for r in canon)
         while _pg_count() < target:
             dist.new_group([me], use_local_synchronization=True)
-        group = dist.new_group(list(canon), use_local_synchronization=True)
-        _GROUPS[canon] = group
+        kwargs = {k: v for k, v in (("backend", backend), ("timeout", timeout)) if v is not None}
+        group = dist.new_group(list(canon), use_local_synchronization=True, **kwargs)
+        _GROUPS[cache_key] = (dist.group.WORLD, group)  # holds the world: ids in the key stay unique
         return group
 
 

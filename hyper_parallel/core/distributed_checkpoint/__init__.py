@@ -49,6 +49,7 @@ from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSave
 from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
 from .step_directory import StepInfo, list_steps
 from .storage import StorageReader, StorageWriter
+from .topology_mapper import TopologyMapper
 from .torch_dcp_export import export_torch_dcp
 from .verify import verify_checkpoint
 
@@ -95,6 +96,7 @@ __all__ = [
     "ReadItem",
     "StorageWriter",
     "StorageReader",
+    "TopologyMapper",
     "FileSystemWriter",
     "FileSystemReader",
     "Metadata",

@@ -19,15 +19,26 @@ from collections import OrderedDict
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from . import metadata as md
 from .box import Box
-from .commit import commit_and_agree, write_and_report
+from .commit import (
+    NotCommittedError,
+    commit_and_agree,
+    commit_metadata,
+    reclaim_replaced,
+    remove_own_files,
+    write_and_report,
+)
 from .coordination import Coordinator
-from .errors import StateDictMismatchError, UnsupportedValueError
+from .errors import CheckpointError, CommitError, StateDictMismatchError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .flatten import FlatStateDict, flatten, unflatten
+from .fragments import fragment_name, fragment_of, read_checkpoint_metadata, read_fragment, table_sub_ids
 from .loader import read_plan
-from .planner import LoadPlanner, SavePlan, SavePlanner, WriteItem
+from .planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
 from .saver import build_metadata, data_file_names, write_plan
 from .standard_planner import StandardPlanner, plan_digest
 from .storage import StorageReader, StorageWriter
@@ -145,8 +156,13 @@ def save(
             an ``FsspecWriter`` to set storage options).
         storage_writer: a :class:`StorageWriter`; default: :class:`FileSystemWriter`.
         planner: a :class:`SavePlanner`; default: :class:`StandardPlanner`.
-        process_group: the ranks that save together (default: the whole world).
-        no_dist / use_collectives=False: this process saves alone, with no collectives.
+        process_group: the ranks that save together. Default: the whole world, or, when every
+            DTensor of the state dict lives on one mesh created over some ranks only
+            (``init_device_mesh(..., rank_list=...)``), that mesh's ranks; ranks outside it
+            need not call save.
+        no_dist: this process saves alone, as a whole checkpoint (it must hold every element).
+        use_collectives: False makes a rank-local checkpoint (see :mod:`.fragments`): every
+            rank writes its own shards and metadata fragment, with no collective.
         allow_pickle: permit values that only pickle can store (refused by default); it
             applies to this call only.
         thread_count: data files (and writer threads) per rank.
@@ -156,7 +172,7 @@ def save(
         user_metadata: a JSON-able dict stored in ``.metadata`` (``Metadata.user``).
 
     Returns:
-        The committed :class:`Metadata` on the coordinator rank, None on other ranks.
+        The committed :class:`Metadata`, on every rank (a rank-local save: this rank's fragment).
 
     Raises:
         RankFailedError: on every rank, when any rank failed before the commit; it names
@@ -174,6 +190,10 @@ def save(
         raise ValueError("save() needs a state_dict")
     if user_metadata is not None and not md.is_json_value(user_metadata):
         raise ValueError("user_metadata must hold only JSON-representable values")
+    if not use_collectives and not no_dist and _distributed():
+        return _save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
+                                thread_count, sync_files, user_metadata)
+    process_group = process_group if process_group is not None or no_dist else _mesh_group(state_dict)
     coord = _coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
     planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
     scope = _cache_scope(planner, coord)
@@ -212,6 +232,85 @@ def save(
         coord, writer, "save (commit)",
         lambda: build_metadata(mine.entries, results, save_id, coord.world_size, user_metadata or {}),
         own_files, what, save_id)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _mesh_group(state_dict: Any) -> Any:
+    """The group of the one mesh every DTensor of ``state_dict`` lives on, when that mesh is
+    a root mesh over some ranks only (``init_device_mesh(..., rank_list=)``); else None.
+
+    Slices of a bigger mesh (``mesh["tp"]``) do not count: their ranks save with the rest.
+    """
+    if not _distributed() or isinstance(state_dict, FlatStateDict):
+        return None
+    meshes: dict[int, Any] = {}
+
+    def walk(v: Any, depth: int = 0) -> None:
+        if isinstance(v, DTensor):
+            meshes[id(v.device_mesh)] = v.device_mesh
+        elif isinstance(v, dict) and depth < 64:
+            for x in v.values():
+                walk(x, depth + 1)
+        elif isinstance(v, (list, tuple)) and depth < 64:
+            for x in v:
+                walk(x, depth + 1)
+
+    walk(state_dict)
+    if len(meshes) != 1:
+        return None
+    mesh = next(iter(meshes.values()))
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    if mesh._get_root_mesh() is not mesh or len(ranks) == dist.get_world_size():
+        return None
+    from ...platform import member_group
+
+    return member_group(ranks)
+
+
+def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter | None, planner: Any,
+                     process_group: Any, allow_pickle: bool, thread_count: int, sync_files: bool,
+                     user_metadata: dict[str, Any] | None) -> md.Metadata:
+    """``save(..., use_collectives=False)``: this rank's shards and fragment, no collective."""
+    rank = dist.get_rank(process_group) if process_group is not None else dist.get_rank()
+    world = dist.get_world_size(process_group) if process_group is not None else dist.get_world_size()
+    writer = writer if writer is not None else _default_writer(where, sync_files)
+    writer.set_up(rank, rank == 0)
+    planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
+    flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
+    planner.set_up_save(flat, rank == 0)
+    local = planner.create_local_save_plan()
+    writer.prepare()
+    if writer.read_committed() is not None:
+        raise CheckpointError(
+            f"{where or 'storage'} holds a checkpoint saved with collectives; a rank-local save "
+            "(use_collectives=False) would be shadowed by it. Save it to a directory of its own")
+    entries = {k: EntrySpec(e.kind, e.path, e.dtype, e.shape, e.layout) for k, e in local.entries.items()}
+    mine = SavePlan(entries, table_sub_ids(entries, local.items), list(local.objects))
+    save_id = uuid.uuid4().hex[:16]
+    own = data_file_names(rank, save_id, thread_count)
+    coord = Coordinator(None, no_dist=True)
+    what = f"rank-local save of rank {rank} to {where or 'storage'}"
+    results = write_and_report(coord, writer, "write", lambda: write_plan(mine, planner, writer, rank, save_id,
+                                                                          thread_count), own, what, save_id)
+    name = fragment_name(rank)
+
+    def fragment() -> md.Metadata:
+        return fragment_of(build_metadata(entries, results, save_id, world, user_metadata or {}), rank, world)
+
+    try:
+        previous, _ = commit_metadata(writer, built := fragment(), name)
+    except CommitError:
+        raise  # it may have committed: the files stay
+    except BaseException as exc:
+        remove_own_files(writer, own)
+        if isinstance(exc, NotCommittedError) and exc.__cause__ is not None:
+            raise exc.__cause__ from None
+        raise
+    reclaim_replaced(writer, previous, built.file_names())
+    return built
 
 
 def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
@@ -275,28 +374,39 @@ def load(
     planner: LoadPlanner | None = None,
     process_group: Any = None,
     no_dist: bool = False,
-    strict: bool = True,
+    use_collectives: bool = True,
+    strict: bool | str = True,
     coordinator_rank: int = 0,
     allow_pickle: bool = False,
     thread_count: int = 4,
     verify: bool = True,
     timeout: timedelta | float | None = None,
+    broadcast_replicated_tensors: bool = True,
+    broadcast_groups: dict[tuple[int, ...], Any] | None = None,
+    broadcast_batch_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint, resharding from the saved layout into the target's.
 
     ``load(sd, path)`` fills ``sd`` in place: each DTensor gets its local shard under its
-    own placements (whatever layout was saved), each plain tensor the whole tensor, plain
-    values are replaced, Stateful objects get ``load_state_dict`` with their filled state.
-    ``load(path=p)`` with no target returns the full state as CPU tensors and plain values,
-    nested as it was saved.
+    own placements (whatever layout was saved), each plain tensor the whole tensor (a
+    target of another dtype is converted), plain values are replaced, Stateful objects get
+    ``load_state_dict`` with their filled state. ``load(path=p)`` with no target returns
+    the full state as CPU tensors and plain values, nested as it was saved.
 
     Args:
         state_dict: the target (filled in place), or None to return everything.
         path / checkpoint_id: the checkpoint directory (synonyms).
         storage_reader: a :class:`StorageReader`; default: :class:`FileSystemReader`.
         planner: a :class:`LoadPlanner`; default: :class:`StandardPlanner`.
-        strict: require the target's keys and the checkpoint's keys to match exactly. With
-            ``strict=False`` only common keys load; the others are reported in a warning.
+        process_group: as for :func:`save` (default: the world, or the one mesh over some
+            ranks that every target DTensor lives on; ranks outside that mesh need not call
+            load, and a call with an empty target returns at once without any collective).
+        use_collectives: False: this rank reads only its own fragment of a rank-local
+            checkpoint (a same-layout load, no collective).
+        strict: ``True`` (default): every key this rank asks for must be in the checkpoint
+            (keys the checkpoint holds and no target asks for are fine: pipeline stages,
+            model-only loads). ``False``: load what exists and warn about the rest.
+            ``"all"``: also require that every checkpoint key is asked for by some rank.
         allow_pickle: permit unpickling values saved with ``allow_pickle=True``.
         thread_count: reader threads per rank (files are read in parallel, each front to back).
         timeout: bound on every cross-rank exchange (seconds or timedelta; default 30 min).
@@ -304,14 +414,20 @@ def load(
             of whole rows, so a load that needs part of each row (e.g. ``Shard(0)`` saved,
             ``Shard(1)`` loaded) reads whole rows. ``verify=False`` reads only the bytes the
             target needs and checks sizes but no checksums.
+        broadcast_replicated_tensors, broadcast_groups, broadcast_batch_bytes: HyperParallel's
+            switches for reading replicated data once and sending it to the other ranks that
+            need it. Accepted for compatibility; they change only how bytes are fetched, never
+            what is loaded.
 
     Returns:
         The filled ``state_dict`` (the same object), or the loaded nested state dict.
 
     Raises:
         NotACheckpointError: ``path`` holds no committed checkpoint.
-        MetadataError: ``.metadata`` is corrupt or of a newer format version.
-        StateDictMismatchError: missing/unexpected keys (strict), or shape/dtype mismatch.
+        MetadataError: ``.metadata`` is corrupt or of a newer format version, or fragments of
+            a rank-local checkpoint are missing (names the ranks).
+        StateDictMismatchError: a key the target asks for is missing (strict), or a shape or
+            kind mismatch.
         CorruptCheckpointError: a checksum, size or file check failed; names key and file.
         RankFailedError: on every rank in a group when any rank failed.
 
@@ -322,12 +438,28 @@ def load(
     """
     if isinstance(state_dict, (str, os.PathLike)) and path is None and checkpoint_id is None:
         state_dict, path = None, state_dict
+    if strict not in (True, False, "all"):
+        raise ValueError(f"strict must be True, False or 'all', found {strict!r}")
+    if broadcast_groups is not None and not broadcast_replicated_tensors:
+        raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True")
     where = _resolve_path(path, checkpoint_id, storage_reader)
-    coord = _coordinator(process_group, no_dist, coordinator_rank, timeout)
+    if isinstance(state_dict, dict) and not state_dict and process_group is None:
+        return state_dict  # nothing to load: no collective (HyperParallel's ranks outside a sub-mesh pass {})
+    rank_local = not use_collectives and not no_dist and _distributed()
+    if rank_local:
+        my_rank = dist.get_rank(process_group) if process_group is not None else dist.get_rank()
+        coord = _coordinator(None, True, 0, timeout)
+    else:
+        process_group = process_group if process_group is not None or no_dist else _mesh_group(state_dict)
+        coord = _coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
+        my_rank = coord.rank
     planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
+    if getattr(planner, "allow_partial_load", False) and strict is True:
+        strict = False  # StandardLoadPlanner(allow_partial_load=True): HyperParallel's strict=False
     reader: StorageReader = storage_reader  # type: ignore[assignment]
     flat: Any = None
     raw: list[bytes] = []
+    label = f"{where or 'checkpoint'}/{md.METADATA_FILE}"
 
     def read_metadata() -> None:
         # Everything that can fail on one rank happens inside an exchange, so the others
@@ -337,35 +469,63 @@ def load(
             reader = _default_reader(where)
         reader.set_up(coord.rank, coord.is_coordinator)
         flat = flatten(state_dict) if state_dict is not None else None
-        if coord.is_coordinator:
-            raw.append(reader.read_metadata())
+        if rank_local:
+            raw.append(read_fragment(reader, my_rank, where or "checkpoint").to_json())
+        elif coord.is_coordinator:
+            raw.append(read_checkpoint_metadata(reader, where or "checkpoint"))
 
     loaded: list[Any] = []
     try:
         coord.exchange("load (reading metadata)", read_metadata)
-        meta_bytes = coord.broadcast(raw[0] if raw else None, "load (metadata broadcast)")
+        meta_bytes = raw[0] if rank_local else coord.broadcast(raw[0] if raw else None, "load (metadata broadcast)")
 
-        def plan_and_read() -> int:
-            meta = md.Metadata.from_json(meta_bytes, where=f"{where or 'checkpoint'}/{md.METADATA_FILE}")
+        def plan_and_read() -> tuple[int, bytes]:
+            meta = md.Metadata.from_json(meta_bytes, where=label)
             planner.set_up_load(FlatStateDict.of(flat) if flat else None, meta, coord.is_coordinator,
-                                rank=coord.rank)
+                                rank=my_rank)
             plan = planner.create_local_load_plan()
             _check_keys(planner, strict)
             stats = read_plan(plan, planner, reader, thread_count, verify=verify)
             loaded.extend((planner.finish_load(), meta))
-            return stats.bytes_read
+            return stats.bytes_read, _asked_for(meta, planner) if strict == "all" else b""
 
-        coord.exchange("load", plan_and_read)
+        outcomes = coord.exchange("load", plan_and_read)
     finally:
         if reader is not None:
             reader.close()
     values, meta = loaded
+    if strict == "all":
+        _check_all_asked_for(meta, [asked for _, asked in outcomes])
     if flat is None:
         return unflatten({meta.entries[k].path: v for k, v in values.items()})
     # Putting values back can raise too (a Stateful's load_state_dict): in an exchange of its
     # own, after every rank has read, so no rank is left waiting and none applies half-read data.
     coord.exchange("load (applying)", lambda: _apply(flat, values, planner))
     return state_dict
+
+
+def _asked_for(meta: md.Metadata, planner: Any) -> bytes:
+    """A bitmap over the checkpoint's sorted keys: those this rank's target asked for."""
+    keys = sorted(meta.entries)
+    asked = set(meta.entries) - set(getattr(planner, "unexpected_keys", []))
+    bits = bytearray(-(-len(keys) // 8))
+    for i, k in enumerate(keys):
+        if k in asked:
+            bits[i // 8] |= 1 << (i % 8)
+    return bytes(bits)
+
+
+def _check_all_asked_for(meta: md.Metadata, bitmaps: list[bytes]) -> None:
+    keys = sorted(meta.entries)
+    union = bytearray(-(-len(keys) // 8))
+    for b in bitmaps:
+        for i, x in enumerate(b):
+            union[i] |= x
+    left = [k for i, k in enumerate(keys) if not union[i // 8] >> (i % 8) & 1]
+    if left:
+        raise StateDictMismatchError(
+            f"load(strict='all'): {len(left)} checkpoint key(s) were asked for by no rank: "
+            f"{', '.join(map(repr, left[:20]))}{' ...' if len(left) > 20 else ''}")
 
 
 def _apply(flat: Any, values: dict[str, Any], planner: Any) -> None:
@@ -409,21 +569,15 @@ def _check_complete_alone(plan: SavePlan) -> None:
                 "ranks' shards. Save from every rank with collectives, or gather the tensor first")
 
 
-def _check_keys(planner: Any, strict: bool) -> None:
+def _check_keys(planner: Any, strict: bool | str) -> None:
+    """Keys the target asks for must exist (unless strict=False, which warns); checkpoint keys
+    nobody asks for are fine (``strict="all"`` checks those across ranks, after reading)."""
     missing = list(getattr(planner, "missing_keys", []))
-    unexpected = list(getattr(planner, "unexpected_keys", []))
-    if not (missing or unexpected):
+    if not missing:
         return
-    def show(keys: list[str]) -> str:
-        return ", ".join(map(repr, keys[:20])) + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint: {show(missing)}")
-    if unexpected:
-        parts.append(f"in the checkpoint but not in the target: {show(unexpected)}")
+    shown = ", ".join(map(repr, missing[:20])) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
     if strict:
         raise StateDictMismatchError(
-            "the target state dict and the checkpoint have different keys; "
-            + "; ".join(parts) + ". Pass strict=False to load only the common keys"
-        )
-    warnings.warn("load(strict=False) skipped keys: " + "; ".join(parts), stacklevel=3)
+            f"the target asks for key(s) the checkpoint does not hold: {shown}. Pass strict=False to load "
+            "only the keys that exist")
+    warnings.warn(f"load(strict=False) skipped key(s) the checkpoint does not hold: {shown}", stacklevel=3)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import inspect
 import os
 import queue
 import threading
@@ -53,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import metadata as md
-from .api import save
+from .api import _mesh_group, save
 from .errors import CheckpointError
 from .flatten import FlatStateDict, flatten
 from .planner import SavePlanner
@@ -274,7 +275,7 @@ class AsyncSaveResponse:
         checkpoint_id: where the checkpoint goes (None when only a storage writer was given).
         staging: ``"eager"`` or ``"lazy"``.
         persist_completion: a :class:`concurrent.futures.Future` resolved with the committed
-            :class:`~.metadata.Metadata` (on the coordinator rank; None on the others), or with
+            :class:`~.metadata.Metadata` (on every rank), or with
             the save's error.
         blocking_s: seconds the ``async_save`` call took.
         staging_s: seconds the snapshot copies took (set once staged).
@@ -323,7 +324,7 @@ class AsyncSaveResponse:
             raise TimeoutError(f"async save to {self.checkpoint_id!r}: not staged after {timeout}s")
 
     def result(self, timeout: Any = _BOUNDED) -> md.Metadata | None:
-        """Wait for the commit; return the Metadata (coordinator) or None (other ranks).
+        """Wait for the commit; return the committed Metadata (every rank).
 
         Args:
             timeout: seconds to wait; by default the checkpointer's ``wait_timeout_s`` (so a
@@ -335,6 +336,10 @@ class AsyncSaveResponse:
         """
         self._wait_finished(timeout)
         return self.persist_completion.result()
+
+    def get_result(self, timeout: Any = _BOUNDED) -> md.Metadata | None:
+        """:meth:`result` (HyperParallel's name)."""
+        return self.result(timeout)
 
     def exception(self, timeout: Any = _BOUNDED) -> BaseException | None:
         """The save's error, or None if it committed (waits like :meth:`result`)."""
@@ -438,7 +443,8 @@ class AsyncCheckpointer:
         timeout: timedelta | float | None = None,
         user_metadata: dict[str, Any] | None = None,
         staging: str = "eager",
-        callback: Callable[[AsyncSaveResponse], None] | None = None,
+        callback: Callable[..., Any] | None = None,
+        use_gloo: bool = True,
     ) -> AsyncSaveResponse:
         """Start an async save; see :func:`async_save` for the arguments."""
         started = time.perf_counter()
@@ -458,6 +464,8 @@ class AsyncCheckpointer:
 
         self._make_room()
         distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
+        if distributed and process_group is None:
+            process_group = _mesh_group(state_dict)  # DTensors on one mesh over some ranks: those ranks
         group = self._dedicated_group(process_group, timeout) if distributed else None
 
         response = AsyncSaveResponse(where, staging, callback, self.wait_timeout_s)
@@ -572,9 +580,12 @@ class AsyncCheckpointer:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         timeout = timeout or _group_timeout(process_group or world)
-        whole_world = len(ranks) == dist.get_world_size()
-        group = dist.new_group(list(ranks), timeout=timeout, backend="gloo",
-                               use_local_synchronization=not whole_world)
+        if len(ranks) == dist.get_world_size():
+            group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+        else:  # created by its members alone
+            from ...platform import member_group
+
+            group = member_group(ranks, backend="gloo", timeout=timeout)
         self._groups[ranks] = (world, group)
         return group
 
@@ -697,7 +708,7 @@ class AsyncCheckpointer:
         if response._callback is not None:
             response._callback_thread = threading.get_ident()
             try:
-                response._callback(response)
+                _call_back(response._callback, response)
             except Exception as exc:
                 warnings.warn(f"async save callback {response._callback!r} raised {exc!r}", stacklevel=1)
             finally:
@@ -722,6 +733,16 @@ class AsyncCheckpointer:
         for where, error in failures:
             warnings.warn(f"process exit: the async save to {where!r} failed and nobody waited for it: "
                           f"{error}", stacklevel=1)
+
+
+def _call_back(callback: Callable[..., Any], response: AsyncSaveResponse) -> None:
+    """``callback(response)``, or ``callback()`` for a callback that takes no argument."""
+    try:
+        params = inspect.signature(callback).parameters.values()
+        wants = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+    except (TypeError, ValueError):  # no signature (some builtins): pass the response
+        wants = True
+    callback(response) if wants else callback()
 
 
 def _source(value: Any) -> Any:
@@ -826,8 +847,9 @@ def async_save(
     timeout: timedelta | float | None = None,
     user_metadata: dict[str, Any] | None = None,
     staging: str = "eager",
-    callback: Callable[[AsyncSaveResponse], None] | None = None,
+    callback: Callable[..., Any] | None = None,
     checkpointer: AsyncCheckpointer | None = None,
+    use_gloo: bool = True,
 ) -> AsyncSaveResponse:
     """Save like :func:`~.api.save`, but return once a snapshot of the state dict is taken.
 
@@ -851,15 +873,20 @@ def async_save(
             :func:`register_optimizer_hook` — before the tensors change). Lazy snapshots read
             the live tensors, so anything a forward pass updates in place (BatchNorm running
             statistics) must be waited for before that forward pass.
-        callback: called as ``callback(response)`` in the background thread once the save
-            committed or failed, before ``result()`` returns anywhere else; inside it,
-            ``response.result()`` returns at once. It must not wait for other saves (they
-            run after it); exceptions it raises become warnings.
+        callback: called once in the background thread when the save committed or failed,
+            before ``result()`` returns anywhere else: as ``callback(response)``, or as
+            ``callback()`` if it takes no argument (HyperParallel's convention). Inside it,
+            ``response.result()`` returns at once. It must not wait for other saves (they run
+            after it); exceptions it raises become warnings.
         checkpointer: the :class:`AsyncCheckpointer` to use (default: :func:`default_checkpointer`).
+        use_gloo: accepted for HyperParallel code. The background save always coordinates on
+            a dedicated gloo group (so it never shares a communicator with training, on any
+            device); ``use_gloo=False`` changes nothing.
 
     Returns:
-        An :class:`AsyncSaveResponse`: ``result()`` waits for the commit and returns the
-        :class:`Metadata` (coordinator) or None; ``persist_completion`` is the same as a Future.
+        An :class:`AsyncSaveResponse`: ``result()`` (or ``get_result()``) waits for the commit
+        and returns the :class:`Metadata`, on every rank; ``persist_completion`` is the same as
+        a Future.
 
     Raises:
         AsyncSaveError: the previous async save failed (nothing new is started).
@@ -879,7 +906,7 @@ def async_save(
         process_group=process_group, no_dist=no_dist, use_collectives=use_collectives,
         coordinator_rank=coordinator_rank, allow_pickle=allow_pickle, thread_count=thread_count,
         sync_files=sync_files, timeout=timeout, user_metadata=user_metadata, staging=staging,
-        callback=callback)
+        callback=callback, use_gloo=use_gloo)
 
 
 def register_optimizer_hook(

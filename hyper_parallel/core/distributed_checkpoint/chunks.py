@@ -35,6 +35,12 @@ class ChunkRef:
     files: tuple[md.FileRecord, ...]
     nbytes: int
     record: md.ChunkRecord | None = None
+    subs: tuple[int, ...] | None = None  # the chunk's id in each of ``files`` when they differ
+
+    def candidates(self) -> list[tuple[md.FileRecord, int]]:
+        """(file, chunk id in that file) to look in, in order of preference."""
+        subs = self.subs if self.subs is not None else (self.sub,) * len(self.files)
+        return list(zip(self.files, subs, strict=True))
 
 
 class _Locator:
@@ -131,8 +137,9 @@ def _table_refs(meta: md.Metadata, entry: md.Entry, rows: np.ndarray, rank: int 
         first = members[order[0]]
         record = store.records[first] if store.records is not None else None
         box = Box(offsets, sizes)
-        out.append(ChunkRef(entry.key, first, box, tuple(files[j] for j in order),
-                            box.numel * md.itemsize(entry.dtype), record))
+        subs = tuple(store.sub(members[j]) for j in order) if store.subs is not None else None
+        out.append(ChunkRef(entry.key, store.sub(first), box, tuple(files[j] for j in order),
+                            box.numel * md.itemsize(entry.dtype), record, subs))
     return out
 
 

@@ -77,10 +77,9 @@ def write_and_report(coord: Coordinator, writer: StorageWriter, phase: str, writ
 
 
 def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make_meta: Callable[[], md.Metadata],
-                     own_files: list[str], what: str, save_id: str) -> md.Metadata | None:
-    """Steps 3-5: the coordinator commits ``make_meta()``; every rank learns the verdict.
-
-    Returns the committed Metadata on the coordinator, None elsewhere; raises as the module
+                     own_files: list[str], what: str, save_id: str) -> md.Metadata:
+    """Steps 3-5: the coordinator commits ``make_meta()``; every rank learns the verdict and
+    gets the committed Metadata (the coordinator broadcasts it); raises as the module
     docstring says.
     """
     outcome: dict[str, Any] = {}
@@ -90,7 +89,7 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
             return None
         try:
             meta = make_meta()
-            outcome["previous"] = commit_metadata(writer, meta)
+            outcome["previous"], outcome["payload"] = commit_metadata(writer, meta)
             outcome["meta"] = meta
             return ("committed", None)
         except CommitError as exc:
@@ -124,40 +123,48 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
         raise error if isinstance(error, CommitError) else CommitError(detail, None, save_id)
     if own is not None:  # committed; a rank interrupted meanwhile still raises its interruption
         raise own
-    if not coord.is_coordinator:
-        return None
-    reclaim_replaced(writer, outcome["previous"], outcome["meta"].file_names())
-    return outcome["meta"]
+    try:  # every rank returns the committed metadata (the coordinator's, parsed)
+        payload = coord.broadcast(outcome.get("payload"), f"{phase} (metadata)")
+    except LostContactError as lost:
+        raise CommitError(f"{what} is committed (save id {save_id}), but contact with other ranks was lost "
+                          f"right after: {lost}", True, save_id) from lost
+    if coord.is_coordinator:
+        reclaim_replaced(writer, outcome["previous"], outcome["meta"].file_names())
+        return outcome["meta"]
+    return md.Metadata.from_json(payload)
 
 
 class NotCommittedError(Exception):
     """Internal: the coordinator's commit failed and ``.metadata`` is unchanged."""
 
 
-def commit_metadata(writer: StorageWriter, meta: md.Metadata) -> bytes | None:
-    """Put ``meta`` in place as the checkpoint's ``.metadata``; the point of no return.
+def commit_metadata(writer: StorageWriter, meta: md.Metadata, name: str = md.METADATA_FILE
+                    ) -> tuple[bytes | None, bytes]:
+    """Put ``meta`` in place as the checkpoint's ``.metadata`` (or fragment ``name``); the
+    point of no return.
 
-    Returns the bytes of the ``.metadata`` it replaced (None if there was none or it could
-    not be read), for :func:`reclaim_replaced` to use after the verdict.
+    Returns the bytes of the metadata it replaced (None if there was none or it could not
+    be read), for :func:`reclaim_replaced` to use after the verdict, and the bytes committed.
 
     Raises:
         NotCommittedError: the storage kept the previous ``.metadata`` (cause chained).
         CommitError: ``commit`` failed and what the storage holds now cannot be read
             (``committed=None``).
     """
+    other = {} if name == md.METADATA_FILE else {"name": name}
     try:
-        previous = writer.read_committed()
+        previous = writer.read_committed(**other)
     except Exception as exc:  # an unreadable old checkpoint: commit anyway, reclaim nothing
         warnings.warn(f"could not read the checkpoint being replaced ({exc}); its data files will "
                       "not be removed after the commit", stacklevel=3)
         previous = None
     payload = meta.to_json()
     try:
-        writer.commit(payload)
-        return previous
+        writer.commit(payload, **other)
+        return previous, payload
     except BaseException as exc:
         try:
-            now = writer.read_committed()
+            now = writer.read_committed(**other)
         except Exception as probe:
             raise CommitError(
                 f"committing .metadata failed ({type(exc).__name__}: {exc}) and the storage could not "
@@ -167,7 +174,7 @@ def commit_metadata(writer: StorageWriter, meta: md.Metadata) -> bytes | None:
             raise NotCommittedError(f"{type(exc).__name__}: {exc}") from exc
         warnings.warn(f"the checkpoint is committed (save id {meta.save_id}), but the storage reported "
                       f"an error after putting .metadata in place: {type(exc).__name__}: {exc}", stacklevel=3)
-        return previous
+        return previous, payload
 
 
 def reclaim_replaced(writer: StorageWriter, previous: bytes | None, keep: Iterable[str]) -> list[str]:

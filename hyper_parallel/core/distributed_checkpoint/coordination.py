@@ -35,9 +35,9 @@ def _gloo_group(group: Any, timeout: timedelta | None) -> tuple[Any, str]:
 
     For the whole world (``group`` None) a dedicated gloo group is made once per timeout, so
     checkpoint traffic never interleaves with training collectives and a stuck rank turns
-    into an error after ``timeout``. A caller's gloo subgroup is used as it is (making a new
-    group would need every rank of the world to join). Any other subgroup gets a gloo twin,
-    which every rank of the world must create together: call save/load on all ranks.
+    into an error after ``timeout``. A caller's gloo subgroup is used as it is. Any other
+    subgroup gets a gloo twin created by its members alone (ranks outside it need not call
+    save/load).
 
     The token is unique per (world, group) for the life of the process: entries hold their
     world and group, so ``id()``s in the key cannot be reused by other objects meanwhile.
@@ -51,9 +51,13 @@ def _gloo_group(group: Any, timeout: timedelta | None) -> tuple[Any, str]:
     if cached is None or cached[0] is not world or cached[1] is not group:
         if use_as_is:
             made = group
+        elif group is None:
+            made = dist.new_group(backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
         else:
-            ranks = None if group is None else dist.get_process_group_ranks(group)
-            made = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
+            from ...platform import member_group
+
+            made = member_group(dist.get_process_group_ranks(group), backend="gloo",
+                                timeout=timeout or DEFAULT_TIMEOUT)
         _GLOO_GROUPS[key] = cached = (world, group, made, uuid.uuid4().hex)
     return cached[2], cached[3]
 

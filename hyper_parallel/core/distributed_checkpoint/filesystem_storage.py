@@ -63,14 +63,14 @@ class FileSystemWriter(StorageWriter):
             os.close(fd)
         return total
 
-    def read_committed(self) -> bytes | None:
+    def read_committed(self, name: str = METADATA_FILE) -> bytes | None:
         try:
-            with open(os.path.join(self.path, METADATA_FILE), "rb") as f:
+            with open(os.path.join(self.path, name), "rb") as f:
                 return f.read()
         except FileNotFoundError:
             return None
 
-    def commit(self, metadata: bytes) -> None:
+    def commit(self, metadata: bytes, name: str = METADATA_FILE) -> None:
         tmp = os.path.join(self.path, f"{METADATA_FILE}.tmp-{uuid.uuid4().hex}")
         try:
             with open(tmp, "wb") as f:
@@ -78,7 +78,7 @@ class FileSystemWriter(StorageWriter):
                 f.flush()
                 if self.sync_files:
                     os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.path, METADATA_FILE))
+            os.replace(tmp, os.path.join(self.path, name))
         except BaseException:
             try:
                 self.remove([os.path.basename(tmp)])

@@ -59,14 +59,14 @@ class FsspecWriter(StorageWriter):
                 total += memoryview(part).nbytes
         return total
 
-    def read_committed(self) -> bytes | None:
+    def read_committed(self, name: str = METADATA_FILE) -> bytes | None:
         try:
-            return self.fs.cat_file(self._path(METADATA_FILE))
+            return self.fs.cat_file(self._path(name))
         except FileNotFoundError:
             return None
 
-    def commit(self, metadata: bytes) -> None:
-        self.fs.pipe_file(self._path(METADATA_FILE), metadata)
+    def commit(self, metadata: bytes, name: str = METADATA_FILE) -> None:
+        self.fs.pipe_file(self._path(name), metadata)
 
     def remove(self, names: Iterable[str]) -> None:
         for name in names:

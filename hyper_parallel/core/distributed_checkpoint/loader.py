@@ -239,9 +239,9 @@ def resolve(ref: ChunkRef, cache: IndexCache) -> md.ChunkRecord:
     if ref.record is not None:
         return ref.record
     errors = []
-    for f in ref.files:
+    for f, sub in ref.candidates():
         try:
-            found = cache.get(f).find(ref.key, ref.sub, ref.box.sizes, ref.nbytes)
+            found = cache.get(f).find(ref.key, sub, ref.box.sizes, ref.nbytes)
         except CorruptCheckpointError as exc:
             errors.append(str(exc))
             continue
@@ -369,7 +369,10 @@ def read_box(
 
 def read_metadata(reader: StorageReader, where: str | None = None) -> md.Metadata:
     """Read and validate a checkpoint's ``.metadata`` through ``reader`` (for offline tools)."""
-    return md.Metadata.from_json(reader.read_metadata(), where=where or md.METADATA_FILE)
+    from .fragments import read_checkpoint_metadata
+
+    return md.Metadata.from_json(read_checkpoint_metadata(reader, where or "checkpoint"),
+                                 where=where or md.METADATA_FILE).attach()
 
 
 from .single_file import load_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)

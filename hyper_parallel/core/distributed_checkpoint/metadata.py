@@ -198,14 +198,18 @@ class GridStore:
 class TableStore:
     """Irregular chunks listed one by one: box offsets and sizes, and the file of each.
 
-    Chunk ``i`` has sub id ``i`` in its file's index. ``records`` are the v1 chunk records
-    (byte ranges and checksums known from ``.metadata`` itself).
+    Chunk ``i`` has sub id ``i`` in its file's index (or ``subs[i]``). ``records`` are the
+    v1 chunk records (byte ranges and checksums known from ``.metadata`` itself).
     """
 
     offsets: np.ndarray  # (n, ndim) int64
     sizes: np.ndarray  # (n, ndim) int64
     file: np.ndarray  # (n,) int32, index into Metadata.files
     records: list[ChunkRecord] | None = None
+    subs: np.ndarray | None = None  # (n,) chunk ids in file indexes, when not 0..n-1 (merged fragments)
+
+    def sub(self, i: int) -> int:
+        return int(self.subs[i]) if self.subs is not None else i
 
     def __len__(self) -> int:
         return len(self.file)
@@ -257,12 +261,26 @@ class Metadata:
     files: list[FileRecord] = field(default_factory=list)
     dirs: list[str] = field(default_factory=lambda: [""])
     rank_lists: list[list[int]] = field(default_factory=list)
+    fragment: tuple[int, int] | None = None  # (rank, world size) of a rank-local checkpoint's fragment
 
     def attach(self) -> Metadata:
         """Let every entry know the metadata it belongs to (``Entry.metadata``); returns self."""
         for entry in self.entries.values():
             entry.__dict__["_meta"] = weakref.ref(self)
         return self
+
+    @property
+    def state_dict_metadata(self) -> dict[str, Any]:
+        """Every saved key's metadata shaped like torch DCP's (and HyperParallel's).
+
+        A tensor key maps to a ``TensorStorageMetadata`` (``.size``, ``.properties.dtype``,
+        ``.chunks`` with each saved chunk's ``.offsets`` and ``.sizes``); any other value to
+        a ``BytesStorageMetadata``. Built on first access (it lists every chunk).
+        """
+        view = self.__dict__.get("_sdm")
+        if view is None:
+            view = self.__dict__["_sdm"] = _state_dict_metadata(self)
+        return view
 
     def file_names(self) -> list[str]:
         """The data files in this checkpoint's own directory (what retention may delete)."""
@@ -316,6 +334,8 @@ class Metadata:
                       for f in self.files],
             "entries": entries,
         }
+        if self.fragment is not None:
+            doc["fragment"] = list(self.fragment)
         return seal_json(doc)
 
     @classmethod
@@ -335,6 +355,29 @@ class Metadata:
             _check_own_crc(raw, doc, where)
         with paused_gc():
             return _parse(doc, where).attach()
+
+
+def _state_dict_metadata(meta: Metadata) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from .chunks import all_chunks
+
+    out: dict[str, Any] = {}
+    for key, e in meta.entries.items():
+        if e.kind not in ("tensor", "ndarray"):
+            out[key] = BytesStorageMetadata()
+            continue
+        chunks = [ChunkStorageMetadata(torch.Size(r.box.offsets), torch.Size(r.box.sizes))
+                  for r in all_chunks(meta, e)]
+        chunks.sort(key=lambda c: tuple(c.offsets))
+        out[key] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(e.dtype)), torch.Size(e.shape or ()),
+                                         chunks)
+    return out
 
 
 def _b64(a: np.ndarray, dtype: str) -> str:
@@ -357,8 +400,11 @@ def _encode_store(store: Any, key: str, layout_json: Any) -> dict[str, Any]:
     if isinstance(store, TableStore):
         if store.records is not None:
             raise ValueError(f"{key!r} was read from a format-v1 checkpoint; it cannot be written as v2")
-        return {"table": {"n": len(store), "offsets": _b64(store.offsets, "<i8"), "sizes": _b64(store.sizes, "<i8"),
-                          "file": _b64(store.file, "<i4")}}
+        t = {"n": len(store), "offsets": _b64(store.offsets, "<i8"), "sizes": _b64(store.sizes, "<i8"),
+             "file": _b64(store.file, "<i4")}
+        if store.subs is not None:
+            t["sub"] = _b64(store.subs, "<i4")
+        return {"table": t}
     raise ValueError(f"{key!r} has no store")
 
 
@@ -453,6 +499,12 @@ def _parse(doc: Any, where: str) -> Metadata:
         meta.files = [FileRecord(n) for n in names]
         meta.entries = {key: _parse_entry_v1(key, e, names, where) for key, e in entries_raw.items()}
         return meta
+    if doc.get("fragment") is not None:
+        frag = doc["fragment"]
+        if not isinstance(frag, list) or len(frag) != 2:
+            raise MetadataError(f"{where}: 'fragment' must be [rank, world size]")
+        size = _int(frag[1], where, None, "fragment world size", lo=1, hi=MAX_WORLD)
+        meta.fragment = (_int(frag[0], where, None, "fragment rank", hi=size - 1), size)
     meta.dirs = _parse_dirs(doc.get("dirs"), where)
     meta.rank_lists = _parse_rank_lists(doc.get("rank_lists"), where)
     meta.files = _parse_files(doc.get("files"), meta.dirs, where)
@@ -614,7 +666,13 @@ def _parse_table(key: str, t: dict, shape: tuple[int, ...], n_files: int, where:
     if sum(math.prod(s) for _, s in boxes) > math.prod(shape):
         raise _fail(where, key, "table chunks hold more elements than the tensor: they overlap")
     _check_disjoint(boxes, where, key)
-    return TableStore(offsets, sizes, files.astype(np.int32))
+    subs = None
+    if t.get("sub") is not None:
+        subs = _column(t["sub"], "<i4", n, where, key, "sub")
+        if n and (subs < 0).any():
+            raise _fail(where, key, "table chunk ids must not be negative")
+        subs = subs.astype(np.int32)
+    return TableStore(offsets, sizes, files.astype(np.int32), subs=subs)
 
 
 def _parse_entry_v1(key: str, e: Any, files: list[str], where: str) -> Entry:

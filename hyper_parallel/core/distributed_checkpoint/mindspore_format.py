@@ -51,7 +51,7 @@ from .box import Box
 from .data_file import tensor_bytes
 from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader
-from .loader import read_box
+from .loader import read_box, read_metadata
 from .mindspore_strategy import read_strategy
 from .offline_transform import _prefixed_path, write_streaming
 from .planner import EntrySpec, WriteItem
@@ -680,7 +680,7 @@ def export_mindspore(
         raise CheckpointError(f"{dst!r} already exists; pass overwrite=True to replace it")
     reader = FileSystemReader(src)
     try:
-        meta = md.Metadata.from_json(reader.read_metadata())
+        meta = read_metadata(reader)
         summary = ExportSummary(dst, fmt)
         plan: list[tuple[str, str, tuple[int, ...], md.Entry | None, Any]] = []  # name, dtype, shape, entry, value
         for key, e in meta.entries.items():

@@ -41,6 +41,7 @@ from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import CorruptCheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .fragments import read_checkpoint_metadata
 from .grid import Grid
 from .layout import Layout, TensorLayout, match_layout, placement_to_name
 from .loader import read_box
@@ -336,7 +337,7 @@ def reshard(
         progress: called with the bytes of each chunk this process has read (for a bar).
 
     Returns:
-        The new checkpoint's :class:`Metadata` on the coordinator, None on other ranks.
+        The new checkpoint's :class:`Metadata` (on every rank of the group).
 
     Raises:
         CorruptCheckpointError: the source lacks data for some region of a key (names the key
@@ -374,7 +375,7 @@ def reshard(
         storage_reader.set_up(coord.rank, coord.is_coordinator)
         storage_writer.set_up(coord.rank, coord.is_coordinator)
         if coord.is_coordinator:
-            raw.append((storage_reader.read_metadata(), uuid.uuid4().hex[:16]))
+            raw.append((read_checkpoint_metadata(storage_reader, where), uuid.uuid4().hex[:16]))
 
     state: dict[str, Any] = {}
     mine: list[int] = []

@@ -168,10 +168,25 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         return self._origin.get(key, key if self._origin_identity else None)
 
     def _transform(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """:meth:`transform_state_dict`, remembering where each new key came from."""
+        """:meth:`transform_state_dict`, then ``topology_mapper``, remembering where each new
+        key came from."""
         out = self.transform_state_dict(state_dict)
         self._origin_identity = out is state_dict
         self._origin = {} if out is state_dict else _trace_origins(self, state_dict, out)
+        mapper = self.topology_mapper
+        if mapper is not None:
+            mapped: dict[str, Any] = {}
+            origin: dict[str, str] = {}
+            for key, value in out.items():
+                new = mapper.map_fqn(key) if hasattr(mapper, "map_fqn") else mapper(key)
+                if new in mapped:
+                    raise StateDictMismatchError(f"topology_mapper maps two keys to {new!r} "
+                                                 f"({origin.get(new)!r} and {key!r})")
+                mapped[new] = value
+                source = self._origin.get(key, key if self._origin_identity else None)
+                if source is not None:
+                    origin[new] = source
+            out, self._origin, self._origin_identity = mapped, origin, False
         return out
 
     def cache_key(self) -> Any:

@@ -66,16 +66,21 @@ class StorageWriter(abc.ABC):
         """
 
     @abc.abstractmethod
-    def read_committed(self) -> bytes | None:
+    def read_committed(self, name: str = ".metadata") -> bytes | None:
         """The bytes of the ``.metadata`` the storage holds now, or None if it holds none.
 
         The coordinator calls it before ``commit`` (to know what the commit replaces) and
         after a failed ``commit`` (to learn whether the commit took effect after all).
+        ``name`` is another metadata file (a rank-local fragment); a backend that does not
+        support rank-local checkpoints may ignore it and raise for other names.
         """
 
     @abc.abstractmethod
-    def commit(self, metadata: bytes) -> None:
+    def commit(self, metadata: bytes, name: str = ".metadata") -> None:
         """Atomically make ``.metadata`` hold ``metadata`` (the coordinator, once per save).
+
+        ``name``: commit another metadata file instead (each rank's fragment of a rank-local
+        checkpoint, ``save(..., use_collectives=False)``).
 
         Before it returns, readers see the previous checkpoint (or none); after, the new one;
         never a mix. Raise only when the new ``.metadata`` is NOT in place: problems after

@@ -66,7 +66,7 @@ from .errors import CheckpointError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader
 from .flatten import unflatten
 from .layout import TensorLayout
-from .loader import read_box
+from .loader import read_box, read_metadata
 from .offline_transform import parse_size
 from .storage import StorageReader
 
@@ -385,7 +385,7 @@ def export_torch_dcp(
         raise CheckpointError(f"{dst!r} exists and is not a directory; a checkpoint is a directory")
     if os.path.exists(os.path.join(dst, md.METADATA_FILE)) and not overwrite:
         raise CheckpointError(f"{dst!r} already holds a checkpoint; pass overwrite=True to replace it")
-    meta = md.Metadata.from_json(reader.read_metadata())
+    meta = read_metadata(reader)
     pickled = [k for k, e in meta.entries.items() if e.kind == "pickle"]
     if pickled and not allow_pickle:
         raise UnsupportedValueError(

@@ -29,6 +29,7 @@ from .commit import unreferenced_files
 from .data_file import INDEX_NAME, FileIndex, check_index, key_id
 from .errors import CheckpointError
 from .filesystem_storage import FileSystemReader
+from .fragments import read_checkpoint_metadata
 from .storage import StorageReader
 
 
@@ -105,7 +106,7 @@ def verify_checkpoint(
     reader = storage_reader or FileSystemReader(path)
     report = VerifyReport(str(path or getattr(reader, "path", getattr(reader, "url", ""))))
     try:
-        meta = md.Metadata.from_json(reader.read_metadata())
+        meta = md.Metadata.from_json(read_checkpoint_metadata(reader, report.path))
     except CheckpointError as exc:
         report.problems.append(str(exc))
         return report
@@ -175,12 +176,18 @@ def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
         except CheckpointError as exc:
             report.problems.append(str(exc))
             continue
+        if isinstance(entry.store, md.TableStore):  # every row is a chunk in its own file
+            store = entry.store
+            for i in range(len(store)):
+                box = Box(tuple(store.offsets[i].tolist()), tuple(store.sizes[i].tolist()))
+                expected.setdefault(meta.files[int(store.file[i])].path, {})[(key, store.sub(i))] = box
+            continue
         for ref in refs:
-            holders = ref.files if _all_copies(entry) else ref.files[:1]
+            holders = ref.candidates() if _all_copies(entry) else ref.candidates()[:1]
             if not holders:
                 report.problems.append(f"{key!r}: chunk {ref.box} has no data file listed for its writer")
-            for f in holders:
-                expected.setdefault(f.path, {})[(key, ref.sub)] = ref.box
+            for f, sub in holders:
+                expected.setdefault(f.path, {})[(key, sub)] = ref.box
     report.unreferenced = unreferenced_files(reader, meta.file_names())
     report.files = len(meta.files)
     for f in meta.files:

@@ -288,7 +288,7 @@ def rank_alone(rank: int, ws: int, path: str) -> str:
     with pytest.raises(UnsupportedValueError, match="'w'.*saves alone"):
         save(sharded, f"{path}-{rank}", no_dist=True)
     replicated = {"w": make_dtensor(make_tensor((6, 4)), mesh, [Replicate()])}
-    save(replicated, f"{path}-{rank}", use_collectives=False)  # a full replica: complete alone
+    save(replicated, f"{path}-{rank}", no_dist=True)  # a full replica: complete alone
     assert torch.equal(load(path=f"{path}-{rank}", no_dist=True)["w"], make_tensor((6, 4)))
     return "ok"
 

@@ -1,0 +1,153 @@
+"""Rank-local checkpoints: every rank writes its own shards and metadata, with no collective.
+
+``save(sd, path, use_collectives=False)`` on rank ``r`` of ``N`` writes ``r``'s data files
+and then, atomically, ``.metadata-r<r:05d>``: a metadata *fragment* describing only the
+chunks ``r`` holds (a table store per key) and recording ``(r, N)``. Nothing is
+deduplicated and no rank waits for another, which is what code written for
+HyperParallel's and torch's rank-local checkpointing expects.
+
+Readers:
+
+- ``load(..., use_collectives=False)`` on rank ``r`` reads only its own fragment: a
+  same-layout load (every target region must be in ``r``'s own chunks).
+- Every other reader (a collective or one-process load, a load under another layout,
+  ``inspect``, ``verify``, ``reshard``) reads all fragments and treats them as one
+  checkpoint: they must all be present (ranks ``0..N-1``, the same ``N``), agree on each
+  key's kind, dtype and shape, and carry the same ``user_metadata``; otherwise the reader
+  raises, naming the missing or disagreeing ranks. Never a silently incomplete load.
+
+A directory that holds a committed ``.metadata`` is a collective checkpoint: its fragments,
+if any, are ignored (and a rank-local save refuses to write there).
+
+What fragments cannot tell: two fragments written by different steps with the same
+structure and the same ``user_metadata``. Put the step in ``user_metadata`` (the checkpoint
+manager does) so that a mix is detected.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from . import metadata as md
+from .errors import MetadataError, NotACheckpointError
+from .storage import StorageReader
+
+_FRAGMENT = re.compile(r"^\.metadata-r(\d{5,7})$")
+
+
+def fragment_name(rank: int) -> str:
+    """The file name of rank ``rank``'s metadata fragment."""
+    return f".metadata-r{rank:05d}"
+
+
+def fragment_ranks(names: list[str]) -> list[int]:
+    """The ranks whose fragments are among ``names`` (a directory listing)."""
+    return sorted(int(m.group(1)) for n in names if (m := _FRAGMENT.match(n)))
+
+
+def read_small(reader: StorageReader, name: str) -> bytes:
+    """A whole (small) file of the checkpoint, through the reader's byte-range interface."""
+    buf = bytearray(reader.file_size(name))
+    reader.read_into(name, 0, memoryview(buf))
+    return bytes(buf)
+
+
+def read_fragment(reader: StorageReader, rank: int, where: str = "checkpoint") -> md.Metadata:
+    """Rank ``rank``'s fragment, parsed and checked to be that rank's."""
+    name = fragment_name(rank)
+    try:
+        raw = read_small(reader, name)
+    except Exception as exc:
+        raise NotACheckpointError(f"{where} has no metadata fragment of rank {rank} ({name}): {exc}") from None
+    meta = md.Metadata.from_json(raw, where=f"{where}/{name}")
+    if meta.fragment is None or meta.fragment[0] != rank:
+        raise MetadataError(f"{where}/{name} is not rank {rank}'s fragment (it says {meta.fragment})")
+    return meta
+
+
+def read_checkpoint_metadata(reader: StorageReader, where: str = "checkpoint") -> bytes:
+    """The checkpoint's metadata: ``.metadata``, or all fragments merged into one document.
+
+    Raises:
+        NotACheckpointError: neither ``.metadata`` nor any fragment exists.
+        MetadataError: fragments are missing or disagree (names the ranks).
+    """
+    try:
+        return reader.read_metadata()
+    except NotACheckpointError as missing:
+        try:
+            names = reader.list_files()
+        except (NotImplementedError, OSError):
+            raise missing from None
+        ranks = fragment_ranks(names)
+        if not ranks:
+            raise
+    return merge_fragments([read_fragment(reader, r, where) for r in ranks], where).to_json()
+
+
+def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> md.Metadata:
+    """One checkpoint from every rank's fragment (see the module docstring for the rules)."""
+    worlds = {f.fragment[1] for f in fragments}
+    if len(worlds) != 1:
+        by = {f.fragment[0]: f.fragment[1] for f in fragments}
+        raise MetadataError(f"{where}: the rank-local fragments come from saves of different world sizes "
+                            f"({by}); remove the stale ones")
+    world = worlds.pop()
+    have = {f.fragment[0] for f in fragments}
+    missing = sorted(set(range(world)) - have)
+    if missing:
+        raise MetadataError(
+            f"{where}: a rank-local checkpoint of {world} ranks, but the metadata fragment(s) of rank(s) "
+            f"{missing[:20]} are missing; their shards cannot be loaded (save again from every rank)")
+    fragments = sorted(fragments, key=lambda f: f.fragment[0])
+    users = {repr(f.user) for f in fragments}
+    if len(users) != 1:
+        raise MetadataError(f"{where}: the rank-local fragments carry different user_metadata "
+                            f"({sorted(users)[:3]}); they come from different saves")
+    files: list[md.FileRecord] = []
+    entries: dict[str, md.Entry] = {}
+    rows: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for frag in fragments:
+        base = len(files)
+        files.extend(frag.files)
+        for key, e in frag.entries.items():
+            seen = entries.get(key)
+            if seen is None:
+                entries[key] = md.Entry(key, e.kind, e.path, e.dtype, e.shape, e.layout, e.value)
+            elif (seen.kind, seen.dtype, seen.shape) != (e.kind, e.dtype, e.shape):
+                raise MetadataError(f"{where}: {key!r} differs between rank-local fragments: "
+                                    f"{seen.kind} {seen.dtype} {seen.shape} vs {e.kind} {e.dtype} {e.shape} "
+                                    f"(rank {frag.fragment[0]})")
+            if isinstance(e.store, md.TableStore):
+                subs = e.store.subs if e.store.subs is not None else np.arange(len(e.store))
+                rows.setdefault(key, []).append((e.store.offsets, e.store.sizes, e.store.file + base, subs))
+    for key, parts in rows.items():
+        entry = entries[key]
+        ndim = len(entry.shape or ())
+        entry.store = md.TableStore(np.concatenate([p[0] for p in parts]).reshape(-1, ndim),
+                                    np.concatenate([p[1] for p in parts]).reshape(-1, ndim),
+                                    np.concatenate([p[2] for p in parts]).astype(np.int32),
+                                    subs=np.concatenate([p[3] for p in parts]).astype(np.int32))
+    merged = md.Metadata(entries, fragments[0].save_id, world, user=fragments[0].user, files=files)
+    return merged
+
+
+def fragment_of(meta: md.Metadata, rank: int, world: int) -> md.Metadata:
+    """Mark a rank's metadata as its fragment of a rank-local checkpoint."""
+    meta.fragment = (rank, world)
+    return meta
+
+
+def table_sub_ids(entries: dict[str, Any], items: list[Any]) -> list[Any]:
+    """Items of a rank-local save with sub ids 0..n-1 per key (each rank's own table)."""
+    from .planner import WriteItem
+
+    counts: dict[str, int] = {}
+    out = []
+    for item in items:
+        out.append(WriteItem(item.key, item.box, item.nbytes, counts.get(item.key, 0)))
+        counts[item.key] = counts.get(item.key, 0) + 1
+    return out

@@ -1,0 +1,168 @@
+"""Code written for HyperParallel's DCP runs unchanged: its system tests' scenarios, on real
+gloo ranks (8 where HyperParallel uses 8): a (4,2)-mesh round trip with and without
+collectives, rank-local tensors, an 8-rank save loaded on a (2,2) mesh over ranks 0-3 while
+the others stay idle, metadata on every rank, dtype-converting loads, async saves with
+HyperParallel's callback convention, and rank-local checkpoints missing a fragment."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import make_dtensor, make_tensor
+from multiprocess import run_ranks
+from torch.distributed.tensor import Replicate, Shard
+
+from hyper_parallel import init_device_mesh
+from hyper_parallel.cli import main as cli
+from hyper_parallel.core.distributed_checkpoint import (
+    CheckpointError,
+    Metadata,
+    MetadataError,
+    RankFailedError,
+    async_save,
+    load,
+    save,
+    verify_checkpoint,
+)
+from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+
+SCALARS = {"step": 7, "lr": 0.5, "name": "run-a", "flag": True, "betas": (0.9, 0.99), "none": None}
+
+
+def globals_() -> dict[str, torch.Tensor]:
+    return {"w": make_tensor((10, 6), seed=1), "b": make_tensor((9,), seed=2), "emb": make_tensor((7, 5), seed=3),
+            "plain": make_tensor((3, 4), seed=4)}
+
+
+def sharded(mesh, dtype=None) -> dict:
+    g = {k: v.to(dtype) if dtype else v for k, v in globals_().items()}
+    return {"w": make_dtensor(g["w"], mesh, [Shard(0), Shard(1)]),
+            "b": make_dtensor(g["b"], mesh, [Replicate(), Shard(0)]),
+            "emb": make_dtensor(g["emb"], mesh, [Shard(1), Replicate()]),
+            "plain": g["plain"]}
+
+
+def zeros(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        if hasattr(v, "to_local"):
+            out[k] = make_dtensor(torch.zeros_like(v.test_full), v.device_mesh, list(v.placements))
+        else:
+            out[k] = torch.zeros_like(v)
+    return out
+
+
+def same_local(a, b) -> bool:
+    la = a.to_local() if hasattr(a, "to_local") else a
+    lb = b.to_local() if hasattr(b, "to_local") else b
+    return la.dtype == lb.dtype and torch.equal(la, lb)
+
+
+def rank_eight(rank: int, ws: int, root: str) -> dict:
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    sd = {**sharded(mesh), **SCALARS}
+    out = {}
+    # 1. the (4,2) round trip with collectives: Metadata on every rank, scalars keep their types
+    meta = save(sd, checkpoint_id=os.path.join(root, "coll"))
+    assert isinstance(meta, Metadata) and set(meta.state_dict_metadata) == set(sd)
+    assert tuple(meta.state_dict_metadata["w"].size) == (10, 6)
+    target = {**zeros(sharded(mesh)), **{k: None for k in SCALARS}}
+    load(target, checkpoint_id=os.path.join(root, "coll"))
+    assert all(same_local(target[k], sd[k]) for k in globals_())
+    assert {k: target[k] for k in SCALARS} == SCALARS and type(target["betas"]) is tuple
+    # 2. the same without collectives: each rank writes its own shards and fragment
+    meta = save(sd, checkpoint_id=os.path.join(root, "local"), use_collectives=False)
+    assert meta.fragment == (rank, ws)
+    target = {**zeros(sharded(mesh)), **{k: None for k in SCALARS}}
+    load(target, checkpoint_id=os.path.join(root, "local"), use_collectives=False)
+    assert all(same_local(target[k], sd[k]) for k in globals_()) and target["step"] == 7
+    # ... and the fragments read as one checkpoint by a collective load under another layout
+    # (once every rank has written its fragment: rank-local saves do not wait for each other)
+    dist.barrier()
+    flat8 = init_device_mesh("cpu", (8,), mesh_dim_names=("all",))
+    other = {k: make_dtensor(torch.zeros_like(v), flat8, [Shard(0)]) for k, v in globals_().items()}
+    load(other, checkpoint_id=os.path.join(root, "local"))
+    assert all(torch.equal(other[k].to_local(), make_dtensor(v, flat8, [Shard(0)]).to_local())
+               for k, v in globals_().items())
+    # 3. tensors only, without collectives
+    tensors = sharded(mesh)
+    save(tensors, checkpoint_id=os.path.join(root, "tensors"), use_collectives=False)
+    dist.barrier()
+    back = zeros(sharded(mesh))
+    load(back, checkpoint_id=os.path.join(root, "tensors"), use_collectives=False)
+    assert all(same_local(back[k], tensors[k]) for k in tensors)
+    # 4. a dtype-converting load: bf16 targets of a float32 checkpoint
+    half = zeros(sharded(mesh, torch.bfloat16))
+    load(half, checkpoint_id=os.path.join(root, "coll"), strict=False)
+    assert all(same_local(half[k], sharded(mesh, torch.bfloat16)[k]) for k in globals_())
+    # 5. an 8-rank checkpoint loaded on a (2,2) mesh over ranks 0-3; ranks 4-7 do not call load
+    if rank < 4:
+        small = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), rank_list=[0, 1, 2, 3])
+        t = {k: make_dtensor(torch.zeros_like(v), small, [Shard(0), Replicate()]) for k, v in globals_().items()}
+        load(t, checkpoint_id=os.path.join(root, "coll"), strict=False)
+        out["subset"] = all(torch.equal(t[k].to_local(), make_dtensor(v, small, [Shard(0), Replicate()]).to_local())
+                            for k, v in globals_().items())
+    dist.barrier()
+    # 6. a rank-local checkpoint with one fragment deleted: every reader names the rank
+    if rank == 0:
+        os.unlink(os.path.join(root, "local", ".metadata-r00005"))
+    dist.barrier()
+    with pytest.raises(RankFailedError, match=r"rank\(s\) \[5\] are missing"):
+        load({**zeros(sharded(mesh)), **{k: None for k in SCALARS}}, checkpoint_id=os.path.join(root, "local"))
+    return out
+
+
+def test_hyper_parallel_scenarios_on_eight_ranks(tmp_path):
+    root = str(tmp_path)
+    outs = run_ranks(rank_eight, 8, root, timeout_s=300, pg_timeout_s=120)
+    assert [o.get("subset") for o in outs] == [True] * 4 + [None] * 4
+    # every other reader of the fragments with rank 5's missing raises naming it too
+    broken = os.path.join(root, "local")
+    for attempt in (lambda: load(path=broken), lambda: reshard(broken, str(tmp_path / "r"), dst_mesh={"x": 2})):
+        with pytest.raises(MetadataError, match=r"rank\(s\) \[5\] are missing"):
+            attempt()
+    assert "rank(s) [5] are missing" in " ".join(verify_checkpoint(broken).problems)
+    assert cli(["inspect", broken]) == 2
+    # the complete rank-local checkpoint reads as one in a single process
+    whole = load(path=os.path.join(root, "tensors"))
+    assert all(torch.equal(whole[k], v) for k, v in globals_().items())
+
+
+def rank_async(rank: int, ws: int, root: str) -> dict:
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {"w": make_dtensor(make_tensor((8, 3)), mesh, [Shard(0)]), "step": 3}
+    calls = []
+    resp = async_save(sd, checkpoint_id=os.path.join(root, "a"), use_collectives=True, use_gloo=True,
+                      callback=lambda: calls.append("no-arg"))  # HyperParallel's convention
+    sd["w"].to_local().add_(1000)  # the snapshot is taken: changing the tensors is fine
+    meta = resp.get_result()
+    resp2 = async_save(sd, checkpoint_id=os.path.join(root, "b"), callback=lambda r: calls.append(type(r).__name__))
+    resp2.result()
+    assert resp.persist_completion.done() and isinstance(resp.persist_completion.result(), Metadata)
+    target = {"w": make_dtensor(torch.zeros(8, 3), mesh, [Shard(0)]), "step": 0}
+    load(target, checkpoint_id=os.path.join(root, "a"))
+    want = make_dtensor(make_tensor((8, 3)), mesh, [Shard(0)]).to_local()
+    return {"meta": type(meta).__name__, "calls": calls, "exact": torch.equal(target["w"].to_local(), want)}
+
+
+def test_async_save_with_hyper_parallel_callbacks_and_get_result(tmp_path):
+    for out in run_ranks(rank_async, 2, str(tmp_path), timeout_s=120):
+        assert out == {"meta": "Metadata", "calls": ["no-arg", "AsyncSaveResponse"], "exact": True}
+
+
+def test_a_rank_local_save_refuses_a_directory_with_a_collective_checkpoint(tmp_path):
+    save({"w": torch.ones(2)}, str(tmp_path))
+    out = run_ranks(rank_local_over_collective, 2, str(tmp_path))
+    assert out == ["refused", "refused"]
+
+
+def rank_local_over_collective(rank: int, ws: int, path: str) -> str:
+    try:
+        save({"w": torch.ones(2)}, path, use_collectives=False)
+    except CheckpointError as exc:
+        assert "saved with collectives" in str(exc)
+        return "refused"
+    return "saved"
