@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "and summarise the top frames")
     ap.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames too)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    ap.add_argument("--render-only", action="store_true",
+                    help="measure nothing: rebuild targets and report from <out>/latest.json (and its profiles)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for each group of ranks")
     a = ap.parse_args(argv)
     quick = a.quick
@@ -179,6 +181,10 @@ def _subprocess_json(args: list[str], timeout: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.render_only:  # no measurements: redo the report of a finished run
+        with open(os.path.join(a.out, "latest.json")) as f:
+            doc = json.load(f)
+        return finish(doc, a.out, a.baseline, bool(doc.get("profile")) or a.profile)
     from benchmarks.dcp_ranks import RanksFailed, run_ranks
 
     started = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
@@ -301,35 +307,44 @@ def main(argv: list[str] | None = None) -> int:
                    "specs": [asdict(s) for s in specs]},
         "machine": machine, "raw": merged, "results": results, "elapsed_s": time.monotonic() - t_start,
     })
+    return finish(doc, a.out, a.baseline, a.profile)
+
+
+def finish(doc: dict, out: str, baseline_path: str | None, profile: bool) -> int:
+    """Targets, profile summaries, chart, markdown and JSON of a run (``--render-only``
+    runs just this on a saved ``latest.json``)."""
+    results, notes = doc["results"], doc["notes"]
     baseline = None
-    if a.baseline and os.path.exists(a.baseline):
-        with open(a.baseline) as f:
+    if baseline_path and os.path.exists(baseline_path):
+        with open(baseline_path) as f:
             baseline = json.load(f)
-        doc["baseline"] = os.path.relpath(a.baseline, ROOT)
+        doc["baseline"] = os.path.relpath(baseline_path, ROOT)
     doc["targets"] = report.targets(results, baseline)
-    if a.profile:
+    if profile:
         doc["profile"] = {}
         n_many = (results.get("many") or {}).get("tensors")
         names = ["ours-save", "ours-load", "ours-load-s0-s1", "ours-load-s0-s1-noverify", "ours-model-save",
                  "ours-model-load"]
         names += [f"ours-save-{n_many}", f"ours-load-{n_many}", f"ours-load-s0-s1-{n_many}"] if n_many else []
         for name in names:
-            prof = report.profile_summary(os.path.join(a.out, f"profile-{name}.txt"))
+            prof = report.profile_summary(os.path.join(out, f"profile-{name}.txt"))
             if prof:
                 doc["profile"][name] = prof
-            elif os.path.exists(os.path.join(a.out, f"profile-{name}.cprofile.txt")):
-                notes.append(f"profile {name}: cProfile (py-spy missing) in {a.out}/profile-{name}.cprofile.txt")
-    png = report.chart(doc, os.path.join(a.out, "latest.png"))
-    if png is None:
+            elif os.path.exists(os.path.join(out, f"profile-{name}.cprofile.txt")):
+                note = f"profile {name}: cProfile (py-spy missing) in {out}/profile-{name}.cprofile.txt"
+                if note not in notes:
+                    notes.append(note)
+    png = report.chart(doc, os.path.join(out, "latest.png"))
+    if png is None and "no chart" not in " ".join(notes):
         notes.append("no chart: matplotlib is not installed (pip install -e '.[dev]')")
     md = report.markdown(doc)
-    with open(os.path.join(a.out, "latest.md"), "w") as f:
+    with open(os.path.join(out, "latest.md"), "w") as f:
         f.write(md)
-    with open(os.path.join(a.out, "latest.json"), "w") as f:
+    with open(os.path.join(out, "latest.json"), "w") as f:
         json.dump(doc, f, indent=1, default=str)
     print(md)
     print(report.targets_text(doc))
-    print(f"\n[bench] {doc['elapsed_s']:.0f} s; results in {a.out}/latest.{{md,json}}"
+    print(f"\n[bench] {doc['elapsed_s']:.0f} s; results in {out}/latest.{{md,json}}"
           + (", latest.png" if png else ""))
     return 0
 

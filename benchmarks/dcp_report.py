@@ -735,13 +735,20 @@ def chart(doc: dict, path: str) -> str | None:
     return path
 
 
+_IDLE = ("Condition.wait ", "Event.wait ", "Thread._wait_for_tstate_lock ", "_worker (concurrent/futures/thread.py",
+         "SimpleQueue.get ", "Queue.get ")
+
+
 def profile_summary(path: str, top: int = 25) -> dict | None:
     """Shares per function from py-spy's raw (collapsed, ``--threads``) output.
 
     Only samples of the operation count: the library's worker threads (``dcp-*``) and stacks
     of other threads that pass through ``hyper_parallel/`` (so the wait for py-spy to attach
-    and the barriers around the operation are left out). ``self``: the innermost frame;
-    ``inclusive``: every library frame on the stack; ``threads``: samples per thread name.
+    and the barriers around the operation are left out). Samples of a thread other than the
+    main one that sits idle (waiting for work: a pool's queue, a condition, the async
+    writer's loop) are dropped too: they are not the operation's cost, while the main
+    thread's waits are its wall time. ``self``: the innermost frame; ``inclusive``: every
+    library frame on the stack; ``threads``: samples per thread name.
     """
     try:
         with open(path) as f:
@@ -760,6 +767,8 @@ def profile_summary(path: str, top: int = 25) -> dict | None:
         thread = frames[0].split(": ", 1)[-1] if frames[0].startswith("thread (") else "?"
         frames = [fr for fr in frames if fr and not fr.startswith(("thread (", "process "))]
         if not frames or not (thread.startswith("dcp-") or any("hyper_parallel/" in fr for fr in frames)):
+            continue
+        if thread != "MainThread" and frames[-1].startswith(_IDLE):
             continue
         count = int(n)
         total += count
