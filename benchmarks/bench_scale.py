@@ -73,6 +73,37 @@ def _specs(tensors: int, rows: int, cols: int) -> list[TensorSpec]:
     return [TensorSpec(f"model.layers.{i}.weight", (rows, cols), "bfloat16", i) for i in range(tensors)]
 
 
+class _Timed:
+    """Times a block; with ``HP_BENCH_PROFILE=<file>`` in the environment, also profiles it
+    with cProfile (the calling thread: here planning and metadata parsing, which run there)
+    and writes the top functions by cumulative and by own time to that file."""
+
+    def __enter__(self) -> _Timed:
+        self.path = os.environ.get("HP_BENCH_PROFILE")
+        self.prof = None
+        if self.path:
+            import cProfile
+
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        if self.prof is not None:
+            import io
+            import pstats
+
+            self.prof.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(self.prof, stream=text)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(30)
+            with open(self.path, "w") as f:
+                f.write(text.getvalue())
+
+
 def _vmhwm() -> int:
     return rss_status().get("VmHWM", 0)
 
@@ -103,9 +134,9 @@ def worker_transform(src: str, dst: str, ranks: int) -> dict:
 
     base = _base()
     strategy = {"*": Layout((ranks,), ("dp",))("dp", "None")}
-    t = time.perf_counter()
-    offline_transform(src, dst, dst_layout=strategy)
-    return {"wall_s": time.perf_counter() - t, "vmhwm": _vmhwm(), "rss_base": base}
+    with _Timed() as t:
+        offline_transform(src, dst, dst_layout=strategy)
+    return {"wall_s": t.seconds, "vmhwm": _vmhwm(), "rss_base": base}
 
 
 def worker_load_one(path: str, tensors: int, rows: int, cols: int) -> dict:
@@ -118,10 +149,9 @@ def worker_load_one(path: str, tensors: int, rows: int, cols: int) -> dict:
     target = {spec.name: torch.zeros(spec.shape, dtype=torch.bfloat16)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # strict=False warns about the other keys
-        t = time.perf_counter()
-        load(target, path, strict=False)
-        wall = time.perf_counter() - t
-    return {"wall_s": wall, "vmhwm": _vmhwm(), "rss_base": base,
+        with _Timed() as t:
+            load(target, path, strict=False)
+    return {"wall_s": t.seconds, "vmhwm": _vmhwm(), "rss_base": base,
             "exact": check_box(target[spec.name], spec, (0, 0)), "key": spec.name}
 
 
@@ -143,9 +173,9 @@ def worker_load_rank(path: str, ranks: int, tensors: int, rows: int, cols: int) 
     sd = {s.name: DTensor.from_local(torch.zeros((n, cols), dtype=torch.bfloat16), mesh, [Shard(0)],
                                      run_check=False, shape=torch.Size(s.shape), stride=(cols, 1))
           for s in specs}
-    t = time.perf_counter()
-    load(sd, path, no_dist=True)
-    wall = time.perf_counter() - t
+    with _Timed() as t:
+        load(sd, path, no_dist=True)
+    wall = t.seconds
     exact = all(check_box(sd[s.name]._local_tensor, s, (off, 0)) for s in specs)
     dist.destroy_process_group()
     return {"wall_s": wall, "vmhwm": _vmhwm(), "rss_base": base, "exact": exact, "rank": rank, "local_rows": n}
@@ -161,11 +191,14 @@ def _worker_main(name: str, args: list[str]) -> None:
     json.dump(fn(*conv), sys.stdout)
 
 
-def _spawn(name: str, *args: object, timeout_s: float) -> dict:
+def _spawn(name: str, *args: object, timeout_s: float, profile: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.bench_scale", "--worker", name, *map(str, args)]
+    env = os.environ.copy()
+    if profile:
+        env["HP_BENCH_PROFILE"] = profile
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"{name}: killed after {timeout_s:.0f} s"}
     if proc.returncode:
@@ -236,7 +269,10 @@ def public_case(a: argparse.Namespace, work: str, notes: list[str]) -> dict:
                 continue
         dst = os.path.join(work, f"dp{ranks}")
         p: dict = {"ranks": ranks, "tensors": a.tensors, "extrapolated": False}
-        tr = _spawn("transform", src, dst, ranks, timeout_s=a.timeout)
+        def prof(step: str, n: int = ranks) -> str | None:
+            return os.path.join(a.out, f"scale-profile-{step}-{n}.txt") if a.profile else None
+
+        tr = _spawn("transform", src, dst, ranks, timeout_s=a.timeout, profile=prof("transform"))
         if "error" in tr:
             notes.append(f"public {ranks}: {tr['error']}")
             points.append(_extrapolate_public(measured, ranks) if measured else {"ranks": ranks, **tr})
@@ -246,7 +282,7 @@ def public_case(a: argparse.Namespace, work: str, notes: list[str]) -> dict:
         for name, args in (("load_one", (dst, a.tensors, a.rows, a.cols)),
                            ("load_rank", (dst, ranks, a.tensors, a.rows, a.cols))):
             p["cold_method"] = drop_page_cache([dst], a.cold)
-            r = _spawn(name, *args, timeout_s=a.timeout)
+            r = _spawn(name, *args, timeout_s=a.timeout, profile=prof(name))
             if "error" in r:
                 p[f"{name}_error"] = r["error"]
                 notes.append(f"public {ranks}: {r['error']}")
@@ -434,6 +470,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints go (a fresh subfolder)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="writes scale.{md,json}")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for any one process")
+    ap.add_argument("--profile", action="store_true",
+                    help="public case: cProfile each transform and load (a second, profiled run is not made: the "
+                         "timings then include cProfile's overhead); top functions in <out>/scale-profile-*.txt")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a, rest = ap.parse_known_args(argv)
     if a.worker:
@@ -485,9 +524,13 @@ def main(argv: list[str] | None = None) -> int:
                     "git": _git(), "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg())},
         "adapter": scale_adapter.NOTES, "notes": notes,
         "config": {k: getattr(a, k) for k in ("ranks_list", "tensors", "rows", "cols", "plan_ranks", "plan_tensors",
-                                              "strided_ranks", "strided_tensors", "tp", "budget_s", "cold")},
+                                              "strided_ranks", "strided_tensors", "tp", "budget_s", "cold",
+                                              "profile")},
     }
     print(f"[bench] scale benchmark; load average {doc['machine']['loadavg_start']}", file=sys.stderr, flush=True)
+    if a.profile:
+        notes.append("--profile: the public case ran under cProfile, so its times include the profiler's overhead; "
+                     f"top functions in {a.out}/scale-profile-*.txt")
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="hp-dcp-scale-", dir=a.dir)
