@@ -73,6 +73,13 @@ def test_quick_benchmark_reports_every_scenario(tmp_path):
     assert all(t["met"] is not None for t in issue13 if "baseline" not in t["target"]), [
         t for t in issue13 if t["met"] is None]
 
+    # the report can be rebuilt from the JSON alone
+    (out / "latest.md").unlink()
+    proc = subprocess.run([*cmd[:2], "--render-only", "--out", str(out)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "latest.md").read_text().startswith("# DCP benchmark")
+
 
 def test_quick_scale_benchmark_reports_every_case(tmp_path):
     out = tmp_path / "results"
