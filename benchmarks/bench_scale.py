@@ -269,6 +269,7 @@ def public_case(a: argparse.Namespace, work: str, notes: list[str]) -> dict:
                 continue
         dst = os.path.join(work, f"dp{ranks}")
         p: dict = {"ranks": ranks, "tensors": a.tensors, "extrapolated": False}
+
         def prof(step: str, n: int = ranks) -> str | None:
             return os.path.join(a.out, f"scale-profile-{step}-{n}.txt") if a.profile else None
 
