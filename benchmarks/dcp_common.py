@@ -89,6 +89,48 @@ def transformer_specs(total_bytes: int) -> list[TensorSpec]:
     return specs
 
 
+def model_specs(total_bytes: int, layers: int = 36) -> list[TensorSpec]:
+    """A state dict shaped like a real model: many tensors, a few large ones.
+
+    ``layers`` blocks of 12 tensors (two norms, attention qkv/out, MLP up/down, each weight
+    with its bias), plus an embedding, a final norm (weight, bias) and a head sized so the
+    total is close to ``total_bytes``: 36 layers give 436 tensors. Vectors (norms, biases)
+    are stored as ``(8, n / 8)`` so every tensor stays 2-D and splits along either dim.
+    Layers alternate fp32 and bf16.
+    """
+    if total_bytes < 256 * KiB:
+        raise ValueError(f"state size {total_bytes} B is too small for {layers} layers; use at least 256 KiB")
+
+    def layer_shapes(h: int) -> list[tuple[str, tuple[int, int]]]:
+        v = lambda n: (8, n // 8)  # noqa: E731
+        return [("ln1.weight", v(h)), ("ln1.bias", v(h)), ("attn.qkv.weight", (3 * h, h)),
+                ("attn.qkv.bias", v(3 * h)), ("attn.out.weight", (h, h)), ("attn.out.bias", v(h)),
+                ("ln2.weight", v(h)), ("ln2.bias", v(h)), ("mlp.up.weight", (4 * h, h)), ("mlp.up.bias", v(4 * h)),
+                ("mlp.down.weight", (h, 4 * h)), ("mlp.down.bias", v(h))]
+
+    def layers_bytes(h: int) -> int:
+        per = sum(a * b for _, (a, b) in layer_shapes(h))
+        return sum(per * (4 if i % 2 == 0 else 2) for i in range(layers))
+
+    h = 16
+    while layers_bytes(h + 16) <= 0.75 * total_bytes:
+        h += 16
+    specs: list[TensorSpec] = []
+
+    def add(name: str, shape: tuple[int, int], dtype: str) -> None:
+        specs.append(TensorSpec(name, shape, dtype, len(specs)))
+
+    add("model.embed.weight", (max(8, min(8 * h, total_bytes // 16 // (4 * h)) // 8 * 8), h), "float32")
+    for i in range(layers):
+        for name, shape in layer_shapes(h):
+            add(f"model.layers.{i}.{name}", shape, "float32" if i % 2 == 0 else "bfloat16")
+    add("model.norm.weight", (8, h // 8), "float32")
+    add("model.norm.bias", (8, h // 8), "float32")
+    used = sum(s.nbytes for s in specs)
+    add("model.head.weight", (max(8, (total_bytes - used) // (4 * h) // 8 * 8), h), "float32")
+    return specs
+
+
 def chunk_box(size: int, parts: int, index: int) -> tuple[int, int]:
     """(offset, length) of part ``index`` of ``size`` split like ``torch.chunk`` / ``Shard``."""
     step = -(-size // parts)

@@ -279,20 +279,47 @@ class _Rank:
         return {}
 
     def profiled(self, name: str, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` once more (untimed) with py-spy sampling rank 0 (``--profile``)."""
-        proc = None
-        if self.rank == 0:
+        """Run ``fn`` once more (untimed), profiled on rank 0 (``--profile``).
+
+        With py-spy in the venv (``pip install py-spy``): wall-clock samples of every thread,
+        raw collapsed stacks in ``<out>/profile-<name>.txt``. Without it: cProfile of the
+        calling thread only (the library's reader/writer threads are not seen), written as
+        ``<out>/profile-<name>.cprofile.txt``. The name gets ``cfg["profile_tag"]``.
+        """
+        name += self.cfg.get("profile_tag", "")
+        spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+        if not os.path.exists(spy):
+            spy = shutil.which("py-spy") or ""
+        proc = prof = None
+        if self.rank == 0 and spy:
             out = os.path.join(self.cfg["out"], f"profile-{name}.txt")
-            spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
             cmd = [spy, "record", "--pid", str(os.getpid()), "--rate", "250", "--format", "raw",
                    "--idle", "--threads", "-o", out]
             # --native needs to pause the process for each sample; without it, sample without pausing
             cmd.append("--native" if self.cfg.get("profile_native") else "--nonblocking")
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             time.sleep(1.5)  # let it attach
+        elif self.rank == 0:
+            import cProfile
+
+            prof = cProfile.Profile()
         self.barrier()
+        if prof is not None:
+            prof.enable()
         fn()
+        if prof is not None:
+            prof.disable()
         self.barrier()
+        if prof is not None:
+            import io
+            import pstats
+
+            text = io.StringIO()
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("cumulative").print_stats(40)
+            stats.sort_stats("tottime").print_stats(25)
+            with open(os.path.join(self.cfg["out"], f"profile-{name}.cprofile.txt"), "w") as f:
+                f.write("cProfile of rank 0's calling thread only (py-spy not installed)\n" + text.getvalue())
         if proc is not None:
             proc.send_signal(signal.SIGINT)
             try:
@@ -609,9 +636,16 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
                          f"{rec['committed_s']:.3f} s, compute kept {rec['kept'] or 0:.2f}")
                 b.rmtree(path)
 
+    # ---- the model-shaped case: FSDP2 + AdamW through get_state_dict / set_state_dict
+    model_info: dict[str, Any] = {}
+
+    def model_case() -> None:
+        model_info.update(_model_case(b, cfg))
+
     steps = [("limits", limits), ("sync_save", sync_save), ("load_same", load_same),
              ("load_reshard_s0_s1", load_s0_s1), ("load_reshard_2n_n", load_2n_n),
-             ("load_n_1", load_n_1), ("reference", references), ("async_save", async_case)]
+             ("load_n_1", load_n_1), ("reference", references), ("async_save", async_case),
+             ("model", model_case)]
     skip = set(cfg.get("skip", []))
     for name, fn in steps:
         if name in skip:
@@ -619,7 +653,150 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
         if name.startswith("load") and name != "load_reshard_2n_n" and not {"ours", "torch"} <= kept.keys():
             b.records.setdefault(name, {})["_error"] = [{"error": "no checkpoint: sync_save did not run"}]
             continue
-        b.guard(name, fn)
+        b.guard("model_save" if name == "model" else name, fn)
     b.barrier()
     return {"records": b.records, "notes": b.notes, "local_bytes": b.local_bytes(), "kept": kept,
-            "pid": os.getpid(), "io_chunk_mib": cfg["io_chunk"] / MiB}
+            "pid": os.getpid(), "io_chunk_mib": cfg["io_chunk"] / MiB, "model": model_info}
+
+
+def _model_case(b: _Rank, cfg: dict) -> dict:
+    """Model + AdamW state of an FSDP2 model, saved and loaded by ours and by torch DCP.
+
+    Save = ``get_state_dict`` + save; load = ``get_state_dict`` + load + ``set_state_dict``
+    (what a training script runs); ``call_s`` in each record is the library call alone.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from benchmarks import dcp_model as dm
+
+    spec = dm.parse_model(cfg["model"])
+    t0 = time.monotonic()
+    model, opt = dm.sharded_model_and_optimizer(spec, b.ws)
+    sd = dm.state_dict_of(model, opt)
+    ref = {k: v.clone() for k, v in dm.local_tensors(sd).items()}
+    leaves = _leaves(sd)
+    sharded = sum(v._local_tensor.numel() * v._local_tensor.element_size() for v in leaves if isinstance(v, DTensor))
+    plain = sum(v.numel() * v.element_size() for v in leaves
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor))  # replicated: counted once
+    total_t = torch.tensor([sharded], dtype=torch.int64)
+    dist.all_reduce(total_t)
+    total = int(total_t.item()) + plain
+    del sd, leaves
+    if b.rank == 0:
+        _log(f"model: {dm.param_count(*spec) / 1e6:.1f} M parameters, FSDP2 on {b.ws} ranks, AdamW stepped; "
+             f"state {total / (1 << 30):.3f} GiB in {len(ref)} tensors per rank ({time.monotonic() - t0:.1f} s)")
+
+    def save_with(lib: str, path: str) -> dict:
+        t_a = time.monotonic()
+        state = dm.state_dict_of(model, opt)
+        t_b = time.monotonic()
+        (b.ours_save if lib == "ours" else b.torch_save)(state, path)
+        return {"call_s": time.monotonic() - t_b, "state_dict_s": t_b - t_a}
+
+    def load_with(lib: str, path: str) -> dict:
+        t_a = time.monotonic()
+        state = dm.state_dict_of(model, opt)
+        t_b = time.monotonic()
+        extra = (b.ours_load if lib == "ours" else b.torch_load)(state, path)
+        t_c = time.monotonic()
+        dm.apply_state_dict(model, opt, state)
+        return {"call_s": t_c - t_b, "state_dict_s": (t_b - t_a) + (time.monotonic() - t_c), **extra}
+
+    def scramble() -> None:
+        with torch.no_grad():
+            for t in dm.local_tensors(dm.state_dict_of(model, opt)).values():
+                t.zero_()
+
+    kept: dict[str, str] = {}
+    for i in range(cfg["warmup"]):
+        for lib in ("ours", "torch"):
+            path = os.path.join(b.dir, f"model-warmup-{lib}-{i}")
+            save_with(lib, path)
+            b.rmtree(path)
+    for rep in range(cfg["reps"]):
+        for lib in b.order(rep, ["ours", "torch"]):
+            path = os.path.join(b.dir, f"model-save-{lib}-{rep}")
+            b.sync_disk()
+            b.record("model_save", lib, b.timed(lambda lib=lib, path=path: save_with(lib, path)), total)
+            if lib in kept:
+                b.rmtree(kept[lib])
+            kept[lib] = path
+    for rep in range(cfg["reps"]):
+        for lib in b.order(rep, ["ours", "torch"]):
+            if rep == 0:
+                scramble()
+            rec = b.timed(lambda lib=lib: load_with(lib, kept[lib]), cold=[kept[lib]])
+            if rep == 0:
+                now = dm.local_tensors(dm.state_dict_of(model, opt))
+                rec["correct"] = set(now) == set(ref) and all(torch.equal(now[k], ref[k]) for k in ref)
+            b.record("model_load", lib, rec, total)
+    if cfg.get("profile"):
+        b.profiled("ours-model-save", lambda: save_with("ours", os.path.join(b.dir, "profile-model-save")))
+        b.rmtree(os.path.join(b.dir, "profile-model-save"))
+        b.make_cold([kept["ours"]])
+        b.profiled("ours-model-load", lambda: load_with("ours", kept["ours"]))
+    b.rmtree(*kept.values())
+    return {"params": dm.param_count(*spec), "spec": list(spec), "bytes": total, "tensors_per_rank": len(ref)}
+
+
+def _leaves(sd: Any) -> list[Any]:
+    if isinstance(sd, dict):
+        return [x for v in sd.values() for x in _leaves(v)]
+    if isinstance(sd, (list, tuple)):
+        return [x for v in sd for x in _leaves(v)]
+    return [sd]
+
+
+def hsdp_ranks(rank: int, ws: int, cfg: dict) -> dict:
+    """HSDP load: ``[Replicate(), Shard(0)]`` on a ``(2, ws/2)`` mesh, saved and loaded in the
+    same layout; every rank's bytes read (reader's ``bytes_read``, ``rchar``, storage
+    ``read_bytes``) next to the checkpoint's size."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    b = _Rank(rank, ws, cfg)
+    shards = ws // 2
+    mesh = init_device_mesh("cpu", (2, shards), mesh_dim_names=("replicate", "shard"))
+    shard = mesh.get_coordinate()[1]
+
+    def dtensors(fill: bool) -> dict[str, Any]:
+        out = {}
+        for spec in b.specs:
+            offsets, sizes = shard_box(spec, 0, shards, shard)
+            local = make_box(spec, offsets, sizes) if fill else torch.zeros(sizes, dtype=getattr(torch, spec.dtype))
+            out[spec.name] = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
+                                                shape=torch.Size(spec.shape), stride=(spec.shape[1], 1))
+        return out
+
+    def correct(target: dict[str, Any]) -> bool:
+        return all(check_box(target[s.name]._local_tensor, s, shard_box(s, 0, shards, shard)[0]) for s in b.specs)
+
+    total = sum(s.nbytes for s in b.specs)
+    sd = dtensors(True)
+    kept = {lib: os.path.join(b.dir, f"hsdp-{lib}") for lib in ("ours", "torch")}
+    for lib in ("ours", "torch"):
+        b.sync_disk()
+        fn = b.ours_save if lib == "ours" else b.torch_save
+        b.record("hsdp_save", lib, b.timed(lambda fn=fn, lib=lib: fn(sd, kept[lib])), total)
+    sd.clear()
+    sizes = {}
+    for lib, path in kept.items():
+        sizes[lib] = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+                         if n != ".metadata" and not n.startswith("."))
+    target = dtensors(False)
+    for rep in range(cfg["reps"]):
+        for lib in b.order(rep, ["ours", "torch"]):
+            if rep == 0:
+                for v in target.values():
+                    v._local_tensor.zero_()
+            fn = b.ours_load if lib == "ours" else b.torch_load
+            rec = b.timed(lambda fn=fn, lib=lib: fn(target, kept[lib]), cold=[kept[lib]])
+            if rep == 0:
+                rec["correct"] = correct(target)
+            b.record("hsdp_load", lib, rec, total)
+    b.rmtree(*kept.values())
+    return {"records": b.records, "notes": b.notes, "checkpoint_bytes": sizes, "shard": shard,
+            "replica": mesh.get_coordinate()[0]}

@@ -1,6 +1,6 @@
-"""The DCP benchmark runs end to end (--quick, tiny state) and reports every scenario.
+"""The DCP benchmarks run end to end (--quick, tiny state) and report every scenario.
 
-A smoke test, not a performance test: it checks the JSON's shape and that every load put
+Smoke tests, not performance tests: they check the JSON's shape and that every load put
 the right values in place, never a timing.
 """
 
@@ -44,3 +44,66 @@ def test_quick_benchmark_reports_every_scenario(tmp_path):
     assert len(doc["targets"]) >= 10 and all("met" in t for t in doc["targets"])
     assert doc["machine"]["uptime_start"]
     assert not list(tmp_path.glob("hp-dcp-bench-*")), "the benchmark left its checkpoints behind"
+
+    # issue 13: the many-tensor state dict, the model-shaped case, the replicated load, O_DIRECT
+    many = res["many"]
+    assert many["tensors"] == 436
+    for name in ("sync_save", "load_same", "load_reshard_s0_s1"):
+        entry = many["scenarios"][name]
+        assert "error" not in entry, f"436 tensors, {name}: {entry.get('error')}"
+        assert {"ours", "torch"} <= set(entry["variants"])
+        if name != "sync_save":
+            assert all(entry["correct"].values()), f"436 tensors, {name}: {entry['correct']}"
+    for name in ("model_save", "model_load"):
+        entry = res["model"][name]
+        assert "error" not in entry, f"{name}: {entry.get('error')}"
+        assert {"ours", "torch"} <= set(entry["variants"]) and entry["call_s"]["ours"]["values"]
+    assert all(res["model"]["model_load"]["correct"].values()), res["model"]["model_load"]["correct"]
+    hsdp = res["hsdp"]
+    assert hsdp["world_size"] == 4 and hsdp["checkpoint_bytes"]["ours"] > 0
+    for lib in ("ours", "torch"):
+        reads = hsdp["reads"][lib]
+        assert len(reads["per_rank"]) == 4 and reads["correct"], reads
+        assert reads["asked_over_checkpoint"] > 0
+    if "write_direct" in res["limits"]:  # O_DIRECT works on this filesystem
+        assert "read_direct" in res["limits"]
+        assert res["scenarios"]["sync_save"]["ours_vs_direct"] is not None
+    issue13 = [t for t in doc["targets"] if t["issue"] == 13]
+    assert len(issue13) == 15, [t["target"] for t in issue13]
+    assert all(t["met"] is not None for t in issue13 if "baseline" not in t["target"]), [
+        t for t in issue13 if t["met"] is None]
+
+    # the report can be rebuilt from the JSON alone
+    (out / "latest.md").unlink()
+    proc = subprocess.run([*cmd[:2], "--render-only", "--out", str(out)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "latest.md").read_text().startswith("# DCP benchmark")
+
+
+def test_quick_scale_benchmark_reports_every_case(tmp_path):
+    out = tmp_path / "results"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_scale.py"), "--quick", "--out", str(out),
+           "--dir", str(tmp_path), "--cold", "fadvise"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, f"scale benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    doc = json.loads((out / "scale.json").read_text())
+    assert (out / "scale.md").read_text().startswith("# Scale benchmark")
+
+    pub = doc["public"]
+    measured = [p for p in pub["points"] if not p["extrapolated"]]
+    assert [p["ranks"] for p in measured] == [16]
+    for p in measured:
+        assert p["load_one_exact"] and p["load_rank_exact"], p
+        assert p["transform_s"] > 0 and p["load_one_s"] > 0 and p["load_rank_s"] > 0
+        assert p["files"] > 16 and p["metadata_bytes"] > 0 and p["load_rank_vmhwm"] > 0
+    assert any(p["ranks"] == 4096 and p["extrapolated"] for p in pub["points"])
+    for case in ("planning", "strided"):
+        pts = [p for p in doc[case]["points"] if not p["extrapolated"]]
+        assert [p["ranks"] for p in pts] == [16, 32], case
+        for p in pts:
+            assert p["load_reads"] > 0 and p["metadata_bytes"] > 0 and p["vmhwm"] > 0
+            assert all(p[k] >= 0 for k in ("local_plan_s", "global_plan_s", "from_json_s", "load_plan_s"))
+    assert doc["planning"]["target"]["ranks"] == 8192 and doc["planning"]["target"]["extrapolated"]
+    assert len(doc["targets"]) == 10 and all(t["met"] is not None for t in doc["targets"]), doc["targets"]
+    assert not list(tmp_path.glob("hp-dcp-scale-*")), "the benchmark left its checkpoints behind"

@@ -104,6 +104,24 @@ def dim_intervals(length: int, steps: tuple[tuple, ...]) -> tuple[tuple[int, int
     return tuple(out)
 
 
+_SORTED: dict[int, tuple[tuple, list[int], list[int]]] = {}
+
+
+def _by_start(intervals: tuple[tuple[int, int], ...]) -> tuple[list[int], list[int]]:
+    """Starts of the non-empty intervals in increasing order, and their dim coordinates.
+
+    Cached per intervals object (``dim_intervals`` returns the same tuple for the same dim
+    and placements), so the thousand tensors of one layout sort once.
+    """
+    found = _SORTED.get(id(intervals))
+    if found is None or found[0] is not intervals:
+        if len(_SORTED) > 4096:
+            _SORTED.clear()
+        nonempty = sorted((s, c) for c, (s, n) in enumerate(intervals) if n)
+        found = _SORTED[id(intervals)] = (intervals, [s for s, _ in nonempty], [c for _, c in nonempty])
+    return found[1], found[2]
+
+
 class Grid:
     """The chunk grid of one tensor: its layout's boxes, holders, and overlap search.
 
@@ -249,8 +267,7 @@ class Grid:
     def _by_start(self, d: int) -> tuple[list[int], list[int]]:
         cached = self._sorted.get(d)
         if cached is None:
-            nonempty = sorted((s, c) for c, (s, n) in enumerate(self.intervals[d]) if n)
-            cached = self._sorted[d] = ([s for s, _ in nonempty], [c for _, c in nonempty])
+            cached = self._sorted[d] = _by_start(self.intervals[d])
         return cached
 
     def covered_volume(self) -> int:

@@ -35,7 +35,7 @@ from .box import Box, uncovered
 from .chunks import overlapping
 from .errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
 from .grid import Grid
-from .layout import TensorLayout, placement_to_name
+from .layout import placement_to_name
 from .planner import (
     EntrySpec,
     LoadPlan,
@@ -49,6 +49,19 @@ from .planner import (
 __all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner", "dtensor_box", "layout_record"]
 
 
+_MESH_RANKS: dict[int, tuple[Any, list[int]]] = {}
+
+
+def _mesh_ranks(mesh: Any) -> list[int]:
+    """The global ranks of a mesh, row-major (cached per mesh object: a model's DTensors share a few)."""
+    cached = _MESH_RANKS.get(id(mesh))
+    if cached is None or cached[0] is not mesh:
+        if len(_MESH_RANKS) > 256:
+            _MESH_RANKS.clear()
+        cached = _MESH_RANKS[id(mesh)] = (mesh, [int(r) for r in mesh.mesh.flatten().tolist()])
+    return cached[1]
+
+
 def layout_record(t: DTensor, group_rank: dict[int, int] | None = None) -> dict[str, Any]:
     """A DTensor's layout as metadata records it; ``rank_list`` (ranks in the saving group,
     row-major) only when the mesh is not simply ranks 0..N-1."""
@@ -58,7 +71,7 @@ def layout_record(t: DTensor, group_rank: dict[int, int] | None = None) -> dict[
         "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
         "placements": [placement_to_name(p) for p in t.placements],
     }
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    ranks = _mesh_ranks(mesh)
     if group_rank is not None:
         missing = [r for r in ranks if r not in group_rank]
         if missing:
@@ -66,7 +79,7 @@ def layout_record(t: DTensor, group_rank: dict[int, int] | None = None) -> dict[
                 f"a DTensor's mesh holds rank(s) {missing[:8]} outside the process group that saves it; "
                 "save with a process_group that contains the whole mesh")
         ranks = [group_rank[r] for r in ranks]
-    if ranks != list(range(len(ranks))):
+    if ranks[0] != 0 or ranks[-1] != len(ranks) - 1 or ranks != list(range(len(ranks))):
         rec["rank_list"] = ranks
     return rec
 
@@ -79,17 +92,20 @@ def dtensor_box(t: DTensor, key: str) -> Box | None:
             "not the tensor's values. Reduce it first, e.g. "
             "t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])"
         )
-    if t.device_mesh.get_coordinate() is None:
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
         return None
-    if any(type(p).__name__ == "_StridedShard" for p in t.placements):
-        try:  # uneven strided shards are not contiguous boxes: refuse rather than save wrong data
-            TensorLayout.from_dtensor(t)._check_strided_tiles(tuple(t.shape))
-        except ValueError as exc:
-            raise UnsupportedValueError(f"{key!r}: {exc}") from None
-    chunks = t.__create_chunk_list__()
-    if len(chunks) != 1:
-        raise UnsupportedValueError(f"{key!r}: expected one local chunk per rank, found {len(chunks)}")
-    box = Box(tuple(chunks[0].offsets), tuple(chunks[0].sizes))
+    # The box by arithmetic (grid.py, checked against torch's own shard math), not torch's
+    # index lists, which cost O(rows) per strided DTensor.
+    mesh_shape = tuple(t.device_mesh.shape)
+    try:  # uneven strided shards are not contiguous boxes: refuse rather than save wrong data
+        grid = Grid(tuple(t.shape), mesh_shape, [placement_to_name(p) for p in t.placements])
+    except ValueError as exc:
+        raise UnsupportedValueError(f"{key!r}: {exc}") from None
+    position = 0
+    for c, size in zip(coord, mesh_shape, strict=True):
+        position = position * size + c
+    box = grid.box(grid.locate(position)[0])
     local = t._local_tensor
     if tuple(local.shape) != box.sizes:
         raise UnsupportedValueError(
