@@ -37,6 +37,7 @@ from .errors import CheckpointError, CommitError, StateDictMismatchError, Unsupp
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .flatten import FlatStateDict, flatten, unflatten
 from .fragments import fragment_name, fragment_of, read_checkpoint_metadata, read_fragment, table_sub_ids
+from .incremental import IncrementalState
 from .loader import read_plan
 from .planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
 from .saver import build_metadata, data_file_names, write_plan
@@ -139,6 +140,7 @@ def save(
     sync_files: bool = True,
     timeout: timedelta | float | None = None,
     user_metadata: dict[str, Any] | None = None,
+    incremental: IncrementalState | None = None,
 ) -> md.Metadata | None:
     """Save a (sharded) state dict; every rank of the group calls it with its own shards.
 
@@ -170,6 +172,9 @@ def save(
         timeout: bound on every cross-rank exchange (seconds or timedelta; default 30 min):
             a rank that crashed, hung or never called save becomes an error on all ranks.
         user_metadata: a JSON-able dict stored in ``.metadata`` (``Metadata.user``).
+        incremental: the checkpoint manager's memory of the previous step (see
+            :mod:`.incremental`): chunks whose bytes did not change are referenced in that
+            step's files instead of written. ``CheckpointManager(incremental=True)`` passes it.
 
     Returns:
         The committed :class:`Metadata`, on every rank (a rank-local save: this rank's fragment).
@@ -224,14 +229,29 @@ def save(
     mine = global_plans[coord.rank]
     own_files = data_file_names(coord.rank, save_id, thread_count)
     what = f"save to {where or 'storage'}"
-    results = write_and_report(
-        coord, writer, "save (writing data)",
-        lambda: write_plan(mine, planner, writer, coord.rank, save_id, thread_count).for_coordinator(),
-        own_files, what, save_id)
-    return commit_and_agree(
-        coord, writer, "save (commit)",
-        lambda: build_metadata(mine.entries, results, save_id, coord.world_size, user_metadata or {}),
-        own_files, what, save_id)
+    mine_written: list[Any] = []
+
+    def write() -> Any:
+        reuse = incremental.reusable(mine.entries) if incremental is not None else None
+        result = write_plan(mine, planner, writer, coord.rank, save_id, thread_count,
+                            hashes=incremental is not None, reuse=reuse)
+        mine_written.append(result)
+        return result.for_coordinator()
+
+    try:
+        results = write_and_report(coord, writer, "save (writing data)", write, own_files, what, save_id)
+        meta = commit_and_agree(
+            coord, writer, "save (commit)",
+            lambda: build_metadata(mine.entries, results, save_id, coord.world_size, user_metadata or {}),
+            own_files, what, save_id)
+    except BaseException:
+        if incremental is not None:
+            incremental.reset()  # not committed, or not known to be: the next save writes everything
+        raise
+    if incremental is not None:
+        done = mine_written[0]
+        incremental.committed(mine.entries, done.digests, done.known_reused, meta)
+    return meta
 
 
 def _distributed() -> bool:

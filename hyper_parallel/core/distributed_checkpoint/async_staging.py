@@ -445,8 +445,10 @@ class AsyncCheckpointer:
         staging: str = "eager",
         callback: Callable[..., Any] | None = None,
         use_gloo: bool = True,
+        incremental: Any = None,
     ) -> AsyncSaveResponse:
-        """Start an async save; see :func:`async_save` for the arguments."""
+        """Start an async save; see :func:`async_save` for the arguments (``incremental``: as
+        for :func:`~.api.save`; the checkpoint manager passes it)."""
         started = time.perf_counter()
         self._ensure_threads()
         if state_dict is None:
@@ -472,7 +474,7 @@ class AsyncCheckpointer:
         save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
                            use_collectives=use_collectives, coordinator_rank=coordinator_rank,
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,
-                           user_metadata=user_metadata)  # the timeout went into the dedicated group
+                           user_metadata=user_metadata, incremental=incremental)  # the timeout went into the group
         job = _Job(self, response, save_kwargs, group, started)
         try:
             self._prepare(job, state_dict)

@@ -49,8 +49,12 @@ committed; retention runs; a failure is raised as :class:`AsyncSaveError` on eve
 The same happens in ``wait()``, ``load()`` and ``close()``. Calls that the interval policy
 skips touch nothing and never block, so errors surface at the next call that saves.
 
-Incremental checkpoints (``incremental=True``) arrive with format version 2; the places they
-plug into are marked ``PLUG (incremental)``.
+**Incremental checkpoints** (``incremental=True``): each rank remembers the content hash of
+every chunk it stored in the newest committed step; the next save writes only the chunks
+whose bytes changed and names the earlier step's file for the rest (see
+:mod:`.incremental`). Retention still deletes whole steps, except the files of a deleted
+step that a kept step names: those stay in its directory (without ``.metadata``, so it is
+not a step any more) until nothing names them.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ from .async_staging import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
 from .commit import unreferenced_files
 from .coordination import Coordinator
 from .errors import CheckpointError, CommitError, NotACheckpointError
+from .incremental import IncrementalState
 from .step_directory import (
     OPEN_TOKENS,
     USER_KEY,
@@ -131,7 +136,7 @@ def plan_retention(
     if keep_best is not None and best_metric is not None:
         keep.update(_best(steps, best_metric, best_mode)[:keep_best])
     todo = list(keep)
-    while todo:  # PLUG (incremental): a kept step keeps every step whose files it names
+    while todo:  # a kept step keeps every step ``references`` says it needs
         for ref in references(todo.pop()):
             if ref in steps and ref not in keep:
                 keep.add(ref)
@@ -194,7 +199,9 @@ class CheckpointManager:
             ``"min"`` (a loss) or ``"max"`` (an accuracy).
         async_save: return from ``save`` once a snapshot is taken; a background thread writes
             and commits (one save in flight; see the module docstring).
-        incremental: not available yet (needs format version 2); raises NotImplementedError.
+        incremental: write only the chunks that changed since the previous committed step of
+            this manager and reference the earlier files for the rest (the first save, and
+            the first after a restart or a failed save, writes everything).
         process_group: the ranks that save together (default: the whole world).
         timeout: bound on every cross-rank exchange, seconds or timedelta (default 30 min).
         storage_options: options of the fsspec filesystem for a URL ``directory`` (e.g.
@@ -233,8 +240,6 @@ class CheckpointManager:
         timeout: timedelta | float | None = None,
         storage_options: dict[str, Any] | None = None,
     ):
-        if incremental:
-            raise NotImplementedError("incremental checkpoints arrive with format v2")
         _check_count("save_interval_steps", save_interval_steps)
         for name, value in (("keep_latest", keep_latest), ("keep_every_steps", keep_every_steps),
                             ("keep_best", keep_best)):
@@ -252,6 +257,9 @@ class CheckpointManager:
         self.best_metric, self.best_mode = best_metric, best_mode
         self.async_save = async_save
         self.incremental = incremental
+        self._inc = IncrementalState() if incremental else None
+        self._refs: dict[int, frozenset[tuple[str, str]]] = {}  # coordinator: step -> files of other steps it names
+        self._lingering: set[str] = set()  # deleted steps' directories kept for files later steps name
         self.process_group = process_group
         self.timeout = timeout
         self._root = self._root_for(directory, storage_options)
@@ -347,14 +355,16 @@ class CheckpointManager:
         user = {USER_KEY: {"step": step, "metrics": None if metrics is None else encode_metrics(metrics)}}
         writer = self._storage_writer(name)
         started = time.perf_counter()
+        if self._inc is not None:
+            self._inc.begin(name)
         if self._async is not None:
             response = self._async.save(state_dict, storage_writer=writer, process_group=self.process_group,
-                                        timeout=self.timeout, user_metadata=user)
+                                        timeout=self.timeout, user_metadata=user, incremental=self._inc)
             self._pending = _Pending(step, response=response, blocking_s=response.blocking_s)
             return True
         try:
             meta = _save(state_dict, storage_writer=writer, process_group=self.process_group,
-                         timeout=self.timeout, user_metadata=user)
+                         timeout=self.timeout, user_metadata=user, incremental=self._inc)
         except Exception as exc:
             # Not committed unless a CommitError says it may be: the coordinator (alone deleting)
             # clears the step's debris; a CommitError step is left for the next start to judge.
@@ -438,14 +448,10 @@ class CheckpointManager:
         return open_directory(directory, storage_options)
 
     def _storage_writer(self, name: str) -> StorageWriter:
-        # PLUG (incremental): hand the previous committed step (self._root.step_path of
-        # step_dir_name(self.latest_step())) to the save here, so unchanged chunks are
-        # referenced instead of written.
         return self._root.writer(name)
 
     def _storage_reader(self, name: str) -> StorageReader:
-        # PLUG (incremental): a reader that resolves references to earlier steps' files
-        # inside self.directory.
+        # References to earlier steps' files are sibling directories: readers resolve them.
         return self._root.reader(name)
 
     # ------------------------------------------------------------------ internals
@@ -466,10 +472,14 @@ class CheckpointManager:
             self._root.make_root()
             self._claim()
             infos, listing, parsed = scan(self._root)
+            self._refs = {step: _named_elsewhere(meta) for step, meta in parsed.items()}
             for info in infos:
                 name = step_dir_name(info.step)
                 if info.state == "uncommitted":
-                    found.setdefault("sweep", []).append(name)
+                    keep = self._kept_files(name)
+                    found.setdefault("sweep", []).append((name, keep))
+                    if keep:
+                        self._lingering.add(name)
                 elif info.state == "unreadable":
                     warnings.warn(f"CheckpointManager: {info.error}; step {info.step} is ignored and left in "
                                   "place (`hyper-dcp verify` it, or move it away)", stacklevel=4)
@@ -481,14 +491,19 @@ class CheckpointManager:
 
         self._steps = self._on_coordinator("manager start (listing the directory)", discover)
         if self._deleter is not None:
-            for name in found.get("sweep", []):
-                self._deleter.submit("step", name)
+            for name, keep in found.get("sweep", []):
+                self._deleter.submit("step", name, keep=keep)
             for name, files in found.get("debris", []):
                 self._deleter.submit("files", name, files)
 
     def _referenced_files(self, meta: md.Metadata) -> list[str]:
-        # PLUG (incremental): add the files of this step's directory that later steps reference.
-        return meta.file_names()
+        """A committed step's own files, and the files of its directory later steps name."""
+        own = step_of_name(meta)
+        return sorted(set(meta.file_names()) | set(self._kept_files(own) if own else ()))
+
+    def _kept_files(self, name: str) -> tuple[str, ...]:
+        """Files of step directory ``name`` that some committed step's metadata names."""
+        return tuple(sorted({f for refs in self._refs.values() for d, f in refs if d == name}))
 
     def _claim(self) -> None:
         """Become the directory's owner (coordinator), or refuse while a live owner holds it."""
@@ -572,10 +587,17 @@ class CheckpointManager:
             steps = dict(self._steps)
             if committed is not None:
                 steps[pending.step] = metrics_of(committed)
+                self._refs[pending.step] = _named_elsewhere(committed)
                 doomed = self._retention(steps, protect={pending.step})
                 for s in doomed:
                     del steps[s]
-                plan["delete"] = doomed
+                    self._refs.pop(s, None)
+                # a deleted step's files that kept steps still name stay (incremental checkpoints);
+                # directories kept only for such files go once nothing names them any more
+                plan["delete"] = [(s, self._kept_files(step_dir_name(s))) for s in doomed]
+                self._lingering.update(step_dir_name(s) for s, keep in plan["delete"] if keep)
+                plan["release"] = [n for n in self._lingering if not self._kept_files(n)]
+                self._lingering.difference_update(plan["release"])
             elif finished:
                 plan["cleanup"] = True
             return error, (committed is not None, steps)
@@ -583,8 +605,10 @@ class CheckpointManager:
         results = self._coord.exchange(f"manager (settling the save of step {pending.step})", bookkeeping)
         committed, self._steps = results[self._coord.coordinator_rank][1]
         if self._deleter is not None:
-            for s in plan.get("delete", []):
-                self._deleter.submit("step", step_dir_name(s))
+            for s, keep in plan.get("delete", []):
+                self._deleter.submit("step", step_dir_name(s), keep=keep)
+            for name in plan.get("release", []):
+                self._deleter.submit("step", name)
             if plan.get("cleanup"):
                 self._deleter.submit("step", name)
         failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
@@ -615,8 +639,8 @@ class CheckpointManager:
                               protect=protect, references=self._references)
 
     def _references(self, step: int) -> tuple[int, ...]:
-        # PLUG (incremental): the steps whose files ``step`` names (from references_of of its
-        # metadata, remembered at discovery and at each commit).
+        # Steps named by a kept step are not kept whole: only the files it names survive their
+        # step's deletion (see _kept_files), so retention counts steps, not references.
         return ()
 
     def _release(self) -> None:
@@ -641,6 +665,18 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, steps={self.all_steps()}, "
                 f"in_flight={self._pending.step if self._pending else None})")
+
+
+def _named_elsewhere(meta: md.Metadata) -> frozenset[tuple[str, str]]:
+    """(step directory, file) of every file of another step that ``meta`` names."""
+    return frozenset((f.dir, f.name) for f in meta.files if f.dir)
+
+
+def step_of_name(meta: md.Metadata) -> str | None:
+    """The step directory name a committed step's metadata was saved under (from its user data)."""
+    own = meta.user.get(USER_KEY) if isinstance(meta.user, dict) else None
+    step = own.get("step") if isinstance(own, dict) else None
+    return step_dir_name(step) if isinstance(step, int) else None
 
 
 def _plain_metrics(metrics: Any) -> dict[str, Any]:

@@ -46,6 +46,9 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
+SMALL_TENSOR = 4 << 20  # the default memory budget grows to keep tensors up to this size cached
+
+
 def parse_size(size: int | str) -> int:
     """``"5GB"`` -> 5_000_000_000; ``"512MiB"`` -> 536870912; ints pass through."""
     if isinstance(size, int):
@@ -184,7 +187,9 @@ def offline_transform(
             written by :func:`save_layout`, a :class:`Layout`/``DeviceMesh``, or a mesh
             mapping like ``{"tp": 4}`` (each tensor keeps its placements per mesh dim name).
         max_memory: bytes of tensor data held at once (default: four times the largest
-            saved chunk, at least 64 MiB); never the model size.
+            saved chunk, at least 64 MiB, raised to twice the total of the small tensors,
+            up to 512 MiB, so that each small tensor split into thousands of destination
+            chunks is read once); never the model size.
         verify: check the source's checksums while reading.
         progress: called with a byte count as each chunk is done (e.g. ``tqdm.update``).
 
@@ -210,7 +215,8 @@ def offline_transform(
         _check_src_layout(meta, src_layout)
     if max_memory is None:
         largest = max((largest_chunk_bytes(meta, e) for e in meta.entries.values()), default=0)
-        max_memory = max(64 << 20, 4 * largest)
+        small = sum(e.nbytes for e in meta.entries.values() if e.kind != "object" and e.nbytes <= SMALL_TENSOR)
+        max_memory = max(64 << 20, 4 * largest, min(512 << 20, 2 * small))
     strategy = _as_strategy(dst_layout)
     if strategy is not None:
         meshes = {tl.layout for tl in strategy.values()}

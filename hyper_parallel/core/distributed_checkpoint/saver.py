@@ -25,6 +25,7 @@ import torch
 from . import metadata as md
 from .box import Box
 from .data_file import BLOCK_BYTES, ContentHash, Item, block_rows, encode_index, plan_file, tensor_bytes
+from .grid import Grid
 from .planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from .storage import StorageWriter
 from .streams import StreamFence
@@ -43,10 +44,13 @@ class WriteResult:
     objects: dict[str, Any] = field(default_factory=dict)
     rows: list[tuple[str, int, Box, str]] = field(default_factory=list)
     nbytes: int = 0
-    digests: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    reused: list[tuple[str, int, md.FileRecord]] = field(default_factory=list)  # (key, sub, earlier step's file)
+    # kept on the rank (incremental saves), not sent to the coordinator:
+    digests: dict[tuple[str, int], tuple[bytes, Box, str]] = field(default_factory=dict)  # hash, box, file name
+    known_reused: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     def for_coordinator(self) -> WriteResult:
-        return WriteResult(self.files, self.objects, self.rows, self.nbytes)
+        return WriteResult(self.files, self.objects, self.rows, self.nbytes, self.reused)
 
 
 def _split_files(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
@@ -115,13 +119,38 @@ def write_plan(
     save_id: str,
     thread_count: int = 1,
     hashes: bool = False,
+    reuse: dict[tuple[str, int], Any] | None = None,
 ) -> WriteResult:
-    """Write every item of ``plan`` (this rank's share of the global plan)."""
+    """Write every item of ``plan`` (this rank's share of the global plan).
+
+    ``hashes``: store each chunk's content hash in its file's index and return it in
+    ``WriteResult.digests``. ``reuse`` (incremental saves, see :mod:`.incremental`): chunks
+    stored earlier, by (key, sub id); one whose bytes hash the same is not written but
+    returned in ``WriteResult.reused``.
+    """
     result = WriteResult()
     fence = StreamFence()  # device tensors are copied to the host on writer threads
     for key in plan.objects:
         result.objects[key] = planner.resolve_data(WriteItem(key, Box((), ()), 0))
-    groups = _split_files(plan.items, thread_count)
+    items, known = plan.items, {}
+    if reuse:
+        same: dict[tuple[str, int], bool] = {}  # per (key, box): every sub-chunk unchanged
+        for item in plan.items:
+            prior = reuse.get((item.key, item.sub))
+            digest = _digest_if_reusable(planner, item, prior, fence)
+            if digest is not None:
+                known[(item.key, item.sub)] = digest
+            box = (item.key, item.sub // _tiles(plan, item.key))
+            same[box] = same.get(box, True) and digest is not None and digest == prior.digest
+        items = []
+        for item in plan.items:
+            if same[(item.key, item.sub // _tiles(plan, item.key))]:
+                prior = reuse[(item.key, item.sub)]
+                result.reused.append((item.key, item.sub, prior.file))
+                result.known_reused[(item.key, item.sub)] = prior
+            else:
+                items.append(item)
+    groups = _split_files(items, thread_count)
     tables = {k for k, spec in plan.entries.items() if spec.store is None and spec.kind != "object"}
 
     def write_group(index: int, witems: list[WriteItem]) -> tuple[md.FileRecord, dict, int]:
@@ -144,7 +173,8 @@ def write_plan(
                 step = (item.nbytes // max(1, item.box.sizes[0] if item.box.sizes else 1)) * block_rows(
                     item.box.sizes, item.nbytes, BLOCK_BYTES) if item.nbytes else 1
                 sums = _Checksums(max(1, step))
-                hasher = ContentHash() if hashes else None
+                hashed = known.get((item.key, item.sub))  # hashed already, by the reuse check
+                hasher = ContentHash() if hashes and hashed is None else None
                 got = 0
                 for data in _pieces(value):
                     sums.feed(data)
@@ -156,8 +186,8 @@ def write_plan(
                 if got != item.nbytes:
                     raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {got}")
                 crcs.extend(sums.finish())
-                if hasher is not None:
-                    digests[(item.key, item.sub)] = hasher.digest()
+                if hashes:
+                    digests[(item.key, item.sub)] = hashed if hashed is not None else hasher.digest()
                 pos = start + item.nbytes
             if layout.index_offset > pos:
                 yield memoryview(bytes(layout.index_offset - pos))
@@ -178,9 +208,30 @@ def write_plan(
     for (record, digests, written), witems in zip(outs, groups, strict=True):
         result.files.append(record)
         result.nbytes += written
-        result.digests.update(digests)
+        boxes = {(w.key, w.sub): w.box for w in witems}
+        result.digests.update({ks: (d, boxes[ks], record.name) for ks, d in digests.items()})
         result.rows.extend((w.key, w.sub, w.box, record.name) for w in witems if w.key in tables)
     return result
+
+
+def _tiles(plan: SavePlan, key: str) -> int:
+    store = plan.entries[key].store
+    return store.tiles if isinstance(store, md.GridStore) else 1
+
+
+def _digest_if_reusable(planner: SavePlanner, item: WriteItem, prior: Any, fence: StreamFence) -> bytes | None:
+    """The content hash of an item that may be reused (same box as before), else None."""
+    if prior is None or prior.box != item.box:
+        return None
+    value = planner.resolve_data(item)
+    if not isinstance(value, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)):
+        return None  # produced in slabs: hashing would consume them
+    if isinstance(value, torch.Tensor):
+        fence.before_copy(value)
+    hasher = ContentHash()
+    for data in _pieces(value):
+        hasher.feed(data)
+    return hasher.digest()
 
 
 def build_metadata(
@@ -195,6 +246,15 @@ def build_metadata(
 def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], save_id: str, world_size: int,
                     user: dict[str, Any], extra_files: list[md.FileRecord], dirs: list[str] | None) -> md.Metadata:
     files = list(extra_files) + [f for r in results for f in r.files]
+    dirs = list(dirs or [""])
+    reused: dict[str, list[tuple[int, str]]] = {}
+    for r in results:  # chunks left in earlier steps' files: their files join this checkpoint's list
+        for key, sub, f in r.reused:
+            if f.dir not in dirs:
+                dirs.append(f.dir)
+            reused.setdefault(key, []).append((sub, f.dir))
+            files.append(f)
+    files = list({(f.dir, f.name): f for f in files}.values())
     file_index = {(f.dir, f.name): i for i, f in enumerate(files)}
     objects: dict[str, Any] = {}
     rows: dict[str, list[tuple[int, Box, str]]] = {}
@@ -207,8 +267,26 @@ def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], s
         entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, objects.get(key), spec.store)
         if spec.kind != "object" and spec.store is None:
             entry.store = _table(key, spec, sorted(rows.get(key, [])), file_index)
+        elif key in reused:
+            entry.store = _with_where(spec, reused[key], dirs)
         out[key] = entry
-    return md.Metadata(out, save_id, world_size, user=user, files=files, dirs=dirs or [""]).attach()
+    return md.Metadata(out, save_id, world_size, user=user, files=files, dirs=dirs).attach()
+
+
+def _with_where(spec: EntrySpec, reused: list[tuple[int, str]], dirs: list[str]) -> md.GridStore:
+    """The key's grid store, saying which step directory holds each reused box (runs)."""
+    store = spec.store
+    layout = store.layout if store.layout is not None else (spec.layout if store.writer is None else None)
+    grid = Grid(spec.shape or (), layout["mesh_shape"], layout["placements"], layout.get("rank_list"), store.tiles) \
+        if layout is not None else Grid(spec.shape or (), (1,), ["R"], [store.writer], store.tiles)
+    where = np.zeros(grid.num_boxes, dtype=np.int64)
+    for sub, d in reused:
+        where[sub // store.tiles] = dirs.index(d)
+    change = np.flatnonzero(np.diff(where)) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [len(where)]])
+    runs = [(int(e - b), int(where[b])) for b, e in zip(starts, ends, strict=True)]
+    return md.GridStore(store.tiles, store.offset, store.copies, store.writer, store.layout, runs)
 
 
 def _table(key: str, spec: EntrySpec, rows: list[tuple[int, Box, str]], file_index: dict) -> md.TableStore:

@@ -307,13 +307,9 @@ def metrics_of(meta: md.Metadata) -> dict[str, Any] | None:
 
 
 def references_of(meta: md.Metadata) -> tuple[int, ...]:
-    """The steps (other than its own) whose directories hold data ``meta`` names.
-
-    PLUG (incremental): with format version 2 a chunk may live in an earlier step's file;
-    this returns those steps, and retention keeps them as long as a kept step names them.
-    Version 1 checkpoints reference nothing outside their own directory.
-    """
-    return ()
+    """The steps (other than its own) whose directories hold data ``meta`` names: an
+    incremental checkpoint's unchanged chunks live in earlier steps' files."""
+    return tuple(sorted(s for d in meta.referenced_dirs() if (s := step_of(d)) is not None))
 
 
 def scan(root: Directory) -> tuple[list[StepInfo], dict[str, dict[str, int]], dict[int, md.Metadata]]:
@@ -381,14 +377,15 @@ class Deleter:
         self._thread: threading.Thread | None = None
         self.failures: list[str] = []
 
-    def submit(self, kind: str, name: str, files: Iterable[str] = ()) -> None:
-        """``kind`` "step": remove a whole step (``.metadata`` first); "files": only ``files``."""
+    def submit(self, kind: str, name: str, files: Iterable[str] = (), keep: Iterable[str] = ()) -> None:
+        """``kind`` "step": remove a whole step (``.metadata`` first) except the data files in
+        ``keep`` (later steps name them); "files": only ``files``."""
         with self._cond:
             self._pending[name] = self._pending.get(name, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hp-dcp-manager-delete", daemon=True)
                 self._thread.start()
-        self._jobs.put((kind, name, tuple(files)))
+        self._jobs.put((kind, name, tuple(files) if kind == "files" else tuple(keep)))
 
     def _run(self) -> None:
         while True:
@@ -399,7 +396,11 @@ class Deleter:
             try:
                 if kind == "step":
                     self.root.uncommit(name)  # the step stops counting before any data goes
-                    self.root.remove_tree(name)
+                    if files:  # data later steps still name stays; the rest goes
+                        present = self.root.listing().get(name, {})
+                        self.root.remove_files(name, [f for f in present if f not in files])
+                    else:
+                        self.root.remove_tree(name)
                 else:
                     self.root.remove_files(name, files)
             except Exception as exc:  # the step stays: the next start finds it and tries again

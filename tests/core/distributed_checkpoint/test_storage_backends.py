@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
@@ -18,20 +17,6 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
 )
 from hyper_parallel.core.distributed_checkpoint.fsspec_storage import FsspecReader, FsspecWriter
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    moto_server = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
-        os.environ.setdefault(k, v)
-    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    srv.start()
-    host, port = srv.get_host_and_port()
-    yield f"http://{host}:{port}"
-    srv.stop()
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
