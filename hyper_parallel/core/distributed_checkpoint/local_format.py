@@ -2,7 +2,11 @@
 
 A local save writes, for each rank and step, one file (names in :func:`shard_file_name`)::
 
-    local_dir/r<rank:05d>/step_<step:08d>-<timeline>.safetensors
+    local_dir/tier-<16 hex digits>/r<rank:05d>/step_<step:08d>-<timeline>.safetensors
+
+``tier-...`` is derived from the manager's durable directory (:func:`tier_dir_name`), so two
+jobs sharing ``/dev/shm`` never see or delete each other's files; ``r<rank>`` holds the files
+of one rank's shards, whether written by that rank or received as a copy from it.
 
 It is a valid safetensors file (``safetensors.safe_open`` reads it): an 8-byte header
 length, a JSON header, then the payloads, each at a 64-byte aligned offset with every gap
@@ -73,6 +77,11 @@ _RANK_DIR = re.compile(r"^r(\d{5,})$")
 _KINDS = ("dtensor", "tensor", "ndarray", "bytes", "object")
 
 
+def tier_dir_name(directory: str) -> str:
+    """The subdirectory of ``local_dir`` that holds the local tier of the manager of ``directory``."""
+    return "tier-" + hashlib.sha256(directory.encode()).hexdigest()[:16]
+
+
 def rank_dir_name(rank: int) -> str:
     return f"r{rank:05d}"
 
@@ -118,17 +127,22 @@ class LocalEntry:
         return (self.key, self.kind)
 
 
-def describe(flat: Flat) -> tuple[list[LocalEntry], list[Any], str]:
+def describe(flat: Flat, cache: dict | None = None) -> tuple[list[LocalEntry], list[Any], str]:
     """The entries of a flattened state dict, the value of each (local tensors for DTensors),
-    and its fingerprint. Raises UnsupportedValueError for values the tier cannot store."""
+    and its fingerprint. Raises UnsupportedValueError for values the tier cannot store.
+
+    ``cache`` (a dict the caller keeps across calls) remembers each DTensor layout's box and
+    record: torch recomputes a mesh's rank tensor on every access, which made this the
+    largest part of a local save's pause.
+    """
     entries, values = [], []
     for key, leaf in flat.leaves.items():
         value = leaf.value
         if isinstance(value, DTensor):
-            box = dtensor_box(value, key)  # refuses Partial placements
+            offsets, layout = _dtensor_facts(value, key, cache)
             local = value._local_tensor
             entry = LocalEntry(key, "dtensor", md.dtype_name(value.dtype), tuple(local.shape), tuple(value.shape),
-                               None if box is None else box.offsets, layout_record(value))
+                               offsets, layout)
             value = local
         elif isinstance(value, torch.Tensor):
             entry = LocalEntry(key, "tensor", md.dtype_name(value.dtype), tuple(value.shape))
@@ -148,6 +162,19 @@ def describe(flat: Flat) -> tuple[list[LocalEntry], list[Any], str]:
         entries.append(entry)
         values.append(value)
     return entries, values, fingerprint(entries)
+
+
+def _dtensor_facts(value: DTensor, key: str, cache: dict | None) -> tuple[tuple[int, ...] | None, dict[str, Any]]:
+    """The global offsets of this rank's shard (None: it holds nothing) and the layout record."""
+    mesh = value.device_mesh
+    ck = (id(mesh), tuple(value.placements), tuple(value.shape))
+    hit = cache.get(ck) if cache is not None else None
+    if hit is None or hit[0] is not mesh:
+        box = dtensor_box(value, key)  # refuses Partial placements and odd strided shards
+        hit = (mesh, None if box is None else box.offsets, layout_record(value))
+        if cache is not None:
+            cache[ck] = hit
+    return hit[1], hit[2]
 
 
 def fingerprint(entries: Iterable[LocalEntry]) -> str:

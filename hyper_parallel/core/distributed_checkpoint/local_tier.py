@@ -30,21 +30,24 @@ every rank):
 
 **Recovery** (:meth:`LocalTier.recover`, from ``CheckpointManager.load``):
 
-1. Every rank settles its local save in flight, then lists its ``local_dir`` (reading only
-   the headers of the shard files) and sends the coordinator what it holds: ``(owner rank,
-   step, timeline, size, fingerprint)`` per file, plus the fingerprint of its own target.
-2. The coordinator picks the newest step whose every rank has a copy somewhere whose
-   fingerprint equals that rank's target (same keys, dtypes, shapes, sharding): partial
+1. Every rank settles its local save in flight (one exchange, which also tells every rank
+   who shares its ``local_dir``).
+2. One rank per directory lists it (reading only the headers of the shard files), and every
+   rank shares what it found: ``(owner rank, step, timeline, size, fingerprint)`` per file,
+   with the fingerprint of its own target (one exchange). Every rank then makes the same
+   choice (:func:`decide`): the newest step whose every rank has a copy somewhere whose
+   fingerprint equals that rank's target (same keys, dtypes, shapes, sharding). Partial
    steps (a rank's file missing: a ``.tmp-`` file is not a file) are never chosen. If the
-   durable directory has a newer committed step, or no local step is complete, it answers
+   durable directory has a newer committed step, or no local step is complete, the answer is
    "durable" and the manager loads from ``directory`` as before (this is also how a changed
    layout ends: the fingerprints differ).
-3. Each rank without its own copy receives it from a holder (the least loaded one) over the
-   process group, straight into a file in its ``local_dir`` (restoring its copy).
-4. Each rank reads its file into its own tensors (in place, crc32c checked). A checksum
-   failure anywhere excludes that copy and the coordinator decides again (another holder, an
-   older step, or the durable tier). Non-tensor values and Stateful objects are put back
-   only after every rank has read successfully.
+3. Each rank without a copy in its own directory receives it from a rank of a directory
+   that has one (the least loaded) over the process group, straight into a file of its
+   ``local_dir`` (restoring its copy); then every rank reads its file into its own tensors
+   (in place, crc32c checked) (one exchange). A checksum failure anywhere excludes that copy
+   and the choice is made again (another copy, an older step, or the durable tier).
+4. Non-tensor values and Stateful objects are put back only after every rank has read
+   successfully (one exchange).
 5. Files of the runs before are deleted except the ``local_keep`` newest complete steps up
    to the one loaded; the job continues on a new *timeline*, so files of an abandoned run
    never mix with the new run's steps.
@@ -100,6 +103,7 @@ from .local_format import (
     read_manifest,
     scan_rank_dir,
     shard_file_name,
+    tier_dir_name,
     tmp_path_for,
     write_shard_file,
 )
@@ -114,15 +118,24 @@ _SAVE_WAIT_SLACK_S = 60.0  # on top of 2 * replication_timeout: the write itself
 
 @dataclass(frozen=True)
 class LocalSaveTiming:
-    """One local save on this rank: ``blocking_s`` the time training was blocked (waiting
-    for the previous local save plus the snapshot), ``write_s`` writing the shard file,
-    ``replicate_s`` sending/receiving copies and confirming, ``confirmed`` whether every rank
-    confirmed the step (complete everywhere, with its copies)."""
+    """One local save on this rank.
+
+    Training was blocked ``blocking_s``: ``waited_s`` for the previous local save, then
+    ``state_dict_s`` flattening the state dict (Stateful ``state_dict()`` calls included),
+    then ``snapshot_s`` copying the tensors. In the background: ``write_s`` writing the
+    shard file, ``replicate_s`` sending/receiving copies and confirming, ``cpu_s`` the CPU
+    time of all that. ``confirmed``: every rank confirmed the step (complete everywhere,
+    with its copies).
+    """
 
     step: int
     blocking_s: float
+    waited_s: float
+    state_dict_s: float
+    snapshot_s: float
     write_s: float
     replicate_s: float
+    cpu_s: float
     confirmed: bool
     bytes_written: int
     bytes_sent: int
@@ -143,6 +156,7 @@ class Recovery:
     bytes_read: int = 0
     seconds: float = 0.0
     attempts: int = 0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step of the protocol
 
 
 @dataclass
@@ -156,6 +170,8 @@ class _Job:
     buffer: Any = None
     error: BaseException | None = None
     blocking_s: float = 0.0
+    waited_s: float = 0.0
+    state_dict_s: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -190,6 +206,8 @@ class LocalTier:
                  replication_timeout: float = 60.0, sync_files: bool = False):
         self.local_dir = os.path.abspath(os.fspath(local_dir))
         self.directory = directory if "://" in directory else os.path.abspath(directory)
+        # One subdirectory per manager directory: jobs sharing /dev/shm never touch each other's files.
+        self.root = os.path.join(self.local_dir, tier_dir_name(self.directory))
         self.interval_steps, self.keep, self.replicas = interval_steps, keep, replicas
         self.replication_timeout = float(replication_timeout)
         self.sync_files = sync_files
@@ -202,7 +220,7 @@ class LocalTier:
         self._last_step: int | None = None
         self._confirmed: list[tuple[int, str]] = []
         self._unconfirmed: list[tuple[int, str]] = []
-        self._held: dict[tuple[int, int, str], str] = {}  # (owner, step, timeline) -> path, from the last scan
+        self._layouts: dict = {}  # describe()'s cache of DTensor layouts
         self._stats = StagingStats()
         self._pool = _BufferPool(1, self._stats)
         self._job: _Job | None = None
@@ -215,7 +233,7 @@ class LocalTier:
         identity = node_identity(node_rank)
 
         def start() -> tuple:
-            os.makedirs(self.local_dir, exist_ok=True)
+            os.makedirs(self.root, exist_ok=True)
             self._sweep_temporary()
             return identity, (interval_steps, keep, replicas), _new_timeline()
 
@@ -235,10 +253,7 @@ class LocalTier:
         self.node = self.topology.nodes[self.rank]
         self.peers = self.topology.peers(self.rank)
         self.sources = self.topology.sources(self.rank)
-        if self.coord.distributed and self.world_size > 1:
-            ranks = self.coord.group_ranks
-            self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
-                                         use_local_synchronization=len(ranks) != dist.get_world_size())
+        self._needs_group = self.coord.distributed and self.world_size > 1  # made at the first save
         if replicas > 1 and self.topology.node_count < replicas and self.rank == 0:
             warnings.warn(f"CheckpointManager: replicas={replicas} but the job spans {self.topology.node_count} "
                           f"node(s) (by {identity[0]}): each rank's shards get {self.topology.node_count - 1} "
@@ -271,9 +286,16 @@ class LocalTier:
             warnings.warn(f"CheckpointManager: local save of step {step} skipped: the previous one is still "
                           "running (storage or a peer is stuck)", stacklevel=3)
             return False
-        job = _Job(step, self.timeline, started)
+        if self._needs_group and self._group is None:
+            ranks = self.coord.group_ranks  # collective: every rank makes its first local save at the same step
+            self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
+                                         use_local_synchronization=len(ranks) != dist.get_world_size())
+        waited = time.perf_counter()
+        job = _Job(step, self.timeline, started, waited_s=waited - started)
         try:
-            self._snapshot(job, flatten(state_dict))
+            flat = flatten(state_dict)
+            job.state_dict_s = time.perf_counter() - waited
+            self._snapshot(job, flat)
         except Exception as exc:
             job.error = exc
         job.blocking_s = time.perf_counter() - started
@@ -284,7 +306,7 @@ class LocalTier:
         return True
 
     def _snapshot(self, job: _Job, flat: Flat) -> None:
-        entries, values, job.fingerprint = describe(flat)
+        entries, values, job.fingerprint = describe(flat, self._layouts)
         signature, sources, pinned = [], [], False
         for e, v in zip(entries, values, strict=True):
             if e.kind in ("dtensor", "tensor", "ndarray"):
@@ -328,7 +350,7 @@ class LocalTier:
                 job.done.set()
 
     def _run(self, job: _Job) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         path, written = None, 0
         try:
             if job.error is None:
@@ -352,8 +374,9 @@ class LocalTier:
         ok, sent, received = self._replicate(job.step, job.timeline, path)
         confirmed = self._confirm(path is not None and ok)
         self._retain((job.step, job.timeline), confirmed, path is not None)
-        self.timings.append(LocalSaveTiming(job.step, job.blocking_s, t1 - t0, time.perf_counter() - t1, confirmed,
-                                            written, sent, received))
+        self.timings.append(LocalSaveTiming(
+            job.step, job.blocking_s, job.waited_s, job.state_dict_s, job.blocking_s - job.waited_s - job.state_dict_s,
+            t1 - t0, time.perf_counter() - t1, time.thread_time() - cpu0, confirmed, written, sent, received))
 
     # ------------------------------------------------------------------ replication
 
@@ -460,7 +483,7 @@ class LocalTier:
         self._unconfirmed = [k for k in self._unconfirmed if newest is None or k[0] > newest[0]]
         keep = set(self._confirmed) | set(self._unconfirmed)
         for owner in (self.rank, *self.sources):
-            for step, timeline, path in scan_rank_dir(os.path.join(self.local_dir, rank_dir_name(owner))):
+            for step, timeline, path in scan_rank_dir(os.path.join(self.root, rank_dir_name(owner))):
                 if (step, timeline) not in keep:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path)
@@ -476,13 +499,13 @@ class LocalTier:
 
     def _rank_dirs(self) -> list[str]:
         try:
-            names = os.listdir(self.local_dir)
+            names = os.listdir(self.root)
         except FileNotFoundError:
             return []
-        return [os.path.join(self.local_dir, n) for n in sorted(names) if rank_of_dir(n) is not None]
+        return [os.path.join(self.root, n) for n in sorted(names) if rank_of_dir(n) is not None]
 
     def _path(self, owner: int, step: int, timeline: str) -> str:
-        return os.path.join(self.local_dir, rank_dir_name(owner), shard_file_name(step, timeline))
+        return os.path.join(self.root, rank_dir_name(owner), shard_file_name(step, timeline))
 
     # ------------------------------------------------------------------ waiting
 
@@ -516,66 +539,81 @@ class LocalTier:
         """
         self._check_open()
         started = time.perf_counter()
-        settled = self.coord.exchange("local tier recovery (settling local saves)", lambda: self.wait())
+        here = (self.node, self.root)
+        # 1. Every rank settles its save in flight (its retention may still delete files), and
+        #    says which directory it reads, so that one rank per directory lists it.
+        phases: dict[str, float] = {}
+        mark = [started]
+
+        def lap(name: str) -> None:
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - mark[0]
+            mark[0] = now
+
+        first = self.coord.exchange("local tier recovery (settling local saves)", lambda: (self.wait(), here))
+        lap("settle")
+        dirs = [d for _, d in first]
+        lists = dirs.index(here) == self.rank
         target: dict[str, Any] = {}
 
         def report() -> tuple:
             flat = flatten(state_dict)
-            entries, values, fp = describe(flat)
+            entries, values, fp = describe(flat, self._layouts)
             target.update(flat=flat, entries=entries, values=values)
-            return step, fp, self._holdings()
+            return step, fp, self._holdings() if lists else [], _new_timeline()
 
-        reports = self.coord.gather_to_coordinator("local tier recovery (what each rank holds)", report)
-        excluded: set[tuple[int, int, int, str]] = set()
+        # 2. What every directory holds and what every rank needs; each rank decides alike.
+        reports = self.coord.exchange("local tier recovery (what each node holds)", report)
+        lap("report")
+        if len({r[0] for r in reports}) > 1:
+            raise ValueError(f"CheckpointManager.load: the ranks asked for different steps {[r[0] for r in reports]} "
+                             "(by rank); every rank must pass the same step")
+        self.timeline = reports[self.coord.coordinator_rank][3]
+        excluded: set[tuple[Any, int, int, str]] = set()
         attempts = 0
         while True:
             attempts += 1
-            decision = None
-            if self.coord.is_coordinator:
-                asked = {r[0] for r in reports}
-                if len(asked) > 1:
-                    decision = {"error": f"the ranks asked for different steps {[r[0] for r in reports]} (by rank)"}
-                elif not all(settled):
-                    decision = {"kind": "durable", "why": "a local save was still running on rank(s) "
-                                f"{[r for r, s in enumerate(settled) if not s]}"}
-                else:
-                    decision = decide([(fp, held) for _, fp, held in reports], durable_latest=durable_latest,
-                                      want=step, excluded=excluded, keep=self.keep)
-                decision["timeline"] = _new_timeline()
-            decision = self.coord.broadcast(decision, "local tier recovery (decision)")
-            if "error" in decision:
-                raise ValueError(f"CheckpointManager.load: {decision['error']}; every rank must pass the same step")
-            self.timeline = decision["timeline"]
+            if not all(s for s, _ in first):
+                decision = {"kind": "durable", "why": "a local save is still running"}
+            else:
+                decision = decide([(fp, held) for _, fp, held, _ in reports], dirs, durable_latest=durable_latest,
+                                  want=step, excluded=excluded, keep=self.keep)
             if decision["kind"] == "durable":
                 self.last_recovery = Recovery("durable", None, seconds=time.perf_counter() - started,
-                                              attempts=attempts)
+                                              attempts=attempts, phases=phases)
                 return None
-            chosen = (decision["step"], decision["chosen_timeline"])
-            holders = {int(o): h for o, (h, _) in decision["sources"].items()}
-            fetched, outcome = self._attempt(chosen, decision["sources"], holders[self.rank], target)
-            bad = [(holders[r], r, chosen[0], chosen[1]) for r, o in enumerate(outcome) if o is not None]
+            chosen = (decision["step"], decision["timeline"])
+            sources = decision["sources"]
+            # 3. Missing copies travel, then every rank reads its own file (checksums checked).
+            results = self.coord.exchange("local tier recovery (fetching and reading)",
+                                          lambda c=chosen, src=sources: self._fetch_and_read(c, src, target))
+            lap("fetch_read")
+            bad = [(dirs[sources[r][0]], r, *chosen) for r, (_, why) in enumerate(results) if why is not None]
             if not bad:
                 break
             excluded.update(bad)
             if self.rank == 0:
-                warnings.warn(f"CheckpointManager: local step {chosen[0]}: damaged copies {bad} "
-                              f"({'; '.join(o for o in outcome if o)}); trying other copies", stacklevel=2)
+                warnings.warn(f"CheckpointManager: local step {chosen[0]}: damaged copies "
+                              f"({'; '.join(why for _, why in results if why)}); trying other copies", stacklevel=2)
+        # 4. Values and Stateful objects go back only once every rank has read everything.
         values = target["values_loaded"]
         self.coord.exchange("local tier recovery (applying)", lambda: _apply(target["flat"], values))
+        lap("apply")
         self._prune({tuple(k) for k in decision["keep"]})
+        lap("prune")
         self._confirmed = sorted(tuple(k) for k in decision["keep"])[-self.keep:]
         self._unconfirmed = []
         self._last_step = chosen[0]
-        self.last_recovery = Recovery("local", chosen[0], holders, fetched[self.rank], target["bytes_read"],
-                                      time.perf_counter() - started, attempts)
+        self.last_recovery = Recovery("local", chosen[0], {r: h for r, (h, _) in sources.items()},
+                                      results[self.rank][0], target["bytes_read"], time.perf_counter() - started,
+                                      attempts, phases)
         return chosen[0]
 
-    def _attempt(self, chosen: tuple[int, str], sources: dict, holder: int,
-                 target: dict[str, Any]) -> tuple[list[int], list[str | None]]:
-        """Fetch the missing copies, then read; every rank's bytes fetched and read outcome."""
-        fetched = self.coord.exchange("local tier recovery (fetching copies)", lambda: self._fetch(chosen, sources))
-        outcome = self.coord.exchange("local tier recovery (reading)", lambda: self._read(chosen, holder, target))
-        return fetched, outcome
+    def _fetch_and_read(self, chosen: tuple[int, str], sources: dict[int, tuple[int, int]],
+                        target: dict[str, Any]) -> tuple[int, str | None]:
+        """(bytes this rank received, None or why its copy is damaged)."""
+        fetched = self._fetch(chosen, sources)
+        return fetched, self._read(chosen, sources[self.rank][0], target)
 
     def loaded(self, step: int | None) -> None:
         """The manager loaded ``step`` from the durable tier (or nothing): later local saves
@@ -588,7 +626,6 @@ class LocalTier:
 
     def _holdings(self) -> list[tuple[int, int, str, int, str]]:
         """What this rank's ``local_dir`` holds for this manager and world size."""
-        self._held = {}
         out = []
         for sub in self._rank_dirs():
             owner = rank_of_dir(os.path.basename(sub))
@@ -600,7 +637,6 @@ class LocalTier:
                 if (man.directory, man.world_size, man.rank, man.step, man.timeline) != (
                         self.directory, self.world_size, owner, step, timeline):
                     continue
-                self._held[(owner, step, timeline)] = path
                 out.append((owner, step, timeline, man.size, man.fingerprint))
         return out
 
@@ -617,7 +653,7 @@ class LocalTier:
             for owner, (holder, _) in sorted(sources.items()):
                 owner = int(owner)
                 if holder == self.rank and owner != self.rank:
-                    mf = MappedFile(self._held[(owner, step, timeline)])
+                    mf = MappedFile(self._path(owner, step, timeline))
                     outgoing.append(mf)
                     works.append(send_file(mf, self._global(owner), group, _TAG_FETCH))
             holder, size = sources[self.rank]
@@ -634,7 +670,6 @@ class LocalTier:
             mf, final = receiving
             mf.close()
             os.replace(mf.path, final)
-            self._held[(self.rank, step, timeline)] = final
             return size
         finally:
             maps = outgoing + ([receiving[0]] if receiving is not None else [])
@@ -649,12 +684,11 @@ class LocalTier:
 
     def _read(self, chosen: tuple[int, str], holder: int, target: dict[str, Any]) -> str | None:
         """Read this rank's file into the target; a damaged copy is reported, not raised."""
-        path = self._held[(self.rank, chosen[0], chosen[1])]
         try:
-            man: Manifest = read_manifest(path)
+            man: Manifest = read_manifest(self._path(self.rank, *chosen))
             values, stats = read_into(man, target["entries"], target["values"])
-        except CorruptCheckpointError as exc:
-            return f"rank {self.rank} (copy of rank {holder}): {exc}"
+        except (CorruptCheckpointError, FileNotFoundError) as exc:
+            return f"rank {self.rank} (copy from rank {holder}'s directory): {exc}"
         target["values_loaded"] = values
         target["bytes_read"] = stats.bytes_read
         return None
@@ -693,24 +727,31 @@ class LocalTier:
         return self._stats
 
 
-def decide(reports: list[tuple[str, list[tuple[int, int, str, int, str]]]], *, durable_latest: int | None,
-           want: int | None, excluded: set[tuple[int, int, int, str]], keep: int) -> dict[str, Any]:
-    """The coordinator's choice (pure): the newest local step complete over every rank's
-    holdings, and who sends each rank its copy; or ``{"kind": "durable"}``.
+def decide(reports: list[tuple[str, list[tuple[int, int, str, int, str]]]], dirs: list[Any], *,
+           durable_latest: int | None, want: int | None, excluded: set[tuple[Any, int, int, str]],
+           keep: int) -> dict[str, Any]:
+    """Recovery's choice (pure, the same on every rank): the newest local step complete over
+    every directory's holdings, and who gives each rank its copy; or ``{"kind": "durable"}``.
 
-    ``reports[r]`` is rank r's target fingerprint and its holdings ``(owner, step, timeline,
-    size, fingerprint)``; a holding counts for ``owner`` only when its fingerprint equals
-    ``owner``'s target fingerprint and ``(holder, owner, step, timeline)`` is not excluded.
-    A rank loads its own copy when it has one, else the least loaded holder sends it.
+    ``reports[r]`` is rank r's target fingerprint and what it listed (one rank per directory
+    lists it): ``(owner, step, timeline, size, fingerprint)`` per file. ``dirs[r]`` names the
+    directory rank r reads; every rank with that directory can serve its files. A file counts
+    for ``owner`` only when its fingerprint equals ``owner``'s target fingerprint and ``(dir,
+    owner, step, timeline)`` is not excluded. A rank reads its own directory's copy when there
+    is one; otherwise the least loaded rank of a directory holding it sends it.
     """
     world = len(reports)
     targets = [fp for fp, _ in reports]
-    have: dict[tuple[int, str], dict[int, list[tuple[int, int]]]] = {}
-    for holder, (_, holdings) in enumerate(reports):
+    members: dict[Any, list[int]] = {}
+    for r, d in enumerate(dirs):
+        members.setdefault(d, []).append(r)
+    have: dict[tuple[int, str], dict[int, dict[Any, int]]] = {}
+    for lister, (_, holdings) in enumerate(reports):
+        d = dirs[lister]
         for owner, step, timeline, size, fp in holdings:
-            if not 0 <= owner < world or fp != targets[owner] or (holder, owner, step, timeline) in excluded:
+            if not 0 <= owner < world or fp != targets[owner] or (d, owner, step, timeline) in excluded:
                 continue
-            have.setdefault((step, timeline), {}).setdefault(owner, []).append((holder, size))
+            have.setdefault((step, timeline), {}).setdefault(owner, {})[d] = size
     complete = sorted(k for k, owners in have.items() if len(owners) == world)
     eligible = [k for k in complete if want is None or k[0] == want]
     if not eligible:
@@ -721,13 +762,15 @@ def decide(reports: list[tuple[str, list[tuple[int, int, str, int, str]]]], *, d
     load: dict[int, int] = {}
     sources: dict[int, tuple[int, int]] = {}
     for owner in range(world):
-        holders = have[best][owner]
-        own = [h for h in holders if h[0] == owner]
-        holder, size = own[0] if own else min(holders, key=lambda hs: (load.get(hs[0], 0), hs[0]))
-        if holder != owner:
-            load[holder] = load.get(holder, 0) + size
+        where = have[best][owner]
+        if dirs[owner] in where:
+            sources[owner] = (owner, where[dirs[owner]])
+            continue
+        holder, size = min(((r, size) for d, size in where.items() for r in members[d]),
+                           key=lambda rs: (load.get(rs[0], 0), rs[0]))
+        load[holder] = load.get(holder, 0) + size
         sources[owner] = (holder, size)
-    return {"kind": "local", "step": best[0], "chosen_timeline": best[1], "sources": sources,
+    return {"kind": "local", "step": best[0], "timeline": best[1], "sources": sources,
             "keep": [list(k) for k in complete if k <= best][-keep:]}
 
 

@@ -40,11 +40,23 @@ from hyper_parallel.core.distributed_checkpoint.step_directory import LocalDirec
 # ----------------------------------------------------------------------------- helpers
 
 
+def tier_root(local_dir: str) -> str:
+    """The one manager directory's subdirectory of a node's local directory."""
+    subs = os.listdir(local_dir) if os.path.isdir(local_dir) else []
+    assert len(subs) <= 1 and all(n.startswith("tier-") for n in subs), subs
+    return os.path.join(local_dir, subs[0]) if subs else os.path.join(local_dir, "none")
+
+
 def files(local_dir: str, rank: int) -> list[tuple[int, str]]:
     """``(step, timeline)`` of the committed shard files of ``rank`` in a node's directory."""
-    sub = os.path.join(local_dir, rank_dir_name(rank))
+    sub = os.path.join(tier_root(local_dir), rank_dir_name(rank))
     names = os.listdir(sub) if os.path.isdir(sub) else []
     return sorted(p for p in map(parse_shard_file_name, names) if p is not None)
+
+
+def temporaries(local_dir: str, rank: int) -> list[str]:
+    sub = os.path.join(tier_root(local_dir), rank_dir_name(rank))
+    return [n for n in os.listdir(sub) if n.startswith(".tmp-")] if os.path.isdir(sub) else []
 
 
 def steps_of(local_dir: str, rank: int) -> list[int]:
@@ -154,6 +166,9 @@ def test_node_identity_explicit_then_torchrun_then_local_world_size_then_host(mo
         node_identity(-1)
 
 
+DIRS4 = [0, 1, 2, 3]  # every rank its own directory
+
+
 def held(owner, step, fp, tl="t1", size=100):
     return (owner, step, tl, size, fp)
 
@@ -164,29 +179,36 @@ def test_recovery_picks_the_newest_step_complete_somewhere_and_own_copies_first(
     reports = [("f0", []), ("f1", []),
                ("f2", [held(2, 5, "f2"), held(0, 5, "f0"), held(2, 6, "f2"), held(0, 6, "f0")]),
                ("f3", [held(3, 5, "f3"), held(1, 5, "f1"), held(3, 6, "f3")])]  # rank 1's step 6 never arrived
-    d = decide(reports, durable_latest=4, want=None, excluded=set(), keep=2)
+    d = decide(reports, DIRS4, durable_latest=4, want=None, excluded=set(), keep=2)
     assert d["kind"] == "local" and d["step"] == 5  # step 6 lacks rank 1: partial, never chosen
     assert d["sources"] == {0: (2, 100), 1: (3, 100), 2: (2, 100), 3: (3, 100)}
     assert d["keep"] == [[5, "t1"]]
     # a newer durable step wins; so does "nothing complete"
-    assert decide(reports, durable_latest=6, want=None, excluded=set(), keep=2)["kind"] == "durable"
-    assert decide([(fp, []) for fp in fps], durable_latest=None, want=None, excluded=set(), keep=2)["kind"] == "durable"
+    assert decide(reports, DIRS4, durable_latest=6, want=None, excluded=set(), keep=2)["kind"] == "durable"
+    nothing = [(fp, []) for fp in fps]
+    assert decide(nothing, DIRS4, durable_latest=None, want=None, excluded=set(), keep=2)["kind"] == "durable"
     # an explicit step: only that one
-    assert decide(reports, durable_latest=9, want=5, excluded=set(), keep=2)["step"] == 5
-    assert decide(reports, durable_latest=None, want=6, excluded=set(), keep=2)["kind"] == "durable"
+    assert decide(reports, DIRS4, durable_latest=9, want=5, excluded=set(), keep=2)["step"] == 5
+    assert decide(reports, DIRS4, durable_latest=None, want=6, excluded=set(), keep=2)["kind"] == "durable"
 
 
 def test_recovery_ignores_other_layouts_and_excluded_copies_and_balances_senders():
     reports = [("a0", [held(0, 3, "a0"), held(1, 3, "a1"), held(0, 4, "a0"), held(1, 4, "a1")]),
                ("a1", [held(1, 3, "a1"), held(0, 3, "a0"), held(1, 4, "OLD")])]  # rank 1's own step 4: other layout
-    d = decide(reports, durable_latest=None, want=None, excluded=set(), keep=2)
+    d = decide(reports, [0, 1], durable_latest=None, want=None, excluded=set(), keep=2)
     assert d["step"] == 4 and d["sources"][1] == (0, 100)  # rank 0 holds a good copy of rank 1's step 4
-    d = decide(reports, durable_latest=None, want=None, excluded={(0, 1, 4, "t1")}, keep=2)
+    d = decide(reports, [0, 1], durable_latest=None, want=None, excluded={(0, 1, 4, "t1")}, keep=2)
     assert d["step"] == 3 and d["sources"] == {0: (0, 100), 1: (1, 100)}
     # two ranks missing their copies are served by different holders
     reports = [("x", [held(0, 1, "x"), held(2, 1, "z"), held(3, 1, "w")]), ("y", [held(1, 1, "y"), held(2, 1, "z"),
                held(3, 1, "w")]), ("z", []), ("w", [])]
-    d = decide(reports, durable_latest=None, want=None, excluded=set(), keep=2)
+    d = decide(reports, DIRS4, durable_latest=None, want=None, excluded=set(), keep=2)
+    assert {d["sources"][2][0], d["sources"][3][0]} == {0, 1}
+    # node-mates share a directory: one of them lists it, and either may serve its files
+    shared = [("x", [held(0, 1, "x"), held(1, 1, "y"), held(2, 1, "z"), held(3, 1, "w")]), ("y", []), ("z", []),
+              ("w", [])]
+    d = decide(shared, ["n0", "n0", "n1", "n1"], durable_latest=None, want=None, excluded=set(), keep=2)
+    assert d["sources"][0] == (0, 100) and d["sources"][1] == (1, 100)  # their own directory
     assert {d["sources"][2][0], d["sources"][3][0]} == {0, 1}
 
 
@@ -214,7 +236,7 @@ def test_one_process_every_kind_of_value_round_trips_and_retention_keeps_local_k
         mgr.wait()
         assert all(t.confirmed for t in mgr.local_tier.timings)
     assert steps_of(local, 0) == [4, 5] and mgr.all_steps() == []  # nothing durable
-    path = os.path.join(local, rank_dir_name(0), shard_file_name(*files(local, 0)[-1]))
+    path = os.path.join(tier_root(local), rank_dir_name(0), shard_file_name(*files(local, 0)[-1]))
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:  # a plain safetensors file
@@ -240,7 +262,7 @@ def test_partial_and_damaged_local_steps_are_never_loaded_and_layout_changes_go_
         for s in (1, 2, 3, 4, 5):
             mgr.save(s, plain_state(s, counter_at(s)))
     assert steps_of(local, 0) == [3, 4, 5] and [i.step for i in list_steps(d)] == [2, 4]
-    sub = os.path.join(local, rank_dir_name(0))
+    sub = os.path.join(tier_root(local), rank_dir_name(0))
     (s5, tl), = [f for f in files(local, 0) if f[0] == 5]
     # a crashed save of step 6: only a temporary file; swept at the next start, never loaded
     with open(os.path.join(sub, f".tmp-{shard_file_name(6, tl)}.abc"), "wb") as f:
@@ -267,6 +289,23 @@ def test_partial_and_damaged_local_steps_are_never_loaded_and_layout_changes_go_
         with pytest.raises(Exception, match="shape"):
             mgr.load(changed)  # the durable step 4 cannot fill it either: the durable tier's error
         assert mgr.local_tier.last_recovery.source == "durable"
+
+
+def test_two_jobs_sharing_a_local_directory_never_see_each_others_files(tmp_path):
+    shm = str(tmp_path / "shm")
+    a = CheckpointManager(str(tmp_path / "a"), save_interval_steps=100, local_dir=shm, replicas=1)
+    b = CheckpointManager(str(tmp_path / "b"), save_interval_steps=100, local_dir=shm, replicas=1)
+    for s in (1, 2, 3):
+        a.save(s, plain_state(s, counter_at(s)))
+        b.save(10 + s, plain_state(10 + s, counter_at(10 + s)))
+    a.close()
+    b.close()
+    assert len(os.listdir(shm)) == 2  # one subdirectory per manager directory
+    for d, step in (("a", 3), ("b", 13)):
+        target = plain_state(0, counter_at(0))
+        with CheckpointManager(str(tmp_path / d), local_dir=shm, replicas=1) as mgr:
+            assert mgr.load(target) == step
+        assert same(snapshot(target), snapshot(plain_state(step, counter_at(step)))) == []
 
 
 # ----------------------------------------------------------------------------- real ranks
@@ -416,7 +455,7 @@ def test_a_kill_during_a_local_save_or_its_replication_never_makes_recovery_pick
         run_ranks(rank_killed_mid_local_save_or_copy, 2, d, shm, where, grace_s=2)
     if where == "write":  # rank 1's file of step 3 is a temporary file; rank 0's is whole
         assert 3 not in steps_of(f"{shm}/node1", 1) and 3 in steps_of(f"{shm}/node0", 0)
-        assert any(n.startswith(".tmp-") for n in os.listdir(f"{shm}/node1/{rank_dir_name(1)}"))
+        assert temporaries(f"{shm}/node1", 1)
     else:  # node 1's own step 3 is whole, its copy on node 0 is not; node 1 is then lost
         assert 3 in steps_of(f"{shm}/node1", 1) and 3 not in steps_of(f"{shm}/node0", 1)
         shutil.rmtree(f"{shm}/node1")
@@ -424,7 +463,7 @@ def test_a_kill_during_a_local_save_or_its_replication_never_makes_recovery_pick
     for rank, r in enumerate(results):
         assert r["step"] == 2 and r["value"] == 2 and r["ok"] and r["source"] == "local", r
         assert r["files"][-1] == 2  # the partial step's leftovers are gone
-        assert not [n for n in os.listdir(f"{shm}/node{rank}/{rank_dir_name(rank)}") if n.startswith(".tmp-")]
+        assert not temporaries(f"{shm}/node{rank}", rank)
     if where == "copy":
         assert results[1]["holder"] == 0  # rank 1's step 2 came from its copy on node 0
 
