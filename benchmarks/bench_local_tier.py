@@ -23,7 +23,8 @@ state saved is a ``TrainState`` (model, Adam's moments, step, RNG states).
    node's ranks fetch their copies from the other node), and the same state from each
    durable tier by a manager without a local tier (the disk files' pages dropped from the
    page cache first, as on a replacement node), ``--recovery-reps`` times rotating the order;
-   the lost node's directory is wiped again before every local recovery. Every load is
+   the lost node's directory is wiped again before every local recovery. Also timed: a
+   recovery with no node lost (a process restart: every copy is local). Every load is
    checked bit for bit against the state saved in phase 1.
 
 Targets (issue 15): throughput kept >= 0.9 with a local save every step; recovery from the
@@ -121,6 +122,14 @@ def differing(a: dict, b: dict) -> list[str]:
     return bad
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process (every thread) so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def local_bytes(state) -> int:
     import torch
 
@@ -161,7 +170,7 @@ def phase_train(rank: int, ws: int, args: argparse.Namespace) -> dict:
     mgr.save(step, state)  # a first local save: buffers, threads, the replication group
     mgr.local_tier.wait()
     first_saved = len(mgr.local_tier.timings)
-    idle, with_saves = [], []
+    idle, with_saves, cpu_idle, cpu_saves = [], [], [], []
     for rnd in range(args.rounds):  # short alternating blocks: drifting machine load hits both alike
         for kind in ("idle", "local") if rnd % 2 == 0 else ("local", "idle"):
             if kind == "local":  # steady state: a save is in flight when the block starts ...
@@ -170,15 +179,17 @@ def phase_train(rank: int, ws: int, args: argparse.Namespace) -> dict:
                 state["app"].step = step
                 mgr.save(step, state)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             for _ in range(args.block):
                 step += 1
                 train_step(model, opt, args, step, rank)
                 if kind == "local":
                     state["app"].step = step
                     mgr.save(step, state)
+            c1 = cpu_seconds()
             dist.barrier()
             (idle if kind == "idle" else with_saves).append(time.perf_counter() - t0)
+            (cpu_idle if kind == "idle" else cpu_saves).append(c1 - c0)
             if kind == "local":  # ... and the one started last overlaps the next block's first step, untimed
                 mgr.local_tier.wait()
     timings = list(mgr.local_tier.timings)[first_saved:]
@@ -195,7 +206,8 @@ def phase_train(rank: int, ws: int, args: argparse.Namespace) -> dict:
     torch.save(local_snapshot(state), os.path.join(args.work, f"expected-r{rank}.pt"))
     confirmed = all(t.confirmed for t in timings)
     mgr.close()
-    return {"idle": idle, "local": with_saves, "step": step, "bytes": nbytes, "confirmed": confirmed,
+    return {"idle": idle, "local": with_saves, "cpu_idle": cpu_idle, "cpu_local": cpu_saves, "step": step,
+            "bytes": nbytes, "confirmed": confirmed,
             **{f: [getattr(t, f"{f}_s") for t in timings]
                for f in ("blocking", "waited", "state_dict", "snapshot", "write", "replicate", "cpu")}}
 
@@ -212,7 +224,7 @@ def phase_recover(rank: int, ws: int, args: argparse.Namespace) -> dict:
     train_step(model, opt, args, 10**6, rank)  # optimizer state exists, with other values
     expected = torch.load(os.path.join(args.work, f"expected-r{rank}.pt"), weights_only=False)
     lost = [r for r in range(ws) if node_of(r, args) == args.nodes - 1]
-    kinds = ["local", *args.durables]
+    kinds = ["local", *args.durables, "restart"]  # rep 0 starts with the node loss the parent staged
     out: dict[str, list] = {k: [] for kind in kinds for k in (kind, f"{kind}_open")}
     out.update(fetched=[], source=[], wrong=[])
     for rep in range(args.recovery_reps):
@@ -225,11 +237,11 @@ def phase_recover(rank: int, ws: int, args: argparse.Namespace) -> dict:
                 drop_page_cache([args.durables["disk"][0]], method="fadvise")
             dist.barrier()
             t0 = time.perf_counter()
-            mgr = manager(args, rank, local=kind == "local", durable=kind)
+            mgr = manager(args, rank, local=kind in ("local", "restart"), durable=kind)
             t1 = time.perf_counter()
             step = mgr.load(state)
             t2 = time.perf_counter()
-            if kind == "local":
+            if kind in ("local", "restart"):
                 rec = mgr.local_tier.last_recovery
                 out["fetched"].append(rec.bytes_fetched)
                 out["source"].append(rec.source)
@@ -332,10 +344,10 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256, help="samples per rank per step")
-    parser.add_argument("--block", type=int, default=3, help="steps per measured block")
-    parser.add_argument("--rounds", type=int, default=6, help="(idle block, block with saves) pairs, alternated")
-    parser.add_argument("--recovery-reps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=512, help="samples per rank per step")
+    parser.add_argument("--block", type=int, default=2, help="steps per measured block")
+    parser.add_argument("--rounds", type=int, default=10, help="(idle block, block with saves) pairs, alternated")
+    parser.add_argument("--recovery-reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--shm", default="/dev/shm", help="where the nodes' local directories go")
     parser.add_argument("--dir", default=None, help="where the disk durable tier goes (default: a temp dir)")
@@ -353,6 +365,7 @@ def main() -> None:
             server, url, options = start_s3()
             args.durables["s3"] = (url, options)
         started = time.time()
+        args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
         train = launch("train", args)
         shutil.rmtree(os.path.join(args.shm_root, f"node{args.nodes - 1}"))  # the lost node's memory
         recover = launch("recover", args)
@@ -366,6 +379,8 @@ def main() -> None:
     idle = [max(r["idle"][i] for r in train) for i in range(args.rounds)]
     busy = [max(r["local"][i] for r in train) for i in range(args.rounds)]
     kept = sum(idle) / sum(busy)
+    kept_rounds = statistics.median(i / b for i, b in zip(idle, busy, strict=True))
+    cpu_kept = sum(sum(r["cpu_idle"]) for r in train) / sum(sum(r["cpu_local"]) for r in train)
     blocking = slowest([r["blocking"] for r in train])
     per_rank = train[0]["bytes"]
     total = sum(r["bytes"] for r in train)
@@ -373,18 +388,20 @@ def main() -> None:
     sources = {s for r in recover for s in r["source"]}
     step_s = sum(idle) / (args.rounds * args.block)
     names = list(recover[0]["phases"][0])
+    lost = [i for i, f in enumerate(recover[-1]["fetched"]) if f]  # the local recoveries after a node loss
     figures = {
         "state_bytes": total, "state_bytes_per_rank": per_rank, "step_s_idle": step_s,
         "blocking_median_s": statistics.median(blocking), "blocking_p90_s": pct(blocking, 0.9),
         **{f"{k}_median_s": median_of_slowest(train, k)
            for k in ("waited", "state_dict", "snapshot", "write", "replicate", "cpu")},
-        "throughput_kept": kept, "idle_blocks_s": idle, "save_blocks_s": busy,
-        "recovery_local_phases_s": {n: statistics.median(max(r["phases"][i][n] for r in recover)
-                                                         for i in range(args.recovery_reps)) for n in names},
+        "throughput_kept": kept, "throughput_kept_median_round": kept_rounds, "cpu_kept": cpu_kept,
+        "idle_blocks_s": idle, "save_blocks_s": busy,
+        "recovery_local_phases_s": {n: statistics.median(max(r["phases"][i][n] for r in recover) for i in lost)
+                                    for n in names},
         "fetched_bytes_lost_node": max(max(r["fetched"]) for r in recover), "sources": sorted(sources),
         "all_confirmed": all(r["confirmed"] for r in train), "wrong": wrong, "wall_s": elapsed,
     }
-    for kind in ["local", *args.durables]:
+    for kind in ["local", "restart", *args.durables]:
         figures[f"recovery_{kind}_s"] = slowest([r[kind] for r in recover])
         figures[f"recovery_{kind}_median_s"] = statistics.median(figures[f"recovery_{kind}_s"])
         figures[f"start_{kind}_median_s"] = median_of_slowest(recover, f"{kind}_open")
@@ -404,8 +421,12 @@ def main() -> None:
           f"{figures['snapshot_median_s'] * ms:.1f}")
     print(f"  in the background               write {figures['write_median_s'] * ms:.1f} ms, replicate + confirm "
           f"{figures['replicate_median_s'] * ms:.1f} ms, CPU {figures['cpu_median_s'] * ms:.1f} ms")
-    print(f"  throughput kept                 {kept:.3f}   (blocks of {args.block} steps, idle "
-          f"{[round(x, 2) for x in idle]} s, with saves {[round(x, 2) for x in busy]} s)")
+    print(f"  throughput kept                 {kept:.3f}   (sum over {args.rounds} pairs of {args.block}-step blocks; "
+          f"median of the pairs' ratios {kept_rounds:.3f})")
+    print(f"    idle blocks {[round(x, 2) for x in idle]} s")
+    print(f"    with saves  {[round(x, 2) for x in busy]} s")
+    print(f"  CPU time per step, idle / with saves   {cpu_kept:.3f}   (all ranks, all threads: what the saves "
+          "cost when the CPUs are the bottleneck)")
     print(f"recovery after losing node {args.nodes - 1} (slowest rank, manager start + load, medians of "
           f"{args.recovery_reps}):")
     print(f"  from the local tier             {figures['recovery_local_median_s'] * ms:7.1f} ms  "
@@ -413,6 +434,8 @@ def main() -> None:
           f" ms; {figures['fetched_bytes_lost_node'] / mb:.1f} MiB fetched by each rank of the lost node)")
     phases = figures["recovery_local_phases_s"].items()
     print("    load() steps: " + ", ".join(f"{n} {v * ms:.0f} ms" for n, v in phases))
+    print(f"  from the local tier, no node lost  {figures['recovery_restart_median_s'] * ms:7.1f} ms  "
+          f"{[round(x * ms) for x in figures['recovery_restart_s']]} (a process restart: each rank reads its own copy)")
     label = {"disk": "durable tier on disk (cold)", "s3": "durable tier on S3 (moto, loopback)"}
     for kind in args.durables:
         print(f"  from the {label[kind]:<30} {figures[f'recovery_{kind}_median_s'] * ms:7.1f} ms  "
@@ -427,7 +450,7 @@ def main() -> None:
         print(f"  {name:<72} {value:>8}: {'met' if met else 'NOT met'}")
     if wrong:
         print("WRONG LOADS:", wrong)
-    print(f"(wall time {elapsed:.0f} s)")
+    print(f"(wall time {elapsed:.0f} s; load average before: {args.load_before})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "durables"}, "figures": figures}, f,

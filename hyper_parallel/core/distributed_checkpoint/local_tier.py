@@ -175,6 +175,34 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+BACKGROUND_NICE = 10  # the niceness of the tier's background threads (Linux)
+
+
+def _thread_ids(gloo_only: bool = False) -> set[int]:
+    """This process's thread ids (Linux /proc), optionally only gloo's I/O and worker threads."""
+    try:
+        tids = {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+    if not gloo_only:
+        return tids
+    out = set()
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(("gloo", "pt_gloo")):
+                    out.add(tid)
+    return out
+
+
+def _lower_priority(tids: set[int] | list[int]) -> None:
+    """Run the tier's background work at a lower CPU priority than training: where CPUs are
+    contended, training threads go first and replication fills the gaps (best effort)."""
+    for tid in tids:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
+
+
 def _new_timeline() -> str:
     return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
 
@@ -182,9 +210,9 @@ def _new_timeline() -> str:
 class LocalTier:
     """The local tier of one CheckpointManager (see the module docstring for the protocol).
 
-    Every rank of the group constructs it (collective: it learns every rank's node and
-    makes the replication group) and calls :meth:`save`, :meth:`recover`, :meth:`loaded`
-    and :meth:`wait` alike; :meth:`close` is local.
+    Every rank of the group constructs it (collective: it learns every rank's node) and
+    calls :meth:`save` (the first one makes the replication group), :meth:`recover`,
+    :meth:`loaded` and :meth:`wait` alike; :meth:`close` is local.
 
     Args:
         local_dir: this node's directory for the tier (``/dev/shm/...`` or local NVMe);
@@ -288,8 +316,10 @@ class LocalTier:
             return False
         if self._needs_group and self._group is None:
             ranks = self.coord.group_ranks  # collective: every rank makes its first local save at the same step
+            before = _thread_ids()
             self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
                                          use_local_synchronization=len(ranks) != dist.get_world_size())
+            _lower_priority(_thread_ids(gloo_only=True) - before)  # the group's own I/O threads
         waited = time.perf_counter()
         job = _Job(step, self.timeline, started, waited_s=waited - started)
         try:
@@ -320,7 +350,7 @@ class LocalTier:
                 _copy_into([(buffer.targets[key], v) for (key, _), v in zip(signature, sources, strict=True)])
             staged = []
             for e, v in zip(entries, values, strict=True):
-                if buffer is not None and e.key in buffer.targets and e.kind != "bytes" and e.kind != "object":
+                if e.kind in ("dtensor", "tensor", "ndarray"):
                     staged.append(buffer.targets[e.key])
                 else:
                     staged.append(bytes(v) if e.kind == "bytes" else _copy_value(v))
@@ -338,6 +368,7 @@ class LocalTier:
         self._queue.put(job)
 
     def _worker(self) -> None:
+        _lower_priority([threading.get_native_id()])
         while True:
             job = self._queue.get()
             if job is None:
