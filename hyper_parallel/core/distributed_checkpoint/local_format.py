@@ -152,7 +152,8 @@ def describe(flat: Flat, cache: dict | None = None) -> tuple[list[LocalEntry], l
                                             "convert it to a numeric array or to plain values")
             entry = LocalEntry(key, "ndarray", value.dtype.str, tuple(value.shape))
         elif isinstance(value, (bytes, bytearray)):
-            entry = LocalEntry(key, "bytes")
+            entry = LocalEntry(key, "bytes", shape=(len(value),))
+            value = np.frombuffer(value, dtype=np.uint8)  # staged like an array
         elif md.is_json_value(value):
             entry = LocalEntry(key, "object")
         else:
@@ -203,55 +204,69 @@ def payload_bytes(value: Any) -> memoryview:
 
 @dataclass
 class ShardFile:
-    """A shard file ready to be written: its header and the payload pieces after it."""
+    """A shard file ready to be written or sent: its header, then its body (the payloads as
+    they lie in the staging buffer: at 64-byte aligned offsets, the gaps covered by pad
+    entries)."""
 
     header: bytes
-    pieces: list[memoryview]  # payloads with the padding between them, in file order
-    size: int
+    body: memoryview
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.body.nbytes
 
 
-def build_shard_file(manifest: dict[str, Any], entries: list[LocalEntry], payloads: dict[str, memoryview],
-                     objects: dict[str, Any]) -> ShardFile:
-    """Lay out a shard file: checksums each payload (one pass) and builds the header.
+def build_shard_file(manifest: dict[str, Any], entries: list[LocalEntry], spans: dict[str, int],
+                     body: memoryview, objects: dict[str, Any]) -> ShardFile:
+    """Lay out a shard file around ``body``: checksum each payload (one pass) and build the header.
 
-    ``payloads`` holds the bytes of every tensor/ndarray/bytes entry; ``objects`` the value
-    of every ``object`` entry.
+    ``spans[key]`` is where each tensor/ndarray/bytes entry's payload starts in ``body``
+    (payloads ascending and 64-byte aligned; ``body`` ends with the last one); ``objects``
+    holds the value of every ``object`` entry.
     """
     header: dict[str, Any] = {}
     listed: dict[str, Any] = {}
-    pieces: list[memoryview] = []
-    pos = pads = 0
+    placed = []
     for e in entries:
         rec: dict[str, Any] = {"kind": e.kind}
+        listed[e.key] = rec
         if e.kind == "object":
             rec["value"] = md.encode_value(objects[e.key])
-            listed[e.key] = rec
             continue
-        data = payloads[e.key]
-        start = -(-pos // ALIGN) * ALIGN
-        if start > pos:
-            header[f"__pad{pads}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
-            pieces.append(memoryview(bytes(start - pos)))
-            pads += 1
-        rec.update(start=start, nbytes=data.nbytes, crc32c=crc32c.crc32c(data))
+        start = spans[e.key]
+        nbytes = _nbytes(e)
+        rec.update(start=start, nbytes=nbytes, crc32c=crc32c.crc32c(body[start:start + nbytes]))
         if e.kind in ("dtensor", "tensor", "ndarray"):
             rec.update(dtype=e.dtype, shape=list(e.shape or ()))
         if e.kind == "dtensor":
             rec.update(global_shape=list(e.global_shape or ()),
                        offsets=None if e.offsets is None else list(e.offsets), layout=e.layout)
+        placed.append((start, nbytes, e))
+    pos = pads = 0
+    for start, nbytes, e in sorted(placed, key=lambda p: p[0]):
+        if start > pos:
+            header[f"__pad{pads}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
+            pads += 1
         st = md.safetensors_dtype(e.dtype) if e.kind in ("dtensor", "tensor") else None
         offsets = e.offsets if e.offsets is not None else (0,) * len(e.shape or ())
-        name = f"{e.key}@{','.join(map(str, offsets))}"
-        header[name] = {"dtype": st or "U8", "shape": list(e.shape or ()) if st else [data.nbytes],
-                        "data_offsets": [start, start + data.nbytes]}
-        pieces.append(data)
-        pos = start + data.nbytes
-        listed[e.key] = rec
+        header[f"{e.key}@{','.join(map(str, offsets))}"] = {
+            "dtype": st or "U8", "shape": list(e.shape or ()) if st else [nbytes],
+            "data_offsets": [start, start + nbytes]}
+        pos = max(pos, start + nbytes)
+    if pos != body.nbytes:
+        raise ValueError(f"shard file body of {body.nbytes} bytes, payloads end at {pos}")
     header["__metadata__"] = {MANIFEST_KEY: json.dumps({**manifest, "entries": listed}, separators=(",", ":"))}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)
-    head = struct.pack("<Q", len(raw)) + raw
-    return ShardFile(head, pieces, len(head) + pos)
+    return ShardFile(struct.pack("<Q", len(raw)) + raw, body)
+
+
+def _nbytes(e: LocalEntry) -> int:
+    if e.kind == "ndarray":
+        return int(np.prod(e.shape or (), dtype=np.int64)) * np.dtype(e.dtype).itemsize
+    if e.kind == "bytes":
+        return int((e.shape or (0,))[0])
+    return int(np.prod(e.shape or (), dtype=np.int64)) * md.itemsize(e.dtype or "")
 
 
 def tmp_path_for(final: str) -> str:
@@ -259,16 +274,21 @@ def tmp_path_for(final: str) -> str:
     return os.path.join(d, f"{TMP_PREFIX}{name}.{uuid.uuid4().hex[:12]}")
 
 
-def write_shard_file(final: str, shard: ShardFile, sync: bool = False) -> int:
-    """Write ``shard`` under a temporary name, then rename it to ``final`` (the commit)."""
+def write_shard_file(final: str, pieces: list[memoryview], sync: bool = False, spare: str | None = None) -> int:
+    """Write ``pieces`` (a header and a body) under a temporary name, then rename it to
+    ``final`` (the commit). ``spare``: a retired file of the same directory to overwrite
+    instead of creating one (its pages are reused: on tmpfs that halves the cost)."""
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = tmp_path_for(final)
+    tmp = spare if spare is not None else tmp_path_for(final)
+    size = sum(p.nbytes for p in pieces)
     try:
-        with open(tmp, "wb", buffering=0) as f:
-            for piece in (memoryview(shard.header), *shard.pieces):
+        with open(tmp, "r+b" if spare is not None else "wb", buffering=0) as f:
+            for piece in pieces:
                 done = 0
                 while done < piece.nbytes:
                     done += f.write(piece[done:])
+            if spare is not None:
+                f.truncate(size)
             if sync:
                 os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -278,7 +298,7 @@ def write_shard_file(final: str, shard: ShardFile, sync: bool = False) -> int:
         raise
     if sync:
         fsync_dir(os.path.dirname(final))
-    return shard.size
+    return size
 
 
 def fsync_dir(path: str) -> None:

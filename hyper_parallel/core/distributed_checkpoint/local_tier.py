@@ -70,7 +70,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import struct
 import threading
 import time
 import uuid
@@ -93,10 +92,10 @@ from .local_format import (
     TMP_PREFIX,
     LocalEntry,
     Manifest,
+    ShardFile,
     build_shard_file,
     describe,
     parse_manifest,
-    payload_bytes,
     rank_dir_name,
     rank_of_dir,
     read_into,
@@ -112,7 +111,7 @@ from .local_replication import MappedFile, Topology, node_identity, recv_file, s
 __all__ = ["LocalTier", "LocalSaveTiming", "Recovery", "decide"]
 
 _MAGIC = 0x48504C54  # "HPLT": the head of every replication message
-_TAG_HEAD, _TAG_FILE, _TAG_FETCH = 0x4C01, 0x4C02, 0x4C03
+_TAG_HEAD, _TAG_FILE, _TAG_BODY, _TAG_FETCH = 0x4C01, 0x4C02, 0x4C04, 0x4C03
 _SAVE_WAIT_SLACK_S = 60.0  # on top of 2 * replication_timeout: the write itself
 
 
@@ -165,7 +164,7 @@ class _Job:
     timeline: str
     started: float
     entries: list[LocalEntry] = field(default_factory=list)
-    values: list[Any] = field(default_factory=list)  # staged views, bytes, or plain values
+    objects: dict[str, Any] = field(default_factory=dict)  # copies of the JSON values
     fingerprint: str = ""
     buffer: Any = None
     error: BaseException | None = None
@@ -256,8 +255,10 @@ class LocalTier:
         self._thread: threading.Thread | None = None
         self._group: Any = None
         self._closed = False
-        # Buffers of transfers that failed while gloo may still use them: never unmapped.
+        # Buffers of transfers that failed while gloo may still use them: never freed or reused.
         self._abandoned: list[Any] = []
+        self._rx: dict[int, torch.Tensor] = {}  # receive buffers by source rank
+        self._spares: dict[str, str] = {}  # a retired file per directory this rank writes, to overwrite
         identity = node_identity(node_rank)
 
         def start() -> tuple:
@@ -336,10 +337,12 @@ class LocalTier:
         return True
 
     def _snapshot(self, job: _Job, flat: Flat) -> None:
+        """Copy every payload (tensors, arrays, bytes) into one reused staging buffer, laid out
+        as the shard file's body: the background thread writes and sends it as it is."""
         entries, values, job.fingerprint = describe(flat, self._layouts)
         signature, sources, pinned = [], [], False
         for e, v in zip(entries, values, strict=True):
-            if e.kind in ("dtensor", "tensor", "ndarray"):
+            if e.kind != "object":
                 spec = _tensor_spec(v)
                 signature.append((e.key, spec))
                 sources.append(v)
@@ -348,17 +351,12 @@ class LocalTier:
         try:
             if buffer is not None:
                 _copy_into([(buffer.targets[key], v) for (key, _), v in zip(signature, sources, strict=True)])
-            staged = []
-            for e, v in zip(entries, values, strict=True):
-                if e.kind in ("dtensor", "tensor", "ndarray"):
-                    staged.append(buffer.targets[e.key])
-                else:
-                    staged.append(bytes(v) if e.kind == "bytes" else _copy_value(v))
+            job.objects = {e.key: _copy_value(v) for e, v in zip(entries, values, strict=True) if e.kind == "object"}
         except BaseException:
             if buffer is not None:
                 self._pool.release(buffer)
             raise
-        job.entries, job.values, job.buffer = entries, staged, buffer
+        job.entries, job.buffer = entries, buffer
 
     def _submit(self, job: _Job) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -382,27 +380,32 @@ class LocalTier:
 
     def _run(self, job: _Job) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        path, written = None, 0
+        shard: ShardFile | None = None
+        path, written, sent_ok = None, 0, False
         try:
             if job.error is None:
                 manifest = {"format": LOCAL_FORMAT, "version": LOCAL_VERSION, "step": job.step, "rank": self.rank,
                             "world_size": self.world_size, "timeline": job.timeline, "directory": self.directory,
                             "node": self.node, "fingerprint": job.fingerprint}
-                payloads = {e.key: payload_bytes(v) for e, v in zip(job.entries, job.values, strict=True)
-                            if e.kind != "object"}
-                objects = {e.key: v for e, v in zip(job.entries, job.values, strict=True) if e.kind == "object"}
-                shard = build_shard_file(manifest, job.entries, payloads, objects)
+                spans, body = _body_of(job.buffer)
+                shard = build_shard_file(manifest, job.entries, spans, body, job.objects)
                 target = self._path(self.rank, job.step, job.timeline)
-                written = write_shard_file(target, shard, self.sync_files)
+                written = write_shard_file(target, [memoryview(shard.header), shard.body], self.sync_files,
+                                           spare=self._take_spare(os.path.dirname(target)))
                 path = target
         except Exception as exc:
             self._note_error(job.step, exc)
-        finally:
-            if job.buffer is not None:
-                self._pool.release(job.buffer)
-            job.buffer, job.values = None, []
+            shard = None
         t1 = time.perf_counter()
-        ok, sent, received = self._replicate(job.step, job.timeline, path)
+        try:
+            ok, sent, received = self._replicate(job.step, job.timeline, shard if path is not None else None)
+            sent_ok = ok or self.replication_error is None
+        finally:
+            if job.buffer is not None and (sent_ok or shard is None):
+                self._pool.release(job.buffer)
+            elif job.buffer is not None:  # a send may still read it: never reuse it
+                self._abandoned.append(job.buffer)
+            job.buffer, job.objects = None, {}
         confirmed = self._confirm(path is not None and ok)
         self._retain((job.step, job.timeline), confirmed, path is not None)
         self.timings.append(LocalSaveTiming(
@@ -411,7 +414,7 @@ class LocalTier:
 
     # ------------------------------------------------------------------ replication
 
-    def _replicate(self, step: int, timeline: str, path: str | None) -> tuple[bool, int, int]:
+    def _replicate(self, step: int, timeline: str, shard: ShardFile | None) -> tuple[bool, int, int]:
         """Send this rank's file to its peers, receive its sources' files. Returns (all went
         well, bytes sent, bytes received)."""
         if self._group is None or (not self.peers and not self.sources):
@@ -419,64 +422,77 @@ class LocalTier:
         if self.replication_error is not None:
             return False, 0, 0
         deadline = time.monotonic() + self.replication_timeout
-        mine: MappedFile | None = None
-        incoming: list[tuple[int, MappedFile, str, Any]] = []
-        heads: list[tuple[int, torch.Tensor, Any]] = []
-        head = None
+        keep_alive: list[Any] = []  # everything gloo may touch until the transfers are over
         sent = received = 0
         failed = False
         try:
-            mine = MappedFile(path) if path is not None else None
-            size = mine.size if mine is not None else 0
-            head = torch.tensor([_MAGIC, step, size, int(mine is not None)], dtype=torch.int64)
+            has = shard is not None
+            hlen, blen = (len(shard.header), shard.body.nbytes) if has else (0, 0)
+            head = torch.tensor([_MAGIC, step, hlen, blen, int(has)], dtype=torch.int64)
+            keep_alive.append(head)
             works = []
+            if has:
+                header_t = torch.frombuffer(bytearray(shard.header), dtype=torch.uint8)
+                body_t = torch.frombuffer(shard.body, dtype=torch.uint8) if blen else None
+                keep_alive += [header_t, body_t]
             for peer in self.peers:
-                works.append(dist.isend(head, dst=self._global(peer), group=self._group, tag=_TAG_HEAD))
-                if mine is not None:
-                    works.append(send_file(mine, self._global(peer), self._group, _TAG_FILE))
-                    sent += size
+                dst = self._global(peer)
+                works.append(dist.isend(head, dst=dst, group=self._group, tag=_TAG_HEAD))
+                if has:
+                    works.append(dist.isend(header_t, dst=dst, group=self._group, tag=_TAG_FILE))
+                    if blen:
+                        works.append(dist.isend(body_t, dst=dst, group=self._group, tag=_TAG_BODY))
+                    sent += hlen + blen
+            heads = []
             for src in self.sources:
-                h = torch.zeros(4, dtype=torch.int64)
+                h = torch.zeros(5, dtype=torch.int64)
+                keep_alive.append(h)
                 heads.append((src, h, dist.irecv(h, src=self._global(src), group=self._group, tag=_TAG_HEAD)))
+            incoming = []
             for src, h, work in heads:
                 wait_all([work], deadline)
-                magic, their_step, their_size, has_file = h.tolist()
+                magic, their_step, their_hlen, their_blen, their_has = h.tolist()
                 if magic != _MAGIC or their_step != step:
                     raise RuntimeError(f"replication out of step: rank {src} sent step {their_step} while this rank "
                                        f"saves step {step}")
-                if has_file:
-                    final = self._path(src, step, timeline)
-                    os.makedirs(os.path.dirname(final), exist_ok=True)
-                    mf = MappedFile(tmp_path_for(final), their_size)
-                    incoming.append((src, mf, final, recv_file(mf, self._global(src), self._group, _TAG_FILE)))
-            wait_all([w for *_, w in incoming] + works, deadline)
-            for src, mf, final, _ in incoming:
-                (n,) = struct.unpack_from("<Q", mf.head(8))
-                man = parse_manifest(mf.head(min(8 + n, mf.size)), mf.size, final)
+                if not their_has:
+                    continue
+                header_r = torch.empty(their_hlen, dtype=torch.uint8)
+                body_r = self._receive_buffer(src, their_blen)
+                keep_alive += [header_r, body_r]
+                works.append(dist.irecv(header_r, src=self._global(src), group=self._group, tag=_TAG_FILE))
+                if their_blen:
+                    works.append(dist.irecv(body_r, src=self._global(src), group=self._group, tag=_TAG_BODY))
+                incoming.append((src, header_r, body_r))
+            wait_all(works, deadline)
+            for src, header_r, body_r in incoming:
+                header_b = header_r.numpy().tobytes()
+                final = self._path(src, step, timeline)
+                man = parse_manifest(header_b, len(header_b) + body_r.numel(), final)
                 if (man.rank, man.step, man.timeline, man.world_size) != (src, step, timeline, self.world_size):
                     raise RuntimeError(f"rank {src} sent a file of rank {man.rank}, step {man.step}; expected its "
                                        f"step {step}")
-                mf.close()
-                if self.sync_files:
-                    with open(mf.path, "rb") as f:
-                        os.fsync(f.fileno())
-                os.replace(mf.path, final)
-                received += mf.size
+                pieces = [memoryview(header_b), memoryview(body_r.numpy()).cast("B")] if body_r.numel() else [
+                    memoryview(header_b)]
+                received += write_shard_file(final, pieces, self.sync_files,
+                                             spare=self._take_spare(os.path.dirname(final)))
             return True, sent, received
         except Exception as exc:
             failed = True
             self._stop_replication(f"step {step}: {type(exc).__name__}: {exc}")
             return False, sent, received
         finally:
-            maps = ([mine] if mine is not None else []) + [mf for _, mf, _, _ in incoming]
-            if failed:  # transfers may still be pending on these buffers: keep them mapped
-                self._abandoned.extend([head, heads, *maps])
-            for mf in maps:
-                if not failed:
-                    mf.close()
-                if mf is not mine:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(mf.path)  # only if it was not renamed into place
+            if failed:  # transfers may still be pending on these buffers: keep them alive
+                self._abandoned.append(keep_alive)
+                self._rx.clear()
+
+    def _receive_buffer(self, src: int, nbytes: int) -> torch.Tensor:
+        """A receive buffer for ``src``'s files, reused from save to save (memory that is
+        already mapped: receiving into fresh pages costs a page fault per 4 KiB)."""
+        buf = self._rx.get(src)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._rx[src] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return buf[:nbytes]
 
     def _confirm(self, ok: bool) -> bool:
         """Every rank learns whether every rank committed its file and its copies."""
@@ -489,6 +505,7 @@ class LocalTier:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group,
                             async_op=True).wait(timedelta(seconds=self.replication_timeout))
         except Exception as exc:
+            self._abandoned.append(flag)
             self._stop_replication(f"confirming a step: {type(exc).__name__}: {exc}")
             return False
         return bool(flag.item())
@@ -514,10 +531,19 @@ class LocalTier:
         self._unconfirmed = [k for k in self._unconfirmed if newest is None or k[0] > newest[0]]
         keep = set(self._confirmed) | set(self._unconfirmed)
         for owner in (self.rank, *self.sources):
-            for step, timeline, path in scan_rank_dir(os.path.join(self.root, rank_dir_name(owner))):
+            sub = os.path.join(self.root, rank_dir_name(owner))
+            for step, timeline, path in sorted(scan_rank_dir(sub)):
                 if (step, timeline) not in keep:
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+                        if self._spares.get(sub) is None:  # retired: the next file written here reuses it
+                            spare = os.path.join(sub, f"{TMP_PREFIX}spare-{uuid.uuid4().hex[:12]}")
+                            os.replace(path, spare)  # no longer a committed name: never read again
+                            self._spares[sub] = spare
+                        else:
+                            os.unlink(path)
+
+    def _take_spare(self, sub: str) -> str | None:
+        return self._spares.pop(sub, None)
 
     def _sweep_temporary(self) -> None:
         """Remove the ``.tmp-`` files of saves and copies cut short (at start, before any save)."""
@@ -756,6 +782,24 @@ class LocalTier:
     @property
     def staging_stats(self) -> StagingStats:
         return self._stats
+
+
+def _body_of(buffer: Any) -> tuple[dict[str, int], memoryview]:
+    """Where each payload lies in a staging buffer, and the buffer's bytes up to the last one."""
+    if buffer is None:
+        return {}, memoryview(b"")
+    base = buffer.flat.data_ptr()
+    spans, end = {}, 0
+    for key, view in buffer.targets.items():
+        if isinstance(view, torch.Tensor):
+            start, nbytes = view.data_ptr() - base, view.numel() * view.element_size()
+        else:
+            start, nbytes = view.__array_interface__["data"][0] - base, view.nbytes
+        if not nbytes:
+            start = 0
+        spans[key] = start
+        end = max(end, start + nbytes)
+    return spans, memoryview(buffer.flat.numpy()).cast("B")[:end]
 
 
 def decide(reports: list[tuple[str, list[tuple[int, int, str, int, str]]]], dirs: list[Any], *,
