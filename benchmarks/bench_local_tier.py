@@ -8,16 +8,18 @@ state saved is a ``TrainState`` (model, Adam's moments, step, RNG states).
 
 1. Training (one launch): ``--rounds`` pairs of blocks of ``--block`` steps, one block
    without any checkpoint ("idle") and one with a local save every step, alternating which
-   comes first. A block with saves is timed in steady state: an untimed step and save
-   before it put a save in flight, and the background work of its last save (which would
-   overlap the next step) is waited for after it, untimed; so each timed step carries one
-   save's pause and one save's background work. Reported: the time each
-   local save blocks training (median and p90 of the slowest rank, split into waiting for
-   the previous save, ``state_dict()`` + flatten, and the snapshot copy), the background cost
-   of a save (write, replicate + confirm, CPU time), and the throughput kept (idle time /
-   time with saves, summed over the blocks). At the end the last step is also saved to the
-   durable tier (``--dir`` on disk; with ``--s3`` also to an S3 server on loopback), and
-   both ranks of the last node SIGKILL themselves.
+   comes first, after one untimed pair that warms both up. A block with saves is timed in
+   steady state: an untimed step and save before it put a save in flight, and the
+   background work of its last save (which would overlap the next step) is waited for
+   after it, untimed; so each timed step carries one save's pause and one save's
+   background work. Reported: the time each local save blocks training (median and p90 of
+   the slowest rank, split into waiting for the previous save, ``state_dict()`` + flatten,
+   and the snapshot copy), the background cost of a save (write, replicate + confirm, CPU
+   time), the throughput kept (the median over the pairs of idle time / time with saves:
+   other jobs' bursts on a shared machine hit single blocks), and the CPU time per step
+   with and without saves. At the end the last step is also saved to the durable tier
+   (``--dir`` on disk; with ``--s3`` also to an S3 server on loopback), and both ranks of
+   the last node SIGKILL themselves.
 2. Recovery (a second launch: the restart): the lost node's local directory is wiped; then
    every rank times ``CheckpointManager(...)`` + ``load()`` from the local tier (the lost
    node's ranks fetch their copies from the other node), and the same state from each
@@ -171,7 +173,7 @@ def phase_train(rank: int, ws: int, args: argparse.Namespace) -> dict:
     mgr.local_tier.wait()
     first_saved = len(mgr.local_tier.timings)
     idle, with_saves, cpu_idle, cpu_saves = [], [], [], []
-    for rnd in range(args.rounds):  # short alternating blocks: drifting machine load hits both alike
+    for rnd in range(-1, args.rounds):  # short alternating blocks: drifting machine load hits both alike
         for kind in ("idle", "local") if rnd % 2 == 0 else ("local", "idle"):
             if kind == "local":  # steady state: a save is in flight when the block starts ...
                 step += 1
@@ -188,11 +190,12 @@ def phase_train(rank: int, ws: int, args: argparse.Namespace) -> dict:
                     mgr.save(step, state)
             c1 = cpu_seconds()
             dist.barrier()
-            (idle if kind == "idle" else with_saves).append(time.perf_counter() - t0)
-            (cpu_idle if kind == "idle" else cpu_saves).append(c1 - c0)
+            if rnd >= 0:  # round -1 warms both kinds up
+                (idle if kind == "idle" else with_saves).append(time.perf_counter() - t0)
+                (cpu_idle if kind == "idle" else cpu_saves).append(c1 - c0)
             if kind == "local":  # ... and the one started last overlaps the next block's first step, untimed
                 mgr.local_tier.wait()
-    timings = list(mgr.local_tier.timings)[first_saved:]
+    timings = list(mgr.local_tier.timings)[first_saved + args.block + 1:]  # after the warm-up round
     state["app"].step = step
     mgr.save(step, state, force=True)  # the same step in the durable tier (the local save of it exists)
     mgr.wait()
@@ -378,8 +381,8 @@ def main() -> None:
 
     idle = [max(r["idle"][i] for r in train) for i in range(args.rounds)]
     busy = [max(r["local"][i] for r in train) for i in range(args.rounds)]
-    kept = sum(idle) / sum(busy)
-    kept_rounds = statistics.median(i / b for i, b in zip(idle, busy, strict=True))
+    kept_sum = sum(idle) / sum(busy)
+    kept = statistics.median(i / b for i, b in zip(idle, busy, strict=True))  # robust to other jobs' bursts
     cpu_kept = sum(sum(r["cpu_idle"]) for r in train) / sum(sum(r["cpu_local"]) for r in train)
     blocking = slowest([r["blocking"] for r in train])
     per_rank = train[0]["bytes"]
@@ -394,7 +397,7 @@ def main() -> None:
         "blocking_median_s": statistics.median(blocking), "blocking_p90_s": pct(blocking, 0.9),
         **{f"{k}_median_s": median_of_slowest(train, k)
            for k in ("waited", "state_dict", "snapshot", "write", "replicate", "cpu")},
-        "throughput_kept": kept, "throughput_kept_median_round": kept_rounds, "cpu_kept": cpu_kept,
+        "throughput_kept": kept, "throughput_kept_sum": kept_sum, "cpu_kept": cpu_kept,
         "idle_blocks_s": idle, "save_blocks_s": busy,
         "recovery_local_phases_s": {n: statistics.median(max(r["phases"][i][n] for r in recover) for i in lost)
                                     for n in names},
@@ -421,8 +424,8 @@ def main() -> None:
           f"{figures['snapshot_median_s'] * ms:.1f}")
     print(f"  in the background               write {figures['write_median_s'] * ms:.1f} ms, replicate + confirm "
           f"{figures['replicate_median_s'] * ms:.1f} ms, CPU {figures['cpu_median_s'] * ms:.1f} ms")
-    print(f"  throughput kept                 {kept:.3f}   (sum over {args.rounds} pairs of {args.block}-step blocks; "
-          f"median of the pairs' ratios {kept_rounds:.3f})")
+    print(f"  throughput kept                 {kept:.3f}   (median over {args.rounds} pairs of {args.block}-step "
+          f"blocks of idle time / time with saves; over their sums {kept_sum:.3f})")
     print(f"    idle blocks {[round(x, 2) for x in idle]} s")
     print(f"    with saves  {[round(x, 2) for x in busy]} s")
     print(f"  CPU time per step, idle / with saves   {cpu_kept:.3f}   (all ranks, all threads: what the saves "
