@@ -11,14 +11,17 @@ loses a node resumes from the newest local step instead of the older durable one
 every rank):
 
 1. Wait for this rank's previous local save (bounded: see "Bounded waits").
-2. Snapshot: flatten the state dict and copy every tensor into a reused host buffer (the
-   staging buffers of :mod:`.async_staging`). This is the only time training is blocked.
-3. In the background (one thread per process), write the rank's shard file (one file, its
-   own shards only, see :mod:`.local_format`) under a temporary name and rename it into place:
-   the commit of this rank's part.
-4. Replicate: send the file to this rank's peers and receive the files of the ranks it keeps
-   copies for (:mod:`.local_replication`), on a dedicated gloo group; each received file is
-   written to a temporary name and renamed once whole.
+2. Snapshot: flatten the state dict and copy every tensor, array and bytes value into a
+   reused host buffer (the staging buffers of :mod:`.async_staging`), whose layout is the
+   shard file's body. This is the only time training is blocked.
+3. In the background (one thread per process, at a lower CPU priority than training), write
+   the rank's shard file (one file, its own shards only, see :mod:`.local_format`): the
+   header, then the staging buffer as it is, under a temporary name (or over a retired file)
+   renamed into place: the commit of this rank's part.
+4. Replicate: send the header and the staging buffer to this rank's peers and receive the
+   files of the ranks it keeps copies for (:mod:`.local_replication` says who), on a
+   dedicated gloo group; each received file is written to a temporary name and renamed
+   once whole.
 5. Confirm: one all-reduce (MIN) of "my file and every copy I keep for this step are
    committed" on the same group. A *confirmed* step is complete on every rank and survives
    the loss of any ``replicas - 1`` nodes.
@@ -61,8 +64,10 @@ start builds a new one) with a warning, while local saves go on unreplicated and
 unconfirmed. The next local save waits for the previous one at most ``2 *
 replication_timeout`` plus the write time, and is skipped (with a warning) past that.
 
-**Memory** (``local_dir`` in ``/dev/shm`` is memory): per node, about ``(local_keep + 1) *
-replicas`` times the node's shard bytes, plus one staging buffer per process.
+**Memory** (``local_dir`` in ``/dev/shm`` is memory): per node, about ``(local_keep + 2) *
+replicas`` times the node's shard bytes (the kept steps, the one being written, one retired
+file per directory), plus per process one staging buffer and one receive buffer per rank it
+keeps copies for.
 """
 
 from __future__ import annotations
@@ -381,7 +386,7 @@ class LocalTier:
     def _run(self, job: _Job) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         shard: ShardFile | None = None
-        path, written, sent_ok = None, 0, False
+        path, written, in_doubt = None, 0, True
         try:
             if job.error is None:
                 manifest = {"format": LOCAL_FORMAT, "version": LOCAL_VERSION, "step": job.step, "rank": self.rank,
@@ -398,12 +403,11 @@ class LocalTier:
             shard = None
         t1 = time.perf_counter()
         try:
-            ok, sent, received = self._replicate(job.step, job.timeline, shard if path is not None else None)
-            sent_ok = ok or self.replication_error is None
+            ok, sent, received, in_doubt = self._replicate(job.step, job.timeline, shard if path is not None else None)
         finally:
-            if job.buffer is not None and (sent_ok or shard is None):
+            if job.buffer is not None and not in_doubt:
                 self._pool.release(job.buffer)
-            elif job.buffer is not None:  # a send may still read it: never reuse it
+            elif job.buffer is not None:  # a send that failed may still read it: never reuse it
                 self._abandoned.append(job.buffer)
             job.buffer, job.objects = None, {}
         confirmed = self._confirm(path is not None and ok)
@@ -414,13 +418,13 @@ class LocalTier:
 
     # ------------------------------------------------------------------ replication
 
-    def _replicate(self, step: int, timeline: str, shard: ShardFile | None) -> tuple[bool, int, int]:
+    def _replicate(self, step: int, timeline: str, shard: ShardFile | None) -> tuple[bool, int, int, bool]:
         """Send this rank's file to its peers, receive its sources' files. Returns (all went
-        well, bytes sent, bytes received)."""
+        well, bytes sent, bytes received, whether a failed send may still read the file)."""
         if self._group is None or (not self.peers and not self.sources):
-            return True, 0, 0
+            return True, 0, 0, False
         if self.replication_error is not None:
-            return False, 0, 0
+            return False, 0, 0, False
         deadline = time.monotonic() + self.replication_timeout
         keep_alive: list[Any] = []  # everything gloo may touch until the transfers are over
         sent = received = 0
@@ -476,11 +480,11 @@ class LocalTier:
                     memoryview(header_b)]
                 received += write_shard_file(final, pieces, self.sync_files,
                                              spare=self._take_spare(os.path.dirname(final)))
-            return True, sent, received
+            return True, sent, received, False
         except Exception as exc:
             failed = True
             self._stop_replication(f"step {step}: {type(exc).__name__}: {exc}")
-            return False, sent, received
+            return False, sent, received, bool(sent)
         finally:
             if failed:  # transfers may still be pending on these buffers: keep them alive
                 self._abandoned.append(keep_alive)
