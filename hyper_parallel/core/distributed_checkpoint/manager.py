@@ -271,11 +271,14 @@ class CheckpointManager:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         if local_dir is not None:
-            for name, value in (("local_interval_steps", local_interval_steps or 1), ("local_keep", local_keep),
+            local_interval_steps = 1 if local_interval_steps is None else local_interval_steps
+            for name, value in (("local_interval_steps", local_interval_steps), ("local_keep", local_keep),
                                 ("replicas", replicas)):
                 _check_count(name, value)
             if not isinstance(replication_timeout, (int, float)) or not replication_timeout > 0:
                 raise ValueError(f"replication_timeout must be a number of seconds > 0, got {replication_timeout!r}")
+        elif local_interval_steps is not None or node_rank is not None:
+            raise ValueError("local_interval_steps and node_rank configure the local tier: pass local_dir too")
         self.directory = os.fspath(directory)
         self.save_interval_steps = save_interval_steps
         self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
@@ -297,7 +300,7 @@ class CheckpointManager:
         try:
             self._start()
             if local_dir is not None:
-                self._local = LocalTier(local_dir, directory=self._root.url, interval_steps=local_interval_steps or 1,
+                self._local = LocalTier(local_dir, directory=self._root.url, interval_steps=local_interval_steps,
                                         keep=local_keep, replicas=replicas, node_rank=node_rank,
                                         process_group=process_group, timeout=timeout,
                                         replication_timeout=replication_timeout)

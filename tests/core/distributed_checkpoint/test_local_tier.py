@@ -291,6 +291,21 @@ def test_partial_and_damaged_local_steps_are_never_loaded_and_layout_changes_go_
         assert mgr.local_tier.last_recovery.source == "durable"
 
 
+def test_local_tier_arguments_are_checked(tmp_path):
+    d = str(tmp_path / "run")
+    for kwargs in ({"local_interval_steps": 0}, {"local_keep": 0}, {"replicas": 0}, {"replication_timeout": 0}):
+        with pytest.raises(ValueError):
+            CheckpointManager(d, local_dir=str(tmp_path / "shm"), **kwargs)
+    with pytest.raises(ValueError, match="pass local_dir too"):
+        CheckpointManager(d, local_interval_steps=5)
+    with CheckpointManager(d, local_dir=str(tmp_path / "shm"), local_interval_steps=2, replicas=1) as mgr:
+        assert mgr.local_tier.save(1, {"x": 1}) is False and mgr.local_tier.save(2, {"x": 2}) is True
+        with pytest.raises(ValueError, match="steps only go forward"):
+            mgr.save(0, {"x": 0})
+        with pytest.raises(Exception, match="pickle"):
+            mgr.save(4, {"x": object()})
+
+
 def test_two_jobs_sharing_a_local_directory_never_see_each_others_files(tmp_path):
     shm = str(tmp_path / "shm")
     a = CheckpointManager(str(tmp_path / "a"), save_interval_steps=100, local_dir=shm, replicas=1)
