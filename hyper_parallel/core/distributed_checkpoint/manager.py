@@ -55,6 +55,12 @@ whose bytes changed and names the earlier step's file for the rest (see
 :mod:`.incremental`). Retention still deletes whole steps, except the files of a deleted
 step that a kept step names: those stay in its directory (without ``.metadata``, so it is
 not a step any more) until nothing names them.
+
+**Local tier** (``local_dir=...``): every ``local_interval_steps`` each rank also saves its
+own shards to node-local storage and replicates them to peers on other nodes, and ``load``
+resumes from the newest local step complete across the surviving nodes before it considers
+``directory`` (see :mod:`.local_tier`). The manager calls it at three places: ``save``
+(``_local.save``), ``load`` (``_local.recover`` / ``_local.loaded``) and ``wait``/close.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ from .commit import unreferenced_files
 from .coordination import Coordinator
 from .errors import CheckpointError, CommitError, NotACheckpointError
 from .incremental import IncrementalState
+from .local_tier import LocalTier
 from .step_directory import (
     OPEN_TOKENS,
     USER_KEY,
@@ -206,6 +213,17 @@ class CheckpointManager:
         timeout: bound on every cross-rank exchange, seconds or timedelta (default 30 min).
         storage_options: options of the fsspec filesystem for a URL ``directory`` (e.g.
             ``{"client_kwargs": {"endpoint_url": ...}}``).
+        local_dir: turns on the local tier: this node's directory for it (``/dev/shm/job``
+            or local NVMe; ranks of one node may share it). None: no local tier.
+        local_interval_steps: local saves when ``step`` is a multiple of it (default 1,
+            every step); independent of ``save_interval_steps``.
+        local_keep: confirmed local steps kept on each node (per rank and copy).
+        replicas: copies of each rank's shards in the local tier, its own included; the
+            others go to ranks on other nodes.
+        node_rank: this rank's node (default: torchrun's ``GROUP_RANK``, else ``RANK //
+            LOCAL_WORLD_SIZE``, else the host name); tests simulate nodes with it.
+        replication_timeout: seconds any wait of the local tier for a peer may take; a peer
+            slower than that ends replication for the run (local saves go on).
 
     The retention rules keep the union of what each rule keeps, plus always the newest
     committed step; with none set, every step is kept. Retention runs after each commit.
@@ -239,6 +257,12 @@ class CheckpointManager:
         process_group: Any = None,
         timeout: timedelta | float | None = None,
         storage_options: dict[str, Any] | None = None,
+        local_dir: PathLike | None = None,
+        local_interval_steps: int | None = None,
+        local_keep: int = 2,
+        replicas: int = 2,
+        node_rank: int | None = None,
+        replication_timeout: float = 60.0,
     ):
         _check_count("save_interval_steps", save_interval_steps)
         for name, value in (("keep_latest", keep_latest), ("keep_every_steps", keep_every_steps),
@@ -251,6 +275,15 @@ class CheckpointManager:
             raise ValueError("keep_best needs best_metric: the key of save(..., metrics=) that ranks steps")
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
+        if local_dir is not None:
+            local_interval_steps = 1 if local_interval_steps is None else local_interval_steps
+            for name, value in (("local_interval_steps", local_interval_steps), ("local_keep", local_keep),
+                                ("replicas", replicas)):
+                _check_count(name, value)
+            if not isinstance(replication_timeout, (int, float)) or not replication_timeout > 0:
+                raise ValueError(f"replication_timeout must be a number of seconds > 0, got {replication_timeout!r}")
+        elif local_interval_steps is not None or node_rank is not None:
+            raise ValueError("local_interval_steps and node_rank configure the local tier: pass local_dir too")
         self.directory = os.fspath(directory)
         self.save_interval_steps = save_interval_steps
         self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
@@ -271,8 +304,14 @@ class CheckpointManager:
         self._async: AsyncCheckpointer | None = AsyncCheckpointer(max_in_flight=1) if async_save else None
         self._coord = Coordinator(process_group, False, 0, timeout)
         self._deleter = Deleter(self._root) if self._coord.is_coordinator else None
+        self._local: LocalTier | None = None
         try:
             self._start()
+            if local_dir is not None:
+                self._local = LocalTier(local_dir, directory=self._root.url, interval_steps=local_interval_steps,
+                                        keep=local_keep, replicas=replicas, node_rank=node_rank,
+                                        process_group=process_group, timeout=timeout,
+                                        replication_timeout=replication_timeout)
         except BaseException:
             self._release()  # a failed start must not keep the directory claimed
             raise
@@ -308,6 +347,11 @@ class CheckpointManager:
         """This process's last 100 saves: time the call blocked, time until committed."""
         return list(self._timings)
 
+    @property
+    def local_tier(self) -> LocalTier | None:
+        """The local tier (its ``timings``, ``last_recovery``, ``replication_error``), or None."""
+        return self._local
+
     # ------------------------------------------------------------------ save / load
 
     def save(self, step: int, state_dict: dict[str, Any], *, metrics: dict[str, Any] | None = None,
@@ -315,7 +359,9 @@ class CheckpointManager:
         """Save ``state_dict`` as ``step`` if the policy says so; return whether it saved.
 
         Skipped (False, nothing touched, no collective): ``step`` is not a multiple of
-        ``save_interval_steps`` and ``force`` is False. Otherwise every rank first settles the
+        ``save_interval_steps`` and ``force`` is False. With a local tier, a local save of
+        ``step`` starts first when ``step`` is a multiple of ``local_interval_steps`` (the
+        return value still says whether the durable save ran). Otherwise every rank first settles the
         previous async save (waits for it; raises its failure), then agrees on ``step``; a
         ``step`` equal to the newest committed one is skipped (False). With ``async_save`` the
         call returns once the snapshot is taken.
@@ -339,6 +385,8 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         if metrics is not None:
             metrics = _plain_metrics(metrics)
+        if self._local is not None:
+            self._local.save(step, state_dict)
         if not force and step % self.save_interval_steps:
             return False
         self._settle()
@@ -383,6 +431,11 @@ class CheckpointManager:
         Settles an async save in flight first. Returns the step loaded, or None (and leaves
         ``state_dict`` untouched) when ``step`` is None and nothing is committed yet.
 
+        With a local tier, the newest step complete in the local tiers of the surviving
+        nodes (or ``step``, if it is one) loads from there, reading nothing from
+        ``directory``, unless ``directory`` holds a newer committed step; otherwise (nothing
+        complete, a changed layout) the durable step loads as without a local tier.
+
         Raises:
             NotACheckpointError: ``step`` is not a committed step of this directory.
             ValueError: ranks asked for different steps.
@@ -390,9 +443,15 @@ class CheckpointManager:
         """
         self._check_open()
         self._settle()
+        if self._local is not None:
+            recovered = self._local.recover(state_dict, durable_latest=self.latest_step(), step=step)
+            if recovered is not None:
+                return recovered
         chosen = self.latest_step() if step is None else step
         self._agree("load", chosen)
         if chosen is None:
+            if self._local is not None:
+                self._local.loaded(None)
             return None
         if chosen not in self._steps:
             raise NotACheckpointError(
@@ -400,6 +459,8 @@ class CheckpointManager:
                 f"{self.all_steps() or 'none'}")
         _load(state_dict, storage_reader=self._storage_reader(step_dir_name(chosen)),
               process_group=self.process_group, timeout=self.timeout)
+        if self._local is not None:
+            self._local.loaded(chosen)
         return chosen
 
     def wait(self) -> None:
@@ -412,6 +473,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._settle()
+        if self._local is not None:
+            self._local.wait()
         if self._deleter is not None:
             self._deleter.wait_for()
 
@@ -649,6 +712,8 @@ class CheckpointManager:
             return
         self._closed = True
         try:
+            if self._local is not None:
+                self._local.close()
             if self._async is not None:
                 with contextlib.suppress(AsyncSaveError):
                     self._async.close()
