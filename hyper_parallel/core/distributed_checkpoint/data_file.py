@@ -23,6 +23,7 @@ files of earlier steps) and a *sub id* (which box of the key: see :mod:`.grid`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -60,8 +61,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def key_id(key: str) -> int:
-    """The 64-bit id of a key in data-file indexes."""
+    """The 64-bit id of a key in data-file indexes (cached: every file of a save repeats keys)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
 
@@ -112,26 +114,37 @@ def _align(pos: int, a: int) -> int:
 
 
 def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes: int = BLOCK_BYTES) -> FileLayout:
-    """Place ``items`` (in this order) in a data file; see the module docstring."""
+    """Place ``items`` (in this order) in a data file; see the module docstring.
+
+    One pass, a few operations per item: offline tools plan thousands of files of
+    thousands of tiny chunks each.
+    """
     aligned = any(i.nbytes >= ALIGN_MIN for i in items)
     header: dict[str, Any] = {"__metadata__": {"format": md.FORMAT_NAME, "version": str(md.FORMAT_VERSION),
                                                "save_id": save_id}}
-    rel, pos, pads = [], 0, 0
-    crc_first, n_crcs = [], 0
+    rel: list[int] = []
+    crc_first: list[int] = []
+    pos = pads = n_crcs = 0
+    kinds: dict[str, tuple[str, int]] = {}  # dtype -> (safetensors name or "", itemsize)
     for item in items:
-        a = ALIGN if item.nbytes >= ALIGN_MIN else max(1, md.itemsize(item.dtype))
-        start = _align(pos, a)
+        kind = kinds.get(item.dtype)
+        if kind is None:
+            kind = kinds[item.dtype] = (md.safetensors_dtype(item.dtype) or "", max(1, md.itemsize(item.dtype)))
+        st, size = kind
+        nbytes = item.nbytes
+        a = ALIGN if nbytes >= ALIGN_MIN else size
+        start = -(-pos // a) * a
         if start > pos:
             header[f"__pad{pads}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
             pads += 1
-        st = md.safetensors_dtype(item.dtype)
-        name = f"{item.key}@{','.join(map(str, item.box.offsets))}"
-        header[name] = {"dtype": st or "U8", "shape": list(item.box.sizes) if st else [item.nbytes],
-                        "data_offsets": [start, start + item.nbytes]}
+        box = item.box
+        header[f"{item.key}@{','.join(map(str, box.offsets))}"] = {
+            "dtype": st or "U8", "shape": list(box.sizes) if st else [nbytes],
+            "data_offsets": [start, start + nbytes]}
         rel.append(start)
-        pos = start + item.nbytes
+        pos = start + nbytes
         crc_first.append(n_crcs)
-        n_crcs += n_blocks(item.box.sizes, item.nbytes, block_bytes)
+        n_crcs += (1 if nbytes else 0) if nbytes <= block_bytes else n_blocks(box.sizes, nbytes, block_bytes)
     index_rel = _align(pos, ALIGN if aligned else 8)
     if index_rel > pos:
         header[f"__pad{pads}"] = {"dtype": "U8", "shape": [index_rel - pos], "data_offsets": [pos, index_rel]}

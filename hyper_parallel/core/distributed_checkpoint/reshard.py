@@ -39,6 +39,7 @@ from .box import Box, uncovered
 from .chunks import all_chunks, covered
 from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
+from .data_file import tensor_bytes
 from .errors import CorruptCheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .fragments import read_checkpoint_metadata
@@ -68,20 +69,36 @@ class ReshardPlan:
     dropped: dict[str, list[str]] = field(default_factory=dict)  # key -> source mesh dims the new mesh lacks
 
     def items(self, rank: int) -> list[WriteItem]:
-        """The chunks destination rank ``rank`` holds (all replicas with ``copies == "all"``)."""
-        out = []
-        for key, spec in self.entries.items():
-            grid = self.grids.get(key)
-            if grid is None:
-                continue
-            store = spec.store
-            pos = self._position(rank)
+        """The chunks destination rank ``rank`` holds (all replicas with ``copies == "all"``).
+
+        Keys laid out alike (same shape, mesh and placements: the layers of a model) share
+        one grid computation per rank, so a rank's items cost a few operations per key.
+        """
+        pos = self._position(rank)
+        out: list[WriteItem] = []
+        for grid, keys in self._groups():
             b, q = grid.locate(pos)
-            if store.copies != "all" and q != (store.offset + b) % grid.replicas:
+            subs = grid.band_subs(b)
+            if not subs:
                 continue
-            size = md.itemsize(spec.dtype)
-            out.extend(WriteItem(key, box, box.numel * size, sub) for sub, box in grid.band_subs(b))
+            for key, size, offset, all_copies in keys:
+                if all_copies or q == (offset + b) % grid.replicas:
+                    out.extend(WriteItem(key, box, box.numel * size, sub) for sub, box in subs)
         return out
+
+    def _groups(self) -> list[tuple[Grid, list[tuple[str, int, int, bool]]]]:
+        """Keys grouped by grid (shape, mesh, placements, tiles): (grid, [(key, itemsize, offset, all copies)])."""
+        groups = self.__dict__.get("_by_grid")
+        if groups is None:
+            by: dict[tuple, tuple[Grid, list[tuple[str, int, int, bool]]]] = {}
+            for key, grid in self.grids.items():
+                spec = self.entries[key]
+                sig = (grid.shape, grid.mesh_shape, tuple((d, tuple(ms)) for d, ms in grid.split_by.items()),
+                       tuple(grid.replica_dims), grid.tiles)
+                by.setdefault(sig, (grid, []))[1].append(
+                    (key, md.itemsize(spec.dtype), spec.store.offset, spec.store.copies == "all"))
+            groups = self.__dict__["_by_grid"] = list(by.values())
+        return groups
 
     def _position(self, rank: int) -> int:
         pos = self.__dict__.get("_pos")
@@ -236,14 +253,16 @@ class _SourceData:
         self.bytes_needed += stats.bytes_needed
         return dest
 
-    def _whole(self, entry: md.Entry) -> torch.Tensor | None:
+    def _whole(self, entry: md.Entry) -> tuple[torch.Tensor, memoryview] | None:
+        """The whole source tensor and its bytes, when it is small enough to keep (cached)."""
         found = self._cache.get(entry.key)
         if found is not None or entry.nbytes > self.cache_bytes // 4:
             return found
         while self._cache and self._cached + entry.nbytes > self.cache_bytes:
-            old = self._cache.pop(next(iter(self._cache)))  # the oldest
+            old = self._cache.pop(next(iter(self._cache)))[0]  # the oldest
             self._cached -= old.numel() * old.element_size()
-        found = self._cache[entry.key] = self._read(entry, Box.full(tuple(entry.shape or ())))
+        whole = self._read(entry, Box.full(tuple(entry.shape or ())))
+        found = self._cache[entry.key] = (whole, tensor_bytes(whole))
         self._cached += entry.nbytes
         return found
 
@@ -253,12 +272,36 @@ class _SourceData:
             return entry.value
         if self.progress is not None:
             self.progress(item.nbytes)
-        whole = self._whole(entry)
-        if whole is not None:
-            return whole[item.box.relative_to(Box.full(tuple(entry.shape or ())))]
+        found = self._whole(entry)
+        if found is not None:
+            whole, raw = found
+            shape = tuple(entry.shape or ())
+            run = _contiguous_run(shape, item.box)
+            if run is not None:  # the chunk is one byte range of the whole tensor: no copy
+                size = whole.element_size()
+                return raw[run[0] * size:(run[0] + run[1]) * size]
+            return whole[item.box.relative_to(Box.full(shape))]
         if self.slab_bytes is None or item.nbytes <= self.slab_bytes or not item.box.ndim:
             return self._read(entry, item.box)
         return (self._read(entry, slab) for slab in item.box.split(max(1, self.slab_bytes // md.itemsize(entry.dtype))))
+
+
+def _contiguous_run(shape: tuple[int, ...], box: Box) -> tuple[int, int] | None:
+    """(first element, element count) of ``box`` in a row-major tensor of ``shape`` when
+    the box is one contiguous range (dims before the last partial one have size 1), else None."""
+    sizes, offsets = box.sizes, box.offsets
+    i = len(shape) - 1
+    while i >= 0 and sizes[i] == shape[i]:
+        i -= 1
+    if i < 0:
+        return 0, math.prod(shape)
+    if any(sizes[j] != 1 for j in range(i)):
+        return None
+    start, stride = 0, 1
+    for j in range(len(shape) - 1, -1, -1):
+        start += offsets[j] * stride
+        stride *= shape[j]
+    return start, math.prod(sizes)
 
 
 def _share(plan: ReshardPlan, world: int) -> list[list[int]]:
