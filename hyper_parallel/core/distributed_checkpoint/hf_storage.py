@@ -31,6 +31,7 @@ import math
 import os
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,7 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
         raise CorruptCheckpointError(f"{where}: its safetensors header is a JSON {type(doc).__name__}, not an object")
     data_start = _HEAD + len(raw)
     data_len = file_size - data_start
-    extra = doc.pop(_METADATA_KEY, None) or {}
+    extra = doc.pop(_METADATA_KEY, {})
     if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
         raise CorruptCheckpointError(f"{where}: its header's {_METADATA_KEY!r} must map names to strings")
     _refuse_torch_shards(extra, where)
@@ -270,8 +271,9 @@ class HuggingFaceStorageReader(StorageReader):
 
     Args:
         path: the directory (a local path, or an fsspec URL such as ``s3://bucket/model``).
-        thread_count: accepted for the signature of torch's ``HuggingFaceStorageReader``;
-            the loader's threads are set by ``load(thread_count=)``.
+        thread_count: threads that read the files' headers while the coordinator builds the
+            metadata (many shards on an object store); torch's name and default. The data
+            is read by ``load(thread_count=)`` threads per rank.
         storage_reader: where the bytes come from, for storage options a URL cannot carry
             (e.g. ``FsspecReader(url, key=..., secret=...)``); default: local files
             (symbolic links followed, as the Hugging Face hub cache needs) or an
@@ -348,19 +350,24 @@ class HuggingFaceStorageReader(StorageReader):
     def read_metadata(self) -> bytes:
         """Describe the directory as a format-v2 ``.metadata`` (coordinator only; see the module docstring)."""
         names, weight_map = self.weight_files()
+        for name in names if weight_map is not None else ():
+            if not self._exists(name):
+                first = next(k for k, v in weight_map.items() if v == name)
+                raise CorruptCheckpointError(
+                    f"{self._where(name)} is missing: {HF_INDEX} maps {first!r} (and maybe more) to it; the "
+                    "download is incomplete")
+        read = lambda name: read_safetensors_header(self.files, name, self._where(name))
+        if self.thread_count > 1 and len(names) > 1:
+            with ThreadPoolExecutor(min(self.thread_count, len(names)), thread_name_prefix="hf-header") as pool:
+                headers = list(pool.map(read, names))
+        else:
+            headers = [read(name) for name in names]
         entries: dict[str, md.Entry] = {}
         files: list[md.FileRecord] = []
         holder: dict[str, str] = {}
-        for i, name in enumerate(names):
+        for i, (name, header) in enumerate(zip(names, headers, strict=True)):
             where = self._where(name)
-            if weight_map is not None and not self._exists(name):
-                first = next(k for k, v in weight_map.items() if v == name)
-                raise CorruptCheckpointError(
-                    f"{where} is missing: {HF_INDEX} maps {first!r} (and maybe more) to it; the download is "
-                    "incomplete")
-            header = read_safetensors_header(self.files, name, where)
-            size = self.files.file_size(name)
-            files.append(md.FileRecord(name, "", -1, _HEAD, header.length, header.crc, size))
+            files.append(md.FileRecord(name, "", -1, _HEAD, header.length, header.crc, self.files.file_size(name)))
             for key, t in header.tensors.items():
                 if key in holder:
                     raise CorruptCheckpointError(f"tensor {key!r} is in both {self._where(holder[key])} and {where}")

@@ -183,11 +183,43 @@ def test_file_changed_after_metadata_was_read_is_detected(tmp_path):
 
 def test_metadata_presents_one_table_chunk_per_tensor(tmp_path):
     write_hf(str(tmp_path), [{"a": make_tensor((4, 2), seed=15)}, {"b": torch.zeros(0, 2)}])
-    meta = md.Metadata.from_json(HuggingFaceStorageReader(tmp_path, 4).read_metadata())
+    meta = md.Metadata.from_json(HuggingFaceStorageReader(tmp_path, 4).read_metadata())  # 4 header threads
     assert [f.name for f in meta.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     sdm = meta.state_dict_metadata
     assert [tuple(c.sizes) for c in sdm["a"].chunks] == [(4, 2)] and sdm["b"].chunks == []
     assert meta.user == {"source": "huggingface"}
+
+
+def _upload(local: str, url: str, fs) -> None:
+    for name in os.listdir(local):
+        fs.put_file(os.path.join(local, name), f"{url}/{name}")
+
+
+def test_fsspec_url_reads_only_the_indexed_files(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    full = write_hf(str(tmp_path), [{"a": make_tensor((8, 3), seed=16)}, {"b": make_tensor((2,), seed=17)}])
+    url = f"memory://hf-{os.getpid()}-{id(tmp_path)}"
+    fs = fsspec.filesystem("memory")
+    _upload(str(tmp_path), url, fs)
+    try:
+        out = load(storage_reader=HuggingFaceStorageReader(url), no_dist=True)
+        assert_same(out, full)
+    finally:
+        fs.rm(url, recursive=True)
+
+
+def test_s3_with_storage_options(tmp_path, s3_bucket):
+    from hyper_parallel.core.distributed_checkpoint import FsspecReader
+
+    bucket, opts = s3_bucket
+    full = write_hf(str(tmp_path), [{"a": make_tensor((16, 4), torch.bfloat16, seed=18)},
+                                    {"b": make_tensor((3,), seed=19)}])
+    url = f"s3://{bucket}/hf"
+    files = FsspecReader(url, **opts)
+    _upload(str(tmp_path), url, files.fs)
+    target = {"a": torch.zeros(16, 4), "b": torch.zeros(3)}
+    load(target, storage_reader=HuggingFaceStorageReader(url, storage_reader=files), no_dist=True)
+    assert torch.equal(target["a"], full["a"].float()) and torch.equal(target["b"], full["b"])
 
 
 def test_import_path_matches_hyper_parallel():
