@@ -460,3 +460,19 @@ def test_load_and_reshard_on_real_ranks(tmp_path, ws):
     results = run_ranks(_hf_on_ranks, ws, d, broken, timeout_s=180)
     for r in results:
         assert "model-00002-of-00002.safetensors is missing" in r["failed"], r
+
+
+def test_transformers_save_pretrained_loads_into_a_fresh_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    torch.manual_seed(1)
+    fresh = transformers.LlamaForCausalLM(config)
+    sd = fresh.state_dict()
+    load(sd, storage_reader=HuggingFaceStorageReader(tmp_path), no_dist=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, fresh.state_dict()[k]), k
