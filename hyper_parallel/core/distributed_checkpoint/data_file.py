@@ -242,6 +242,39 @@ class FileIndex:
                           tuple(int(c) for c in self.crcs[first:first + count]), digest)
 
 
+class UncheckedIndex:
+    """The index of a data file this library did not write (e.g. a Hugging Face safetensors
+    file, see :mod:`.hf_storage`): where each chunk's payload starts, and no checksums.
+
+    A storage reader builds it from the file's own header (``StorageReader.file_index``).
+    Chunks found here carry an empty checksum tuple; the loader then reads only the bytes a
+    target needs and verifies nothing, since the file holds nothing to verify against.
+    """
+
+    def __init__(self, chunks: dict[tuple[str, int], tuple[int, tuple[int, ...], int]], where: str):
+        self.chunks = chunks  # (key, sub id) -> (payload start, box sizes, payload bytes)
+        self.where = where
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def find(self, key: str, sub: int, sizes: tuple[int, ...], nbytes: int) -> ChunkBytes | None:
+        """The payload of chunk (key, sub), or None when the file has no such chunk.
+
+        Raises CorruptCheckpointError when the file holds it with another shape or size than
+        the checkpoint's metadata says (the file changed since the metadata was built).
+        """
+        found = self.chunks.get((key, sub))
+        if found is None:
+            return None
+        start, have_sizes, have_nbytes = found
+        if tuple(have_sizes) != tuple(sizes) or have_nbytes != nbytes:
+            raise CorruptCheckpointError(
+                f"{self.where}: {key!r} holds shape {list(have_sizes)} in {have_nbytes} bytes, the checkpoint's "
+                f"metadata says shape {list(sizes)} in {nbytes} bytes; the file changed while it was being loaded")
+        return ChunkBytes(start, max(1, sizes[0]) if sizes else 1, ())
+
+
 def check_index(raw: bytes | memoryview, expected_crc: int, where: str) -> None:
     if crc32c.crc32c(raw) != expected_crc:
         raise CorruptCheckpointError(f"{where}: its index fails its checksum (expected {expected_crc:#010x}); "

@@ -30,7 +30,7 @@ import torch
 from . import metadata as md
 from .box import Box
 from .chunks import ChunkRef, overlapping
-from .data_file import FileIndex, check_index, tensor_bytes
+from .data_file import FileIndex, UncheckedIndex, check_index, tensor_bytes
 from .errors import CorruptCheckpointError
 from .planner import LoadPlan, ReadItem
 from .storage import StorageReader
@@ -89,6 +89,7 @@ def _read_item(
     pool: _Scratch,
 ) -> int:
     chunk = item.chunk
+    verify = verify and bool(chunk.crc32c)  # a foreign file's chunk (UncheckedIndex) has no checksums
     cbox = Box(chunk.offsets, chunk.sizes)
     where = chunk.file
     rows = chunk.rows
@@ -122,7 +123,8 @@ def _read_item(
         scratch = pool.get(nbytes, buffer_bytes)
         data = tensor_bytes(scratch)
         reader.read_into(chunk.file, chunk.start + row_lo * row_bytes, data)
-        _check_blocks(item, data, g0, row_bytes, where)
+        if verify:
+            _check_blocks(item, data, g0, row_bytes, where)
         read += nbytes
         block = scratch.view(dtype).reshape((row_hi - row_lo, *chunk.sizes[1:]) if cbox.ndim else ())
         if not cbox.ndim:
@@ -202,25 +204,31 @@ class _Fixed:
 
 
 class IndexCache:
-    """The data-file indexes one reader has read: each read and checked once."""
+    """The data-file indexes one reader has read: each read and checked once.
+
+    Cached by the whole file record (name, index position and checksum, size), so a file
+    rewritten under the same name between two loads is never looked up in its old index.
+    """
 
     def __init__(self, reader: StorageReader, max_files: int = 1 << 16):
         self.reader, self.max_files = reader, max_files
-        self._indexes: dict[str, FileIndex] = {}
+        self._indexes: dict[md.FileRecord, FileIndex | UncheckedIndex] = {}
         self._lock = threading.Lock()
 
-    def get(self, f: md.FileRecord) -> FileIndex:
-        found = self._indexes.get(f.path)
+    def get(self, f: md.FileRecord) -> FileIndex | UncheckedIndex:
+        found = self._indexes.get(f)
         if found is not None:
             return found
-        raw = bytearray(f.index_length)
-        self.reader.read_into(f.path, f.index_offset, memoryview(raw))
-        check_index(raw, f.index_crc, f.path)
-        index = FileIndex(raw, f.path, f.index_offset)
+        index = self.reader.file_index(f)  # a reader of foreign files supplies its own
+        if index is None:
+            raw = bytearray(f.index_length)
+            self.reader.read_into(f.path, f.index_offset, memoryview(raw))
+            check_index(raw, f.index_crc, f.path)
+            index = FileIndex(raw, f.path, f.index_offset)
         with self._lock:
             if len(self._indexes) >= self.max_files:
                 self._indexes.clear()
-            self._indexes[f.path] = index
+            self._indexes[f] = index
         return index
 
 

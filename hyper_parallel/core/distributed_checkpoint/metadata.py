@@ -115,6 +115,16 @@ def safetensors_dtype(name: str) -> str | None:
     return _DTYPES[name][1]
 
 
+# Safetensors' dtype names -> ours. F8_E8M0 is a safetensors dtype too, but data files of
+# this library store float8_e8m0fnu as raw U8 (safetensors' torch binding cannot read it).
+_FROM_SAFETENSORS = {st: name for name, (_, st) in _DTYPES.items() if st} | {"F8_E8M0": "float8_e8m0fnu"}
+
+
+def dtype_from_safetensors(st: str) -> str | None:
+    """Our dtype name for a safetensors dtype name (``"BF16"`` -> ``"bfloat16"``), or None."""
+    return _FROM_SAFETENSORS.get(st) if isinstance(st, str) else None
+
+
 def itemsize(name: str) -> int:
     return torch_dtype(name).itemsize
 

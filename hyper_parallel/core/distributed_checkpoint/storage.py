@@ -23,9 +23,13 @@ StorageReader — the loader calls:
 0. ``set_up(rank, is_coordinator)`` on every rank.
 1. ``read_metadata()`` on the coordinator; raises :class:`NotACheckpointError` when there
    is none.
-2. ``file_size(name)`` and ``read_into(name, offset, buffer)`` on every rank, from any
+2. ``file_index(record)`` on every rank, once per data file it reads (from any number of
+   threads): the file's index, or None (the default) to have the loader read the file's
+   ``__index__`` itself. Readers of foreign files (:mod:`.hf_storage`) build it from the
+   file's own header.
+3. ``file_size(name)`` and ``read_into(name, offset, buffer)`` on every rank, from any
    number of threads: fill the writable ``buffer`` with the bytes at ``offset``.
-3. ``close()`` on every rank.
+4. ``close()`` on every rank.
 
 ``bytes_read`` counts the bytes returned by ``read_into`` (benchmarks and tests use it).
 """
@@ -35,6 +39,11 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # storage backends need no torch at run time
+    from .data_file import FileIndex, UncheckedIndex
+    from .metadata import FileRecord
 
 Buffer = memoryview
 
@@ -115,6 +124,17 @@ class StorageReader(abc.ABC):
 
     @abc.abstractmethod
     def read_into(self, name: str, offset: int, buffer: Buffer) -> None: ...
+
+    def file_index(self, record: FileRecord) -> FileIndex | UncheckedIndex | None:
+        """The index of data file ``record``, or None: the loader then reads and checks the
+        file's ``__index__`` (format v2). Called on every rank, once per file it reads, from
+        any number of threads.
+
+        A reader of files this library did not write returns an
+        :class:`~.data_file.UncheckedIndex` built from the file's own header; their chunks have
+        no checksums, so nothing is verified for them.
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release open files; the reader may be set up again afterwards."""
