@@ -47,6 +47,26 @@ def key_of(path: tuple[PathPart, ...]) -> str:
     return ".".join(p if isinstance(p, str) else str(p[1]) for p in path)
 
 
+def renamed_path(path: tuple[PathPart, ...], new_key: str) -> tuple[PathPart, ...]:
+    """Where a leaf at ``path`` sits once its key is renamed to ``new_key``.
+
+    The leading dict keys of ``path`` that ``new_key`` still starts with are kept, and the rest
+    of ``new_key`` becomes one leaf name: ``("model", "layers.0.weight")`` renamed to
+    ``"model.layers.4.weight"`` stays under ``"model"``; renamed to ``"layers.4.weight"`` it
+    becomes the one flat key of ``model.state_dict()`` style.
+    """
+    if key_of(path) == new_key:
+        return path
+    kept: list[PathPart] = []
+    rest = new_key
+    for part in path[:-1]:
+        if not isinstance(part, str) or not rest.startswith(part + "."):
+            break
+        kept.append(part)
+        rest = rest[len(part) + 1:]
+    return (*kept, rest)
+
+
 @dataclass
 class Leaf:
     """One flattened value; ``set`` writes a new value back where it came from."""
