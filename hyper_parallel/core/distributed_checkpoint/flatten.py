@@ -50,21 +50,28 @@ def key_of(path: tuple[PathPart, ...]) -> str:
 def renamed_path(path: tuple[PathPart, ...], new_key: str) -> tuple[PathPart, ...]:
     """Where a leaf at ``path`` sits once its key is renamed to ``new_key``.
 
-    The leading dict keys of ``path`` that ``new_key`` still starts with are kept, and the rest
-    of ``new_key`` becomes one leaf name: ``("model", "layers.0.weight")`` renamed to
-    ``"model.layers.4.weight"`` stays under ``"model"``; renamed to ``"layers.4.weight"`` it
+    The dict keys at the start and at the end of ``path`` that ``new_key`` still starts and
+    ends with are kept; what lies between becomes one name. ``("optim", "state",
+    "layers.0.weight", "exp_avg")`` renamed to ``"optim.state.layers.4.weight.exp_avg"``
+    keeps its nesting; ``("model", "layers.0.weight")`` renamed to ``"layers.4.weight"``
     becomes the one flat key of ``model.state_dict()`` style.
     """
     if key_of(path) == new_key:
         return path
-    kept: list[PathPart] = []
+    head: list[PathPart] = []
     rest = new_key
     for part in path[:-1]:
         if not isinstance(part, str) or not rest.startswith(part + "."):
             break
-        kept.append(part)
+        head.append(part)
         rest = rest[len(part) + 1:]
-    return (*kept, rest)
+    tail: list[PathPart] = []
+    for part in reversed(path[len(head) + 1:]):
+        if not isinstance(part, str) or not rest.endswith("." + part) or len(rest) <= len(part) + 1:
+            break
+        tail.insert(0, part)
+        rest = rest[:-len(part) - 1]
+    return (*head, rest, *tail)
 
 
 @dataclass

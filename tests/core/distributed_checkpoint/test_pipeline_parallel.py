@@ -428,5 +428,20 @@ def test_model_only_load_of_a_model_and_optimizer_checkpoint_in_one_process(pp2_
     for k, v in target["model"].items():
         assert_equal(v, trained[k], k)
     assert OPTIM_KEY in keys_of(path)
+    # stage 1's optimizer state, renamed on save, stays nested as torch's get_state_dict made it
+    state = load(path=path)["optim"]["state"]
+    assert sorted(state) == sorted(reference())
+    assert sorted(state["layers.2.weight"]) == ["exp_avg", "exp_avg_sq", "step"]
     with pytest.raises(StateDictMismatchError, match=re.escape(repr(OPTIM_KEY))):
         load({"model": zeroed(Net()).state_dict()}, path, strict="all")
+
+
+# ------------------------------------------------------------------------------- the documented example
+
+
+def test_the_pipeline_parallel_example_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples"))
+    import pipeline_parallel
+
+    pipeline_parallel.main(str(tmp_path))
+    assert "4. offline_transform renamed" in capsys.readouterr().out
