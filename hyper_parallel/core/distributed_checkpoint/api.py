@@ -595,7 +595,13 @@ def _check_keys(planner: Any, strict: bool | str) -> None:
     missing = list(getattr(planner, "missing_keys", []))
     if not missing:
         return
-    shown = ", ".join(map(repr, missing[:20])) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+    original = getattr(planner, "original_key", None)
+
+    def named(key: str) -> str:  # a key the planner renamed (topology_mapper) shows both names
+        name = original(key) if original is not None else key
+        return repr(key) if name in (None, key) else f"{name!r} (checkpoint key {key!r})"
+
+    shown = ", ".join(map(named, missing[:20])) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
     if strict:
         raise StateDictMismatchError(
             f"the target asks for key(s) the checkpoint does not hold: {shown}. Pass strict=False to load "

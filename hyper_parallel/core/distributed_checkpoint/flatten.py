@@ -47,6 +47,33 @@ def key_of(path: tuple[PathPart, ...]) -> str:
     return ".".join(p if isinstance(p, str) else str(p[1]) for p in path)
 
 
+def renamed_path(path: tuple[PathPart, ...], new_key: str) -> tuple[PathPart, ...]:
+    """Where a leaf at ``path`` sits once its key is renamed to ``new_key``.
+
+    The dict keys at the start and at the end of ``path`` that ``new_key`` still starts and
+    ends with are kept; what lies between becomes one name. ``("optim", "state",
+    "layers.0.weight", "exp_avg")`` renamed to ``"optim.state.layers.4.weight.exp_avg"``
+    keeps its nesting; ``("model", "layers.0.weight")`` renamed to ``"layers.4.weight"``
+    becomes the one flat key of ``model.state_dict()`` style.
+    """
+    if key_of(path) == new_key:
+        return path
+    head: list[PathPart] = []
+    rest = new_key
+    for part in path[:-1]:
+        if not isinstance(part, str) or not rest.startswith(part + "."):
+            break
+        head.append(part)
+        rest = rest[len(part) + 1:]
+    tail: list[PathPart] = []
+    for part in reversed(path[len(head) + 1:]):
+        if not isinstance(part, str) or not rest.endswith("." + part) or len(rest) <= len(part) + 1:
+            break
+        tail.insert(0, part)
+        rest = rest[:-len(part) - 1]
+    return (*head, rest, *tail)
+
+
 @dataclass
 class Leaf:
     """One flattened value; ``set`` writes a new value back where it came from."""

@@ -39,6 +39,7 @@ from .loader import read_box, read_metadata
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
 from .storage import StorageReader
+from .topology_mapper import MapperLike
 
 HF_INDEX = "model.safetensors.index.json"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
@@ -175,8 +176,14 @@ def offline_transform(
     verify: bool = True,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    topology_mapper: MapperLike | None = None,
 ) -> md.Metadata:
     """Rewrite a checkpoint for another parallel layout, offline, in one process.
+
+    ``topology_mapper`` renames keys on the way, e.g. for another pipeline split: a PP=2
+    checkpoint whose stages numbered their layers from 0 becomes one whose keys are the
+    whole model's, which a PP=1 job (or any split that uses whole-model names) loads
+    without a mapper.
 
     Args:
         src_path: the checkpoint to convert.
@@ -192,15 +199,26 @@ def offline_transform(
             chunks is read once); never the model size.
         verify: check the source's checksums while reading.
         progress: called with a byte count as each chunk is done (e.g. ``tqdm.update``).
+        topology_mapper: the new name of each source key (source -> new, the direction a
+            rewrite walks; a load planner's mapper goes target -> checkpoint): a
+            :class:`~.topology_mapper.TopologyMapper`, a ``{source name: new name}``
+            mapping, a callable, or ``(regex, replacement)`` rules; unmapped names stay.
+            ``src_layout`` is checked against the source names, a ``dst_layout`` strategy
+            matches the new names.
 
     Raises:
-        ValueError: ``src_layout`` disagrees with the checkpoint, or the target mesh cannot
-            hold a tensor.
+        ValueError: ``src_layout`` disagrees with the checkpoint, the target mesh cannot
+            hold a tensor, or ``topology_mapper`` maps two source keys to one name (the
+            message names both).
         CheckpointError: ``dst_path`` already holds a checkpoint (without ``overwrite``).
 
     Example::
 
         offline_transform("ckpt_tp8", "ckpt_tp4", src_layout={"tp": 8}, dst_layout={"tp": 4})
+
+        # PP=2 -> PP=1: stage s saved {"stage<s>": stage_sd} with 2 layers numbered from 0
+        offline_transform("ckpt_pp2", "ckpt_pp1", dst_layout={"dp": 1}, topology_mapper=[
+            (r"^stage(\\d+)\\.layers\\.(\\d+)\\.", lambda m: f"layers.{2 * int(m[1]) + int(m[2])}.")])
     """
     from .reshard import reshard
 
@@ -226,7 +244,7 @@ def offline_transform(
     else:
         dst_mesh, rules = dst_layout, None
     result = reshard(src_path, dst_path, dst_mesh=dst_mesh, rules=rules, max_memory=max_memory, verify=verify,
-                     storage_reader=reader, progress=progress)
+                     storage_reader=reader, progress=progress, topology_mapper=topology_mapper)
     assert result is not None
     return result
 

@@ -22,6 +22,7 @@ is re-exported here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import uuid
@@ -42,6 +43,7 @@ from .coordination import Coordinator
 from .data_file import tensor_bytes
 from .errors import CorruptCheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .flatten import renamed_path
 from .fragments import read_checkpoint_metadata
 from .grid import Grid
 from .layout import Layout, TensorLayout, match_layout, placement_to_name
@@ -49,8 +51,9 @@ from .loader import read_box
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, write_plan
 from .storage import StorageReader, StorageWriter
+from .topology_mapper import MapperLike, as_topology_mapper, rename_keys
 
-__all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "DEFAULT_MAX_MEMORY"]
+__all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
 
 DEFAULT_MAX_MEMORY = 256 << 20
 
@@ -145,6 +148,24 @@ def _record(tl: TensorLayout) -> dict[str, Any]:
     return rec
 
 
+def renamed(meta: md.Metadata, topology_mapper: MapperLike) -> md.Metadata:
+    """``meta`` with every entry under the name ``topology_mapper`` gives its key (source -> new).
+
+    Each entry keeps its source name as ``Entry.key`` (its chunks are found under that name
+    in the data files) and gets the new name's nesting ``path``; :func:`plan_reshard` then
+    plans, and the reader reads, by the new names. Returns ``meta`` itself when no name changes.
+
+    Raises:
+        ValueError: two source keys map to one name (names both), or a name is not a string.
+    """
+    names = rename_keys(meta.entries, as_topology_mapper(topology_mapper))
+    if all(old == new for old, new in names.items()):
+        return meta
+    entries = {names[key]: dataclasses.replace(entry, path=renamed_path(entry.path, names[key]))
+               for key, entry in meta.entries.items()}
+    return dataclasses.replace(meta, entries=entries).attach()
+
+
 def plan_reshard(
     meta: md.Metadata,
     dst_mesh: Any,
@@ -154,6 +175,9 @@ def plan_reshard(
     copy_replicas: bool = True,
 ) -> ReshardPlan:
     """Plan a reshard of ``meta`` onto ``dst_mesh`` (see :func:`reshard`); deterministic, O(tensors).
+
+    Keys are planned under the names ``meta.entries`` gives them: pass ``renamed(meta, mapper)``
+    to plan a renaming rewrite (``rules`` then match the new names).
 
     Raises:
         CorruptCheckpointError: the source chunks of a key leave a region uncovered.
@@ -220,8 +244,9 @@ def _check_coverage(key: str, meta: md.Metadata, entry: md.Entry, shape: tuple[i
         return  # distinct boxes are disjoint (metadata validation checks it), so they cover it all
     missing = uncovered(full, [ref.box for ref in all_chunks(meta, entry)])
     shown = ", ".join(str(b) for b in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    name = repr(key) if entry.key == key else f"{key!r} (source key {entry.key!r})"  # renamed
     raise CorruptCheckpointError(
-        f"{key!r}: {where} holds no data for region(s) {shown} of its shape {list(shape)} "
+        f"{name}: {where} holds no data for region(s) {shown} of its shape {list(shape)} "
         f"({sum(b.numel for b in missing)} of {full.numel} elements missing). A rank's chunk is missing "
         "from the checkpoint; reshard cannot invent it")
 
@@ -335,6 +360,7 @@ def reshard(
     timeout: timedelta | float | None = None,
     copy_replicas: bool = True,
     progress: Callable[[int], None] | None = None,
+    topology_mapper: MapperLike | None = None,
 ) -> md.Metadata | None:
     """Write a copy of a checkpoint laid out for ``dst_mesh``: one data file per destination rank.
 
@@ -344,7 +370,8 @@ def reshard(
     ones replicate. Tensors saved without a layout (plain tensors, numpy arrays, bytes) stay
     whole; plain values carry over. ``rules`` overrides the layout of matching keys. The
     new metadata records every tensor's destination layout, so the result can be resharded
-    again.
+    again. ``topology_mapper`` renames keys on the way (e.g. a pipeline split's stage-local
+    names to the whole model's).
 
     Without ``process_group`` it runs in this process alone (no process group needed). With
     one, every rank of the group must call it with the same arguments; the destination
@@ -378,6 +405,12 @@ def reshard(
             in each of their files, so every rank reads only its own file (default). False
             stores it once, in the least-loaded holder's file.
         progress: called with the bytes of each chunk this process has read (for a bar).
+        topology_mapper: the new name of each source key: a
+            :class:`~.topology_mapper.TopologyMapper`, a ``{source name: new name}``
+            mapping, a callable, or ``(regex, replacement)`` rules; names it leaves alone
+            stay. It maps source -> new (the keys a rewrite walks are the source's), the
+            opposite of a load planner's mapper (target -> checkpoint), whose exact names
+            turn around with ``TopologyMapper.inverse()``. ``rules`` match the new names.
 
     Returns:
         The new checkpoint's :class:`Metadata` (on every rank of the group).
@@ -385,19 +418,26 @@ def reshard(
     Raises:
         CorruptCheckpointError: the source lacks data for some region of a key (names the key
             and the regions), or a checksum fails.
-        ValueError: no ``dst_mesh``, ``dst_path`` is ``src_path``, or a layout does not fit.
+        ValueError: no ``dst_mesh``, ``dst_path`` is ``src_path``, a layout does not fit, or
+            ``topology_mapper`` maps two source keys to one name (names both).
         RankFailedError: with a process group, when any rank failed (names each rank).
 
     Example::
 
         reshard("ckpt_tp8", "ckpt_tp4", dst_mesh={"tp": 4})
         # 4 processes then: load(sd, "ckpt_tp4") — rank r reads its shards from one file
+
+        # a PP=2 checkpoint whose stages saved {"stage0": ..., "stage1": ...} with layers
+        # numbered from 0, rewritten for a whole-model job (2 layers per stage):
+        reshard("ckpt_pp2", "ckpt_pp1", dst_mesh={"dp": 1}, topology_mapper=[
+            (r"^stage(\\d+)\\.layers\\.(\\d+)\\.", lambda m: f"layers.{2 * int(m[1]) + int(m[2])}.")])
     """
     if dst_mesh is None:
         raise ValueError("reshard needs dst_mesh: a DeviceMesh, a Layout or a {dim name: size} mapping")
     if not isinstance(max_memory, int) or max_memory < 1:
         raise ValueError(f"max_memory must be a positive number of bytes, found {max_memory!r}")
     dst = _mesh(dst_mesh, "dst_mesh")
+    mapper = as_topology_mapper(topology_mapper)
     if storage_reader is None:
         if src_path is None:
             raise ValueError("say where the source is: src_path or storage_reader")
@@ -428,6 +468,8 @@ def reshard(
 
         def plan() -> None:
             meta = md.Metadata.from_json(meta_bytes, where=where).attach()
+            if mapper is not None:
+                meta = renamed(meta, mapper)  # the reader below reads by the new names too
             state["meta"] = meta
             state["plan"] = plan_reshard(meta, dst, src_mesh, rules, where, copy_replicas=copy_replicas)
             storage_writer.prepare()

@@ -34,6 +34,7 @@ from . import metadata as md
 from .box import Box, uncovered
 from .chunks import overlapping
 from .errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
+from .flatten import renamed_path
 from .grid import Grid
 from .layout import placement_to_name
 from .planner import (
@@ -45,6 +46,7 @@ from .planner import (
     SavePlanner,
     WriteItem,
 )
+from .topology_mapper import MapperLike, as_topology_mapper, rename_keys
 
 __all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner", "dtensor_box", "layout_record"]
 
@@ -138,20 +140,39 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     kind (tensors, plain values, bytes, Stateful objects) goes back to the target key it
     was renamed from.
 
+    Args:
+        allow_pickle: save and load values that need pickle.
+        enable_plan_caching: reuse the global save plan while the structure is unchanged.
+        convert_dtype: on load, fill a target of another dtype through the saved dtype.
+        allow_partial_load: HyperParallel's name for ``load(strict=False)``.
+        topology_mapper: renames keys after :meth:`transform_state_dict`: on load, each
+            target key to the checkpoint key it is read from; on save, each key to the key
+            stored (e.g. a pipeline stage's local layer numbers to the whole model's). A
+            :class:`~.topology_mapper.TopologyMapper`, a ``{name: name}`` mapping, a callable
+            or ``(regex, replacement)`` rules; two keys mapped to one name raise
+            :class:`StateDictMismatchError`.
+
     Example — save and load every key under a new prefix::
 
         class Prefixed(StandardPlanner):
             def transform_key(self, key):
                 return "v2." + key
+
+    Example — stage 1 of a PP=2 split, whose layers are numbered from 0, loads layers 2-3
+    of a whole-model checkpoint::
+
+        mapper = TopologyMapper(rules=[(r"^layers\\.(\\d+)\\.", lambda m: f"layers.{int(m[1]) + 2}.")])
+        load(stage.state_dict(), ckpt, planner=StandardPlanner(topology_mapper=mapper))
     """
 
     def __init__(self, allow_pickle: bool = False, *, enable_plan_caching: bool = True,
-                 convert_dtype: bool = True, allow_partial_load: bool = False, topology_mapper: Any = None):
+                 convert_dtype: bool = True, allow_partial_load: bool = False,
+                 topology_mapper: MapperLike | None = None):
         self.allow_pickle = allow_pickle
         self.enable_plan_caching = enable_plan_caching
         self.convert_dtype = convert_dtype
         self.allow_partial_load = allow_partial_load
-        self.topology_mapper = topology_mapper
+        self.topology_mapper = as_topology_mapper(topology_mapper)
         self.group_ranks: Sequence[int] | None = None  # global rank of each group rank (set by save/load)
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
@@ -191,18 +212,21 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._origin = {} if out is state_dict else _trace_origins(self, state_dict, out)
         mapper = self.topology_mapper
         if mapper is not None:
+            try:
+                names = rename_keys(out, mapper)
+            except ValueError as exc:
+                raise StateDictMismatchError(str(exc)) from None
             mapped: dict[str, Any] = {}
             origin: dict[str, str] = {}
+            paths: dict[str, tuple] = {}
             for key, value in out.items():
-                new = mapper.map_fqn(key) if hasattr(mapper, "map_fqn") else mapper(key)
-                if new in mapped:
-                    raise StateDictMismatchError(f"topology_mapper maps two keys to {new!r} "
-                                                 f"({origin.get(new)!r} and {key!r})")
+                new = names[key]
                 mapped[new] = value
+                paths[new] = renamed_path(self._path(key), new)  # stays nested where it was
                 source = self._origin.get(key, key if self._origin_identity else None)
                 if source is not None:
                     origin[new] = source
-            out, self._origin, self._origin_identity = mapped, origin, False
+            out, self._origin, self._origin_identity, self._paths = mapped, origin, False, paths
         return out
 
     def cache_key(self) -> Any:

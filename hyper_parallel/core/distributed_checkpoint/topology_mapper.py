@@ -1,12 +1,23 @@
-"""TopologyMapper: the checkpoint name of each target key, for moving between pipeline splits.
+"""TopologyMapper: renaming keys between pipeline splits (and any other renaming).
 
 With pipeline parallelism each stage holds some of the model's layers. A model that numbers
 its layers from 0 on every stage calls layer 4 of the whole model ``layers.0`` on stage 1; a
-checkpoint saved with PP=2 and loaded with PP=1 (or the other way round) needs each target
-key mapped to the name the checkpoint uses. HyperParallel gives its load planner a
-``TopologyMapper`` for this; here it is accepted by ``StandardPlanner`` (on save and on load:
-a target key is stored and looked up under its mapped name) and by ``reshard`` (when it can be
-inverted).
+checkpoint saved with PP=2 and loaded with PP=1 (or the other way round) needs each key
+mapped to the name the other side uses. A mapper is one function on names, given as a
+:class:`TopologyMapper`, a ``{name: name}`` mapping, a callable, or ``(regex, replacement)``
+rules (:func:`as_topology_mapper` turns each into a :class:`TopologyMapper`). Where it is
+accepted, and which way it maps:
+
+- ``StandardPlanner(topology_mapper=...)`` on load: the target's name -> the checkpoint's
+  name (the model asks for ``layers.0.weight``; read ``layers.4.weight``).
+- ``StandardPlanner(topology_mapper=...)`` on save: the state dict's name -> the name
+  stored (save stage-local names under whole-model names).
+- ``reshard(..., topology_mapper=...)`` and ``offline_transform(..., topology_mapper=...)``:
+  the source checkpoint's name -> the new checkpoint's name. An offline rewrite walks the
+  keys it has, so it maps them forward; a load mapper of exact names turns around with
+  :meth:`TopologyMapper.inverse`.
+
+Names nothing maps stay as they are; two names mapped to one is an error naming both.
 
 Example — stage 1 of a PP=2 model whose stages hold 4 layers each::
 
@@ -17,16 +28,16 @@ Example — stage 1 of a PP=2 model whose stages hold 4 layers each::
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["TopologyMapper"]
+__all__ = ["TopologyMapper", "MapperLike", "as_topology_mapper", "rename_keys"]
 
 Replacement = str | Callable[[re.Match], str]
 
 
 class TopologyMapper:
-    """Maps target names (fully qualified keys) to checkpoint names.
+    """Maps names (fully qualified keys) to names: on load, target names to checkpoint names.
 
     Args:
         target_to_checkpoint_fqn: exact names, ``{target: checkpoint}``, or a callable
@@ -77,3 +88,47 @@ class TopologyMapper:
                 raise ValueError(f"two target names map to checkpoint name {c!r}: {inv[c]!r} and {t!r}")
             inv[c] = t
         return inv
+
+
+# What ``topology_mapper=`` accepts (see as_topology_mapper).
+MapperLike = TopologyMapper | Mapping[str, str] | Callable[[str], str] | Sequence[tuple[str, Replacement]]
+
+
+def as_topology_mapper(value: Any) -> Any:
+    """A mapper (anything with ``map_fqn``) from what users pass as ``topology_mapper=``.
+
+    A :class:`TopologyMapper` or any object with ``map_fqn`` passes through; a
+    ``{name: name}`` mapping or a callable becomes ``TopologyMapper(value)``; a list of
+    ``(regex, replacement)`` pairs becomes ``TopologyMapper(rules=value)``; None stays None.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if value is None or callable(getattr(value, "map_fqn", None)):
+        return value
+    if isinstance(value, Mapping) or callable(value):
+        return TopologyMapper(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in value):
+        return TopologyMapper(rules=[tuple(r) for r in value])
+    raise TypeError(f"topology_mapper must be a TopologyMapper, a {{name: name}} mapping, a callable or a list of "
+                    f"(regex, replacement) rules, found {type(value).__name__}")
+
+
+def rename_keys(keys: Iterable[str], mapper: Any, what: str = "topology_mapper") -> dict[str, str]:
+    """``{key: mapped key}`` for every key, in order.
+
+    Raises:
+        ValueError: two keys map to one name (the message names both and the name).
+    """
+    out: dict[str, str] = {}
+    taken: dict[str, str] = {}
+    for key in keys:
+        new = mapper.map_fqn(key)
+        if not isinstance(new, str) or not new:
+            raise ValueError(f"{what} mapped {key!r} to {new!r}, not a name")
+        first = taken.setdefault(new, key)
+        if first != key:
+            raise ValueError(f"{what} maps two keys to {new!r}: {first!r} and {key!r}; "
+                             "each key needs a name of its own")
+        out[key] = new
+    return out
