@@ -14,7 +14,8 @@ four ways, each into its own directory, every save committed (fsync'd) before th
 Between steps the trainable tensors and their optimizer state change (as one AdamW step
 would). Reported per step: wall time and bytes written to data files; then the targets:
 the incremental saves after the first write <= 10 % of a full save's bytes and take <= 20 % of
-its time (the median of every full save of the run: single saves swing a lot on a shared box). Values of the incremental run's last step are loaded back and compared exactly.
+its time (the median of every full save of the run: single saves swing a lot on a shared
+box). Each run's last step is loaded back and compared exactly.
 
 Usage::
 

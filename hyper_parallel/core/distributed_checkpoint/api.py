@@ -41,6 +41,7 @@ from .incremental import IncrementalState
 from .loader import read_plan
 from .planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
 from .saver import build_metadata, data_file_names, write_plan
+from .shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
 from .standard_planner import StandardPlanner, plan_digest
 from .storage import StorageReader, StorageWriter
 
@@ -434,10 +435,15 @@ def load(
             of whole rows, so a load that needs part of each row (e.g. ``Shard(0)`` saved,
             ``Shard(1)`` loaded) reads whole rows. ``verify=False`` reads only the bytes the
             target needs and checks sizes but no checksums.
-        broadcast_replicated_tensors, broadcast_groups, broadcast_batch_bytes: HyperParallel's
-            switches for reading replicated data once and sending it to the other ranks that
-            need it. Accepted for compatibility; they change only how bytes are fetched, never
-            what is loaded.
+        broadcast_replicated_tensors: read each saved chunk that several ranks need (replicas:
+            HSDP, DDP, ``Replicate``, plain tensors) from storage once, by one of them, and
+            send it to the others over the group (default; see :mod:`.shared_reads`). False:
+            every rank reads what it needs itself. Changes how bytes are fetched, never what
+            is loaded.
+        broadcast_batch_bytes: bytes of shared chunks a rank holds at once while sending or
+            receiving them (default 256 MiB).
+        broadcast_groups: HyperParallel's explicit replica groups; accepted and not needed
+            (the ranks that share a chunk are found from the plans).
 
     Returns:
         The filled ``state_dict`` (the same object), or the loaded nested state dict.
@@ -499,17 +505,34 @@ def load(
         coord.exchange("load (reading metadata)", read_metadata)
         meta_bytes = raw[0] if rank_local else coord.broadcast(raw[0] if raw else None, "load (metadata broadcast)")
 
-        def plan_and_read() -> tuple[int, bytes]:
+        share = sharing_wanted(coord, broadcast_replicated_tensors, rank_local)
+        planned: dict[str, Any] = {}
+
+        def plan_and_read() -> tuple[Needs | None, bytes]:
             meta = md.Metadata.from_json(meta_bytes, where=label)
             planner.set_up_load(FlatStateDict.of(flat) if flat else None, meta, coord.is_coordinator,
                                 rank=my_rank)
             plan = planner.create_local_load_plan()
             _check_keys(planner, strict)
-            stats = read_plan(plan, planner, reader, thread_count, verify=verify)
+            asked = _asked_for(meta, planner) if strict == "all" else b""
+            planned.update(meta=meta, plan=plan)
+            if share:  # read after learning what the other ranks need
+                return needs_of(plan, meta), asked
+            read_plan(plan, planner, reader, thread_count, verify=verify)
             loaded.extend((planner.finish_load(), meta))
-            return stats.bytes_read, _asked_for(meta, planner) if strict == "all" else b""
+            return None, asked
 
         outcomes = coord.exchange("load", plan_and_read)
+        if share:
+            everyone = [needs for needs, _ in outcomes]
+            if worth_sharing(everyone):
+                read_shared(coord, planned["plan"], planner, reader, planned["meta"], everyone,
+                            thread_count=thread_count, verify=verify,
+                            batch_bytes=broadcast_batch_bytes or DEFAULT_BATCH_BYTES)
+            else:
+                coord.exchange("load (reading)", lambda: read_plan(planned["plan"], planner, reader, thread_count,
+                                                                   verify=verify))
+            coord.exchange("load (finishing)", lambda: loaded.extend((planner.finish_load(), planned["meta"])))
     finally:
         if reader is not None:
             reader.close()

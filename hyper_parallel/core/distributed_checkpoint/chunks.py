@@ -27,6 +27,9 @@ class ChunkRef:
 
     ``files`` are candidates in preference order (a rank with several data files, or the
     replicas of a box); ``record`` is set when the byte range is already known (format v1).
+    ``sub`` is the chunk's id in its first file: unique per key for grid stores and
+    collective tables, but in merged rank-local fragments each rank numbers its own chunks,
+    so only (file, key, sub) or (key, box) name a chunk everywhere.
     """
 
     key: str

@@ -1,0 +1,108 @@
+"""Zero-redundant loading: chunks several ranks need are read from storage once and sent."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_dtensor, make_tensor
+from multiprocess import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from hyper_parallel.core.distributed_checkpoint import FileSystemReader, RankFailedError, load, save
+from hyper_parallel.core.distributed_checkpoint.shared_reads import Needs, assign
+
+
+class CountingReader(FileSystemReader):
+    """Counts the payload bytes read from storage (not .metadata, not file indexes)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.payload = 0
+
+    def read_into(self, name, offset, buffer):
+        n = memoryview(buffer).nbytes
+        if n > 4096 or offset > 4096:  # indexes and headers are small; payloads here are not
+            self.payload += n
+        return super().read_into(name, offset, buffer)
+
+
+def test_assignment_gives_each_shared_chunk_one_reader_balanced_and_batched():
+    # 4 ranks; chunk 10 and 11 needed by all, 20 only by rank 2, 30..37 by ranks 0 and 1
+    needs = [Needs(np.array([10, 11, *range(30, 38)]), np.array([100, 100] + [10] * 8)),
+             Needs(np.array([10, 11, *range(30, 38)]), np.array([100, 100] + [10] * 8)),
+             Needs(np.array([10, 11, 20]), np.array([100, 100, 500])),
+             Needs(np.array([11, 10]), np.array([100, 100]))]
+    a = assign(needs, batch_bytes=150)
+    chunks = [c for rnd in a.rounds for c in rnd]
+    assert sorted(c[0] for c in chunks) == [10, 11, *range(30, 38)] and a.shared == {10, 11, *range(30, 38)}
+    assert all(owner in holders for _, _, owner, holders in chunks)
+    owners = {cid: owner for cid, _, owner, _ in chunks}
+    assert owners[10] != owners[11] and 2 not in (owners[10], owners[11])  # rank 2 reads 500 B alone
+    sizes = {10: 100, 11: 100, **{c: 10 for c in range(30, 38)}}
+    loads = {r: sum(sizes[c] for c, o in owners.items() if o == r) for r in (0, 1, 3)}
+    assert max(loads.values()) == 100  # the best balance: 100, 100 and 80 bytes
+    for rnd in a.rounds:  # nobody holds more than the batch in a round (or a single chunk)
+        for r in range(4):
+            held = [size for _, size, _, holders in rnd if r in holders]
+            assert sum(held) <= 150 or len(held) == 1
+    assert assign(needs, batch_bytes=150).rounds == a.rounds  # the same on every rank
+
+
+def rank_hsdp(rank: int, ws: int, path: str, share: bool, batch: int | None) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    w = make_tensor((256, 512), seed=1)
+    b = make_tensor((512,), seed=2)
+    sd = {"w": make_dtensor(w, mesh, [Replicate(), Shard(0)]), "b": b.clone(), "step": 5}
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        save(sd, checkpoint_id=path)
+    target = {"w": make_dtensor(torch.zeros(256, 512), mesh, [Replicate(), Shard(0)]),
+              "b": torch.zeros(512), "step": 0}
+    reader = CountingReader(path)
+    load(target, storage_reader=reader, broadcast_replicated_tensors=share, broadcast_batch_bytes=batch)
+    want = make_dtensor(w, mesh, [Replicate(), Shard(0)]).to_local()
+    assert torch.equal(target["w"].to_local(), want) and torch.equal(target["b"], b) and target["step"] == 5
+    return {"payload": reader.payload}
+
+
+@pytest.mark.parametrize("batch", [None, 64 << 10])
+def test_hsdp_replicas_read_each_byte_once(tmp_path, batch):
+    path = str(tmp_path / "ckpt")
+    checkpoint = 256 * 512 * 4 + 512 * 4
+    shared = run_ranks(rank_hsdp, 4, path, True, batch)
+    alone = run_ranks(rank_hsdp, 4, path, False, None)
+    total_shared = sum(r["payload"] for r in shared)
+    total_alone = sum(r["payload"] for r in alone)
+    assert total_shared <= 1.05 * checkpoint, (total_shared, checkpoint)
+    assert total_alone >= 1.9 * checkpoint  # each replica read its shard: twice the bytes, "b" four times
+    assert max(r["payload"] for r in shared) <= 0.5 * checkpoint  # the reads are spread over the ranks
+
+
+def rank_corrupt(rank: int, ws: int, path: str) -> str:
+    target = {"b": torch.zeros(512)}
+    try:
+        load(target, checkpoint_id=path)
+    except RankFailedError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_a_corrupt_shared_chunk_fails_every_rank_naming_it(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save({"b": make_tensor((512,), seed=2)}, checkpoint_id=path, no_dist=True)
+    name = next(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    reader = FileSystemReader(path)
+    from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
+
+    meta = read_metadata(reader)
+    f = meta.files[0]
+    with open(os.path.join(path, name), "r+b") as fh:  # flip a byte of the payload (before the index)
+        fh.seek(f.index_offset - 100)
+        byte = fh.read(1)
+        fh.seek(f.index_offset - 100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    out = run_ranks(rank_corrupt, 2, path, timeout_s=60)
+    assert all("checksum" in msg and "'b" in msg for msg in out), out
