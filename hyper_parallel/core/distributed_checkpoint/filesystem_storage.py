@@ -20,10 +20,10 @@ checksumming overlaps with the device. Two engines:
 ``FileSystemWriter(path, direct_io=None|True|False)`` selects: None (default) = automatic,
 True = O_DIRECT or an error, False = buffered.
 
-Reads. ``read_into`` reads with ``preadv`` through the page cache by default. With
-``FileSystemReader(path, direct_io=True)`` requests that are aligned (offset, length and
-memory on 4 KiB boundaries) bypass the cache; the loader asks for aligned requests when
-:attr:`FileSystemReader.read_alignment` says so.
+Reads. ``read_into`` reads with ``preadv``. Requests aligned on 4 KiB (offset, length and
+memory) bypass the page cache with O_DIRECT where writes would use it (or when forced);
+the loader aligns the large reads whose bytes it needs, reads them into aligned scratch
+memory ahead of use, and copies them out (:attr:`FileSystemReader.read_alignment`).
 
 Commit protocol: ``.metadata`` is written to a unique temporary name, fsynced, renamed over
 ``.metadata`` (atomic on POSIX filesystems), and the directory is fsynced. Data files of a
@@ -66,11 +66,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
+def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
+    """Write ``views`` back to back at ``offset`` (one ``pwritev`` unless the kernel writes less)."""
+    while views:
+        n = os.pwritev(fd, views, offset) if len(views) > 1 else os.pwrite(fd, views[0], offset)
         offset += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views = views[1:]
+        if n:
+            views = [views[0][n:], *views[1:]]
 
 
 def _mode_arg(direct_io: bool | None) -> bool | None:
@@ -80,7 +85,7 @@ def _mode_arg(direct_io: bool | None) -> bool | None:
 
 
 class _WriteQueue:
-    """The writer thread of one file: runs ``pwrite`` jobs in order while the producer goes on.
+    """The writer thread of one file: runs ``pwrite``/``pwritev`` jobs in order while the producer goes on.
 
     With ``fallback`` (automatic mode), an EINVAL from an O_DIRECT write turns O_DIRECT off
     for the file and retries buffered; ``fell_back`` tells the owner.
@@ -95,35 +100,36 @@ class _WriteQueue:
         self._thread = threading.Thread(target=self._run, name="dcp-pwrite", daemon=True)
         self._thread.start()
 
-    def submit(self, view: memoryview, offset: int) -> None:
+    def submit(self, views: list[memoryview], offset: int) -> None:
+        """Queue ``views`` to be written back to back at ``offset`` (one system call)."""
         if self.error is not None:
             raise self.error
-        self._q.put((view, offset))
+        self._q.put((views, offset))
 
     def _run(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
                 return
-            view, offset = job
+            views, offset = job
             job = None
             if self.error is None:
                 try:
-                    self._write(view, offset)
+                    self._write(views, offset)
                 except BaseException as exc:  # re-raised in the producer
                     self.error = exc
-            view = None  # hand bounce buffers back to the pool at once
+            views = None  # hand bounce buffers back to the pool at once
 
-    def _write(self, view: memoryview, offset: int) -> None:
+    def _write(self, views: list[memoryview], offset: int) -> None:
         self.calls += 1
         try:
-            _pwrite_all(self.fd, view, offset)
+            _pwrite_all(self.fd, views, offset)
         except OSError as exc:
             if not (self.fallback and exc.errno == errno.EINVAL and not self.fell_back):
                 raise
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
             self.fell_back = True
-            _pwrite_all(self.fd, view, offset)
+            _pwrite_all(self.fd, views, offset)
 
     def finish(self, raise_error: bool = True) -> None:
         """Wait for every queued write; raise the first error."""
@@ -152,14 +158,16 @@ class _BufferedSink:
             self._buf[self._fill:self._fill + n] = view
             self._fill += n
             return
-        self._flush()
-        self.writes.submit(view, self.pos)
-        self.pos += n
+        self._flush(view)
 
-    def _flush(self) -> None:
-        if self._fill:
-            self.writes.submit(self._buf[:self._fill], self.pos)
-            self.pos += self._fill
+    def _flush(self, then: memoryview | None = None) -> None:
+        """Write the gathered bytes (and ``then`` after them, in the same call)."""
+        views = [self._buf[:self._fill]] if self._fill else []
+        if then is not None:
+            views.append(then)
+        if views:
+            self.writes.submit(views, self.pos)
+            self.pos += sum(v.nbytes for v in views)
         self._buf, self._fill = None, 0
 
     def close(self) -> int:
@@ -171,7 +179,8 @@ class _DirectSink:
     """O_DIRECT writes in aligned blocks: aligned parts as they are, the rest via bounce buffers.
 
     ``pos`` is the file offset of the bounce buffer's first byte, always a multiple of
-    ALIGN (buffers are written full, or up to an ALIGN boundary before a direct part).
+    ALIGN (buffers are written full, or up to an ALIGN boundary together with a direct
+    part: the tail of one payload, its padding and the next payload in one ``pwritev``).
     """
 
     def __init__(self, writes: _WriteQueue):
@@ -183,10 +192,8 @@ class _DirectSink:
     def add(self, view: memoryview) -> None:
         while view.nbytes:
             if self._fill % ALIGN == 0 and view.nbytes >= DIRECT_MIN and direct_io.is_aligned(view):
-                self._flush()
                 k = view.nbytes - view.nbytes % ALIGN
-                self.writes.submit(view[:k], self.pos)
-                self.pos += k
+                self._flush(view[:k])
                 view = view[k:]
                 continue
             if self._buf is None:
@@ -198,10 +205,14 @@ class _DirectSink:
             if self._fill == BOUNCE_BYTES:
                 self._flush()
 
-    def _flush(self) -> None:
-        if self._fill:
-            self.writes.submit(self._buf[:self._fill], self.pos)
-            self.pos += self._fill
+    def _flush(self, then: memoryview | None = None) -> None:
+        """Write the bounce buffer's bytes (and the direct part ``then`` after them, in the same call)."""
+        views = [self._buf[:self._fill]] if self._fill else []
+        if then is not None:
+            views.append(then)
+        if views:
+            self.writes.submit(views, self.pos)
+            self.pos += sum(v.nbytes for v in views)
         self._buf, self._fill = None, 0
 
     def close(self) -> tuple[int, bool]:
@@ -363,15 +374,18 @@ class FileSystemReader(StorageReader):
 
     Args:
         path: the checkpoint directory.
-        direct_io: False or None (default): read through the page cache (a file read by
-            several ranks, or just written, is then read from the device once). True: read
-            requests aligned on 4 KiB (offset, length and memory) with O_DIRECT; others go
-            through the page cache.
+        direct_io: requests aligned on 4 KiB (offset, length and memory) are read with
+            O_DIRECT when True, or when None (default) on local block filesystems (ext4, xfs,
+            btrfs, ...); everything else goes through the page cache. False: always the page
+            cache. The loader aligns the reads whose bytes it needs (see
+            :attr:`read_alignment`) and leaves to the page cache those it reads only partly
+            (whole rows of which it wants some columns), which other ranks probably read too.
     """
 
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None):
         self.path = checkpoint_path(path)
         self.direct_io = _mode_arg(direct_io)
+        self._direct: bool | None = None if direct_io is None else direct_io and bool(O_DIRECT)
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int | None] = {}
         self._lock = threading.Lock()
@@ -382,7 +396,12 @@ class FileSystemReader(StorageReader):
     def read_alignment(self) -> int:
         """ALIGN when aligned requests are read with O_DIRECT (the loader then aligns its
         reads and scratch memory), else 0."""
-        return ALIGN if self.direct_io and O_DIRECT else 0
+        return ALIGN if self._uses_direct() else 0
+
+    def _uses_direct(self) -> bool:
+        if self._direct is None:
+            self._direct = direct_io.direct_io_default(self.path)
+        return self._direct
 
     def read_metadata(self) -> bytes:
         meta = os.path.join(self.path, METADATA_FILE)
@@ -442,7 +461,7 @@ class FileSystemReader(StorageReader):
         view = memoryview(buffer).cast("B")
         want = view.nbytes
         fd = None
-        if (self.direct_io and O_DIRECT and offset % ALIGN == 0 and want % ALIGN == 0
+        if (offset % ALIGN == 0 and want % ALIGN == 0 and want and self._uses_direct()
                 and direct_io.is_aligned(view)):
             fd = self._direct_fd(name)
         if fd is None:

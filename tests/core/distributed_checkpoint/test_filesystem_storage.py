@@ -100,6 +100,24 @@ def _spy_open(monkeypatch) -> list[int]:
     return flags_seen
 
 
+def _wrap_writes(monkeypatch, before):
+    """Call ``before(fd, offset[, views])`` ahead of every data write (pwrite and pwritev)."""
+    import inspect
+    real, realv = os.pwrite, os.pwritev
+    with_views = len(inspect.signature(before).parameters) == 3
+
+    def pwrite(fd, data, offset):
+        before(fd, offset, [data]) if with_views else before(fd, offset)
+        return real(fd, data, offset)
+
+    def pwritev(fd, views, offset):
+        before(fd, offset, list(views)) if with_views else before(fd, offset)
+        return realv(fd, views, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwritev", pwritev)
+
+
 @needs_direct_fs
 def test_automatic_mode_writes_with_o_direct_on_a_block_filesystem(ext_dir, monkeypatch):
     flags = _spy_open(monkeypatch)
@@ -178,16 +196,14 @@ def test_a_filesystem_that_refuses_o_direct_falls_back_or_fails_clearly(ext_dir,
 
 @pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT")
 def test_einval_on_the_first_direct_write_falls_back_to_buffered(ext_dir, monkeypatch):
-    real = os.pwrite
     refused = []
 
-    def pwrite(fd, data, offset):
+    def refuse(fd, offset):
         if fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
             refused.append(offset)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, data, offset)
 
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    _wrap_writes(monkeypatch, refuse)
     sd = _odd_state_dict()
     writer = FileSystemWriter(ext_dir, direct_io=None)
     writer._direct = True  # as on a filesystem that accepts the open but not the write
@@ -237,14 +253,14 @@ def test_many_small_tensors_cost_few_system_calls(tmp_path):
 @pytest.mark.skipif(not O_DIRECT, reason="no O_DIRECT")
 def test_aligned_parts_are_written_from_their_own_memory(ext_dir, monkeypatch):
     os.makedirs(ext_dir)
-    real = os.pwrite
     written: list[tuple[int, int, int]] = []
 
-    def pwrite(fd, data, offset):
-        written.append((direct_io.address(memoryview(data)), memoryview(data).nbytes, offset))
-        return real(fd, data, offset)
+    def record(fd, offset, views):
+        for v in views:
+            written.append((direct_io.address(memoryview(v)), memoryview(v).nbytes, offset))
+            offset += memoryview(v).nbytes
 
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    _wrap_writes(monkeypatch, record)
     writer = FileSystemWriter(os.path.dirname(ext_dir), direct_io=True)
     writer.prepare()
     payload = direct_io.aligned_array(1 << 20)
@@ -276,10 +292,10 @@ def test_an_error_while_streaming_leaves_no_thread_and_no_checkpoint(tmp_path):
 
 
 def test_a_write_error_is_raised_in_the_caller(tmp_path, monkeypatch):
-    def failing(fd, data, offset):
+    def failing(fd, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "pwrite", failing)
+    _wrap_writes(monkeypatch, failing)
     with pytest.raises(OSError, match="No space"):
         save({"w": make_tensor((1000, 100))}, storage_writer=FileSystemWriter(str(tmp_path / "c")), no_dist=True)
     assert not os.path.exists(tmp_path / "c" / ".metadata")
@@ -289,12 +305,12 @@ _CHILD = textwrap.dedent("""
     import os, sys, time, torch
     sys.path.insert(0, {root!r})
     from hyper_parallel.core.distributed_checkpoint import save, FileSystemWriter
-    real = os.pwrite
-    def slow(fd, data, offset):
+    real, realv = os.pwrite, os.pwritev
+    def started():
         open({marker!r}, "w").close()  # tell the parent: writing has started
         time.sleep(0.5)
-        return real(fd, data, offset)
-    os.pwrite = slow
+    os.pwrite = lambda fd, data, offset: (started(), real(fd, data, offset))[1]
+    os.pwritev = lambda fd, views, offset: (started(), realv(fd, views, offset))[1]
     sd = {{"w%d" % i: torch.full((1 << 20,), float(i)) for i in range(8)}}
     save(sd, storage_writer=FileSystemWriter({path!r}), no_dist=True)
     print("finished")
