@@ -48,6 +48,7 @@ DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight 
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
 _RUN_ALIGN = 64  # scratch memory sits at the file offset's position modulo this
 PREFETCH = 2  # scratch runs of a file read ahead by a thread of the file (0: none)
+DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _Segment:
     row_hi: int
     lo: int
     hi: int
+    need: int  # bytes of the segment the region needs
 
 
 def _segments(item: ReadItem, dest_view: torch.Tensor, cap: int, verify: bool) -> list[_Segment]:
@@ -100,21 +102,24 @@ def _segments(item: ReadItem, dest_view: torch.Tensor, cap: int, verify: bool) -
     row_bytes = chunk.length // rows
     inner = Box(tuple(o - c for o, c in zip(item.region.offsets, chunk.offsets, strict=True)), item.region.sizes)
     if not chunk.sizes:  # 0-d: one block
-        return [_Segment(item, dest_view, inner, 0, 0, 1, chunk.start, chunk.start + chunk.length)]
+        return [_Segment(item, dest_view, inner, 0, 0, 1, chunk.start, chunk.start + chunk.length, chunk.length)]
     r0, r1 = inner.offsets[0], inner.offsets[0] + inner.sizes[0]
+    need_row = row_bytes * math.prod(inner.sizes[1:]) // max(1, math.prod(chunk.sizes[1:]))
     br = chunk.block_rows
     if not verify:
         step = max(1, cap // row_bytes)
         return [_Segment(item, dest_view, inner, 0, a, min(r1, a + step), chunk.start + a * row_bytes,
-                         chunk.start + min(r1, a + step) * row_bytes) for a in range(r0, r1, step)]
+                         chunk.start + min(r1, a + step) * row_bytes, (min(r1, a + step) - a) * need_row)
+                for a in range(r0, r1, step)]
     b0, b1 = r0 // br, -(-r1 // br)
     per = max(1, cap // (br * row_bytes))
     out = []
     for g0 in range(b0, b1, per):
         g1 = min(b1, g0 + per)
         lo_row, hi_row = g0 * br, min(rows, g1 * br)
+        need = (min(hi_row, r1) - max(lo_row, r0)) * need_row
         out.append(_Segment(item, dest_view, inner, g0, lo_row, hi_row, chunk.start + lo_row * row_bytes,
-                            chunk.start + hi_row * row_bytes))
+                            chunk.start + hi_row * row_bytes, need))
     return out
 
 
@@ -137,8 +142,12 @@ def _apply(seg: _Segment, data: memoryview, verify: bool) -> None:
 
 
 def _run_range(segs: list[_Segment], file_size: int, align: int) -> tuple[int, int]:
+    """The bytes a run reads. With O_DIRECT (``align``), whole aligned blocks (format v2 pads
+    large payloads to them), unless the run needs under ``DENSE`` of what it reads: those
+    bytes (whole rows of which a rank wants some columns) are likely wanted by other ranks
+    too, and the page cache lets the device read them once."""
     lo, hi = segs[0].lo, segs[-1].hi
-    if align:  # O_DIRECT: whole aligned blocks (format v2 pads large payloads to them)
+    if align and sum(s.need for s in segs) >= DENSE * (hi - lo):
         lo, hi = lo - lo % align, min(file_size, -(-hi // align) * align)
     return lo, hi
 
@@ -154,11 +163,12 @@ def _fetch(reader: StorageReader, file: str, lo: int, hi: int) -> memoryview:
 
 def _read_whole(item: ReadItem, dest_view: torch.Tensor, reader: StorageReader, verify: bool) -> int:
     """A whole chunk straight into contiguous destination memory, in slices of whole checksum
-    blocks, each verified as soon as it lands (while the kernel reads ahead)."""
+    blocks, each verified as soon as it lands (while the kernel reads ahead; with O_DIRECT,
+    ``_plan_file`` sends here only chunks whose slices are aligned)."""
     chunk = item.chunk
     data = tensor_bytes(dest_view)
+    step = _block_bytes(chunk)
     row_bytes = chunk.length // chunk.rows
-    step = chunk.block_rows * row_bytes
     piece = max(1, READ_SLICE // step) * step
     for off in range(0, chunk.length, piece):
         part = data[off:off + piece]
@@ -166,6 +176,10 @@ def _read_whole(item: ReadItem, dest_view: torch.Tensor, reader: StorageReader, 
         if verify:
             _check_blocks(item, part, off // step, row_bytes, chunk.file)
     return chunk.length
+
+
+def _block_bytes(chunk: md.ChunkRecord) -> int:
+    return chunk.block_rows * (chunk.length // chunk.rows)
 
 
 def _plan_file(items: list[_Targeted], dests: list[torch.Tensor], cap: int, verify: bool, align: int) -> list[tuple]:
@@ -179,7 +193,9 @@ def _plan_file(items: list[_Targeted], dests: list[torch.Tensor], cap: int, veri
         cbox = Box(chunk.offsets, chunk.sizes)
         dest_view = dest[item.region.relative_to(item.target)] if dest.dim() else dest
         if (item.region == cbox and chunk.length >= DIRECT_READ_MIN and dest_view.device.type == "cpu"
-                and dest_view.is_contiguous() and not align):
+                and dest_view.is_contiguous()
+                and (not align or (chunk.start % align == 0 and _block_bytes(chunk) % align == 0
+                                   and dest_view.data_ptr() % align == 0))):
             if run:
                 ops.append(("run", run))
                 run = []
