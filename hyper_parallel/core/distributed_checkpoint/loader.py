@@ -47,7 +47,8 @@ READ_SLICE = 8 << 20  # bytes per read call; what a scratch run holds at most (a
 DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight into their destination
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
 _RUN_ALIGN = 64  # scratch memory sits at the file offset's position modulo this
-PREFETCH = 2  # scratch runs of a file read ahead by a thread of the file (0: none)
+PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
+PREFETCH_DIRECT = (4, 2)  # with O_DIRECT (no kernel read-ahead): runs ahead, threads of the file
 DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
 
 
@@ -227,9 +228,10 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
     everything else (small chunks, column bands, parts of chunks) is read through scratch
     memory in runs: nearby byte ranges of consecutive items in one call, then each range
     verified and copied to its destination (one copy per range). A state dict of hundreds
-    of small tensors thus costs a few reads, not one per tensor. Runs are read ahead by a
-    thread of the file (``PREFETCH`` runs), so the device works while ranges are verified
-    and copied; with O_DIRECT (the reader's ``read_alignment``) that is the only read-ahead.
+    of small tensors thus costs a few reads, not one per tensor. Runs are read ahead by
+    threads of the file, so the device works while ranges are verified and copied; with
+    O_DIRECT (the reader's ``read_alignment``) that is the only read-ahead, so it keeps
+    several requests in flight (``PREFETCH_DIRECT``).
     """
     align = getattr(reader, "read_alignment", 0) or 0
     cap = max(1, min(buffer_bytes, READ_SLICE))
@@ -237,12 +239,14 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
     file = items[0].chunk.file
     runs = [op for op in ops if op[0] == "run"]
     ahead: deque = deque()
-    pool = ThreadPoolExecutor(1, thread_name_prefix="dcp-prefetch") if len(runs) > 1 and PREFETCH else None
+    depth, threads = PREFETCH_DIRECT if align else (PREFETCH, 1)
+    pool = (ThreadPoolExecutor(threads, thread_name_prefix="dcp-prefetch") if len(runs) > 1 and depth
+            else None)
     next_run = 0
 
     def fill() -> None:
         nonlocal next_run
-        while pool is not None and next_run < len(runs) and len(ahead) < PREFETCH:
+        while pool is not None and next_run < len(runs) and len(ahead) < depth:
             lo, hi = _run_range(runs[next_run][1], file_size, align)
             ahead.append(pool.submit(_fetch, reader, file, lo, hi))
             next_run += 1

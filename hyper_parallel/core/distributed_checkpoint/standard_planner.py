@@ -253,9 +253,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     #: load of a ``Shard(0)`` save) then reads and verifies only their bands; a reader of
     #: whole rows reads a box's bands in one call and copies each into place. Set
     #: ``max_tiles = 1`` (on the class or an instance) to store chunks whole.
-    max_tiles = 8
+    max_tiles = 4
     tile_min_chunk_bytes = 1 << 20
-    tile_min_band_bytes = 1 << 10
+    tile_min_band_bytes = 512
 
     def tiles(self, key: str, spec: EntrySpec) -> int:
         """Column bands per saved box of ``key`` (1: none); see :attr:`max_tiles`."""
