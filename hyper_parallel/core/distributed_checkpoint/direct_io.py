@@ -95,38 +95,52 @@ def is_einval(exc: OSError) -> bool:
 
 
 class AlignedPool:
-    """Aligned buffers of ``size`` bytes, reused: ``get(n)`` returns a writable memoryview of
-    ``n`` bytes that goes back to the pool when the last reference to it is dropped (slices
-    of the memoryview, and ``np.frombuffer``/``torch.frombuffer`` over it, hold one; numpy
-    slices of an array do not, so derive everything from the memoryview). Requests larger
-    than ``size`` get memory of their own. The pool keeps at most ``keep`` bytes of idle
-    buffers.
+    """Reusable aligned buffers: ``get(n)`` returns a writable memoryview of ``n`` bytes
+    that goes back to the pool when the last reference to it is dropped (slices of the
+    memoryview, and ``np.frombuffer``/``torch.frombuffer`` over it, hold one; numpy slices
+    of an array do not, so derive everything from the memoryview).
+
+    Buffers come in power-of-two sizes from ``min_size`` to ``size`` (a request gets the
+    smallest that fits, so at most half of it is unused); larger requests get memory of
+    their own. The pool keeps at most ``keep`` bytes of idle buffers.
     """
 
-    def __init__(self, size: int = 8 << 20, keep: int = 64 << 20):
-        self.size, self.keep = size, keep
-        self._free: list[np.ndarray] = []
+    def __init__(self, size: int = 8 << 20, keep: int = 64 << 20, min_size: int = 64 << 10):
+        self.size, self.keep, self.min_size = size, keep, min(min_size, size)
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._idle = 0
         self._lock = threading.Lock()
+
+    def _class(self, nbytes: int) -> int:
+        c = self.min_size
+        while c < nbytes:
+            c *= 2
+        return min(c, self.size) if nbytes <= self.size else nbytes
 
     def get(self, nbytes: int) -> memoryview:
         if nbytes > self.size:
             return memoryview(aligned_array(nbytes))
+        c = self._class(nbytes)
         with self._lock:
-            base = self._free.pop() if self._free else None
+            free = self._free.get(c)
+            base = free.pop() if free else None
+            if base is not None:
+                self._idle -= c
         if base is None:
-            base = aligned_array(self.size)
+            base = aligned_array(c)
         out = base[:nbytes]
         weakref.finalize(out, self._put, base)
         return memoryview(out)
 
     def _put(self, base: np.ndarray) -> None:
         with self._lock:
-            if (len(self._free) + 1) * self.size <= self.keep:
-                self._free.append(base)
+            if self._idle + base.nbytes <= self.keep:
+                self._free.setdefault(base.nbytes, []).append(base)
+                self._idle += base.nbytes
 
     def idle_bytes(self) -> int:
         with self._lock:
-            return len(self._free) * self.size
+            return self._idle
 
 
 POOL = AlignedPool()

@@ -51,9 +51,10 @@ from .metadata import METADATA_FILE
 from .storage import Buffer, StorageReader, StorageWriter, checkpoint_path
 
 COALESCE_BYTES = 256 << 10  # buffered: parts under this are gathered into one write
-BOUNCE_BYTES = 8 << 20  # direct: size of a bounce buffer (and of the writes it makes)
+BOUNCE_BYTES = 8 << 20  # direct: size of a bounce buffer
+WRITE_BYTES = 8 << 20  # direct: queued aligned views are written together once they reach this
 DIRECT_MIN = 64 << 10  # direct: aligned parts at least this large are written without a copy
-QUEUE_DEPTH = 3  # writes queued per file beyond the one in progress
+QUEUE_DEPTH = 2  # writes queued per file beyond the one in progress
 
 _POOL = AlignedPool(BOUNCE_BYTES, keep=6 * BOUNCE_BYTES)
 
@@ -178,51 +179,71 @@ class _BufferedSink:
 class _DirectSink:
     """O_DIRECT writes in aligned blocks: aligned parts as they are, the rest via bounce buffers.
 
-    ``pos`` is the file offset of the bounce buffer's first byte, always a multiple of
-    ALIGN (buffers are written full, or up to an ALIGN boundary together with a direct
-    part: the tail of one payload, its padding and the next payload in one ``pwritev``).
+    Every byte is queued as an aligned view in file order: a bounce buffer's bytes since
+    its last queued one (always a multiple of ALIGN: queued when the buffer is full, or
+    just before an aligned part, when the tail of one payload and its padding end on a
+    block), or an aligned part itself. Queued views are written together in one
+    ``pwritev`` once they reach ``WRITE_BYTES``, so payloads of a few hundred KiB (column
+    bands, small tensors) still make large device requests.
     """
 
     def __init__(self, writes: _WriteQueue):
         self.writes = writes
-        self.pos = 0
+        self.pos = 0  # file offset of the first queued byte
+        self._queued: list[memoryview] = []
+        self._queued_bytes = 0
         self._buf: memoryview | None = None
+        self._start = 0  # bounce bytes [start, fill) are not queued yet
         self._fill = 0
 
     def add(self, view: memoryview) -> None:
         while view.nbytes:
-            if self._fill % ALIGN == 0 and view.nbytes >= DIRECT_MIN and direct_io.is_aligned(view):
+            if ((self._fill - self._start) % ALIGN == 0 and view.nbytes >= DIRECT_MIN
+                    and direct_io.is_aligned(view)):
+                self._queue_bounce()
                 k = view.nbytes - view.nbytes % ALIGN
-                self._flush(view[:k])
+                self._queue(view[:k])
                 view = view[k:]
                 continue
             if self._buf is None:
                 self._buf = _POOL.get(BOUNCE_BYTES)
+                self._start = self._fill = 0
             take = min(BOUNCE_BYTES - self._fill, view.nbytes)
             self._buf[self._fill:self._fill + take] = view[:take]
             self._fill += take
             view = view[take:]
             if self._fill == BOUNCE_BYTES:
-                self._flush()
+                self._queue_bounce()
+                self._buf = None
 
-    def _flush(self, then: memoryview | None = None) -> None:
-        """Write the bounce buffer's bytes (and the direct part ``then`` after them, in the same call)."""
-        views = [self._buf[:self._fill]] if self._fill else []
-        if then is not None:
-            views.append(then)
-        if views:
-            self.writes.submit(views, self.pos)
-            self.pos += sum(v.nbytes for v in views)
-        self._buf, self._fill = None, 0
+    def _queue_bounce(self) -> None:
+        if self._fill > self._start:
+            view = self._buf[self._start:self._fill]
+            self._start = self._fill
+            self._queue(view)
+
+    def _queue(self, view: memoryview) -> None:
+        self._queued.append(view)
+        self._queued_bytes += view.nbytes
+        if self._queued_bytes >= WRITE_BYTES or len(self._queued) >= 256:
+            self._submit()
+
+    def _submit(self) -> None:
+        if self._queued:
+            self.writes.submit(self._queued, self.pos)
+            self.pos += self._queued_bytes
+            self._queued, self._queued_bytes = [], 0
 
     def close(self) -> tuple[int, bool]:
         """Write the rest (padded to a block); return the file's size and whether it was padded."""
-        size = self.pos + self._fill
-        pad = -self._fill % ALIGN
+        size = self.pos + self._queued_bytes + self._fill - self._start
+        pad = -(self._fill - self._start) % ALIGN
         if pad:
             self._buf[self._fill:self._fill + pad] = bytes(pad)
             self._fill += pad
-        self._flush()
+        self._queue_bounce()
+        self._submit()
+        self._buf = None
         return size, pad > 0
 
 

@@ -48,7 +48,7 @@ DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight 
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
 _RUN_ALIGN = 64  # scratch memory sits at the file offset's position modulo this
 PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
-PREFETCH_DIRECT = (4, 2)  # with O_DIRECT (no kernel read-ahead): runs ahead, threads of the file
+PREFETCH_DIRECT = (6, 3)  # with O_DIRECT (no kernel read-ahead): runs ahead, threads of the file
 DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
 
 

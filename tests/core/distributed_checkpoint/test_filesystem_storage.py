@@ -387,7 +387,7 @@ def test_direct_io_argument_is_checked(tmp_path):
 
 
 def test_aligned_pool_reuses_memory_once_released():
-    pool = direct_io.AlignedPool(size=1 << 16, keep=1 << 20)
+    pool = direct_io.AlignedPool(size=1 << 16, keep=1 << 20, min_size=1 << 12)
     a = pool.get(1000)
     addr = direct_io.address(a)
     assert addr % direct_io.ALIGN == 0 and a.nbytes == 1000
@@ -395,11 +395,15 @@ def test_aligned_pool_reuses_memory_once_released():
     del a
     assert pool.idle_bytes() == 0  # a slice still holds it
     del view
-    assert pool.idle_bytes() == 1 << 16
+    assert pool.idle_bytes() == 1 << 12  # the smallest size class that fits
     b = pool.get(500)
     assert direct_io.address(b) == addr
+    c = pool.get(5000)  # the next class up: fresh memory
+    assert c.nbytes == 5000 and direct_io.address(c) != addr
     big = pool.get(1 << 17)
     assert big.nbytes == 1 << 17 and direct_io.address(big) % direct_io.ALIGN == 0
+    del b, c, big
+    assert pool.idle_bytes() == (1 << 12) + (1 << 13)  # dedicated memory is not kept
 
 
 def test_filesystem_names():
