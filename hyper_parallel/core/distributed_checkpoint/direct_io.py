@@ -143,4 +143,4 @@ class AlignedPool:
             return self._idle
 
 
-POOL = AlignedPool()
+POOL = AlignedPool(size=32 << 20)  # the loader's largest read (READ_SLICE)

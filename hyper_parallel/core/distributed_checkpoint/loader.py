@@ -43,12 +43,12 @@ from .storage import StorageReader
 from .streams import StreamFence
 
 DEFAULT_BUFFER_BYTES = 64 << 20
-READ_SLICE = 8 << 20  # bytes per read call; what a scratch run holds at most (and a pool buffer's size)
+READ_SLICE = 32 << 20  # bytes per read call; what a scratch run holds at most (the pool's largest buffer)
 DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight into their destination
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
 _RUN_ALIGN = 64  # scratch memory sits at the file offset's position modulo this
 PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
-PREFETCH_DIRECT = (6, 3)  # with O_DIRECT (no kernel read-ahead): runs ahead, threads of the file
+PREFETCH_DIRECT = (2, 2)  # with O_DIRECT (no kernel read-ahead): runs ahead, threads of the file
 DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
 
 
