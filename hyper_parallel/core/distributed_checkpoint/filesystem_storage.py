@@ -8,10 +8,11 @@ checksumming overlaps with the device. Two engines:
   default. Parts whose memory starts on a 4 KiB boundary and that sit at a 4 KiB file
   offset go to the device as they are (format-v2 payloads are placed on such offsets);
   everything else (headers, padding, small chunks, tensors in unaligned memory) is copied
-  into aligned bounce buffers of a few MiB and written when a buffer fills, so a state dict
-  of hundreds of small tensors costs a few system calls, not one per tensor. The page
-  cache is bypassed: less CPU per byte, and a checkpoint does not evict the training job's
-  memory. A final partial block is written padded and the file truncated to its size.
+  into aligned bounce buffers. Both are queued in file order and written 8 MiB at a time
+  with one ``pwritev``, so a state dict of hundreds of small tensors costs a few system
+  calls, not one per tensor, and the device gets large requests. The page cache is
+  bypassed: less CPU per byte, and a checkpoint does not evict the training job's memory.
+  A final partial block is written padded and the file truncated to its size.
 - *buffered*: parts under 256 KiB are gathered into one write; larger ones are written as
   they are. Chosen automatically where O_DIRECT is not supported or not useful (tmpfs,
   FUSE and network filesystems), and when opening or writing with O_DIRECT fails with

@@ -14,8 +14,8 @@ every block it reads, and:
   a thread of the file, then each range verified and copied out with one copy.
 
 Each file is read front to back by one thread; files are read in parallel. Memory beyond
-the destination tensors stays within a few scratch buffers of ``READ_SLICE`` per file
-being read (or one block, if a single row is larger).
+the destination tensors stays within ``buffer_bytes`` per file being read (or one block per
+run, if a single row is larger).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .planner import LoadPlan, ReadItem
 from .storage import StorageReader
 from .streams import StreamFence
 
-DEFAULT_BUFFER_BYTES = 64 << 20
+DEFAULT_BUFFER_BYTES = 96 << 20  # scratch memory per file being read (runs in flight included)
 READ_SLICE = 32 << 20  # bytes per read call; what a scratch run holds at most (the pool's largest buffer)
 DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight into their destination
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
@@ -234,12 +234,12 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
     several requests in flight (``PREFETCH_DIRECT``).
     """
     align = getattr(reader, "read_alignment", 0) or 0
-    cap = max(1, min(buffer_bytes, READ_SLICE))
+    depth, threads = PREFETCH_DIRECT if align else (PREFETCH, 1)
+    cap = max(1, min(READ_SLICE, buffer_bytes // (depth + 1)))  # runs in flight + the one being copied
     ops = _plan_file(items, dests, cap, verify, align)
     file = items[0].chunk.file
     runs = [op for op in ops if op[0] == "run"]
     ahead: deque = deque()
-    depth, threads = PREFETCH_DIRECT if align else (PREFETCH, 1)
     pool = (ThreadPoolExecutor(threads, thread_name_prefix="dcp-prefetch") if len(runs) > 1 and depth
             else None)
     next_run = 0
