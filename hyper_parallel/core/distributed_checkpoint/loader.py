@@ -48,7 +48,7 @@ DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight 
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
 _RUN_ALIGN = 64  # scratch memory sits at the file offset's position modulo this
 PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
-PREFETCH_DIRECT = (2, 2)  # with O_DIRECT (no kernel read-ahead): runs ahead, threads of the file
+PREFETCH_DIRECT = (2, 2)  # with O_DIRECT (no kernel read-ahead): bytes of runs ahead (in largest runs), threads
 DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
 
 
@@ -239,16 +239,21 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
     ops = _plan_file(items, dests, cap, verify, align)
     file = items[0].chunk.file
     runs = [op for op in ops if op[0] == "run"]
-    ahead: deque = deque()
+    ahead: deque = deque()  # (future, bytes)
     pool = (ThreadPoolExecutor(threads, thread_name_prefix="dcp-prefetch") if len(runs) > 1 and depth
             else None)
     next_run = 0
 
     def fill() -> None:
+        # Keep ``depth`` runs' worth of bytes in flight: more runs when they are small (the
+        # bands a column reader wants, separated by the ones it skips).
         nonlocal next_run
-        while pool is not None and next_run < len(runs) and len(ahead) < depth:
+        budget = depth * cap
+        while pool is not None and next_run < len(runs):
             lo, hi = _run_range(runs[next_run][1], file_size, align)
-            ahead.append(pool.submit(_fetch, reader, file, lo, hi))
+            if ahead and (sum(n for _, n in ahead) + hi - lo > budget or len(ahead) >= 4 * depth):
+                break
+            ahead.append((pool.submit(_fetch, reader, file, lo, hi), hi - lo))
             next_run += 1
 
     read = 0
@@ -263,7 +268,7 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
                 lo, hi = _run_range(segs, file_size, align)
                 if pool is not None:
                     fill()
-                    buf = ahead.popleft().result()
+                    buf = ahead.popleft()[0].result()
                     fill()
                 else:
                     buf = _fetch(reader, file, lo, hi)
@@ -273,7 +278,7 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
                 read += hi - lo
     finally:
         if pool is not None:
-            for f in ahead:
+            for f, _ in ahead:
                 f.cancel()
             pool.shutdown(wait=True)
     return read
