@@ -47,6 +47,7 @@ READ_SLICE = 32 << 20  # bytes per read call; what a scratch run holds at most (
 DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight into their destination
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
 _RUN_ALIGN = 64  # scratch memory sits at the file offset's position modulo this
+RUN_MIN, RUNS_MIN = 2 << 20, 8  # a file is read in at least 8 runs, each of at least 2 MiB when it can be
 PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
 PREFETCH_DIRECT = (2, 2)  # with O_DIRECT (no kernel read-ahead): bytes of runs ahead (in largest runs), threads
 DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
@@ -236,6 +237,9 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
     align = getattr(reader, "read_alignment", 0) or 0
     depth, threads = PREFETCH_DIRECT if align else (PREFETCH, 1)
     cap = max(1, min(READ_SLICE, buffer_bytes // (depth + 1)))  # runs in flight + the one being copied
+    # At least RUNS_MIN runs when the file is small, so copying one overlaps reading the next.
+    total = sum(i.chunk.length for i in items)
+    cap = min(cap, max(RUN_MIN, -(-total // RUNS_MIN)))
     ops = _plan_file(items, dests, cap, verify, align)
     file = items[0].chunk.file
     runs = [op for op in ops if op[0] == "run"]
