@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Iterable
 
 from . import direct_io
-from .direct_io import ALIGN, O_DIRECT, AlignedPool
+from .direct_io import ALIGN, O_DIRECT
 from .errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from .metadata import METADATA_FILE
 from .storage import Buffer, StorageReader, StorageWriter, checkpoint_path
@@ -57,7 +57,7 @@ WRITE_BYTES = 8 << 20  # direct: queued aligned views are written together once 
 DIRECT_MIN = 64 << 10  # direct: aligned parts at least this large are written without a copy
 QUEUE_DEPTH = 2  # writes queued per file beyond the one in progress
 
-_POOL = AlignedPool(BOUNCE_BYTES, keep=6 * BOUNCE_BYTES)
+_POOL = direct_io.POOL  # one pool of aligned memory for the saver, the writer and the loader
 
 
 def _fsync_dir(path: str) -> None:
