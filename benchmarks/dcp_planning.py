@@ -67,7 +67,7 @@ def simulate(ranks: int, tensors: int, hidden: int = 8192) -> dict:
     global_plans = planner.create_global_save_plan([local] * ranks)
     mine = global_plans[ranks // 2]  # each rank works out its own writes
     global_s = time.perf_counter() - t
-    assert len(mine.items) == tensors
+    assert len({i.key for i in mine.items}) == tensors  # large chunks may be written as several column bands
 
     results = []
     for r in range(ranks):  # what each rank's write_plan reports to the coordinator
