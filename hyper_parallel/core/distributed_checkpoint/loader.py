@@ -4,14 +4,18 @@ First the plan's chunk references are resolved into byte ranges and checksums: e
 file involved has its index read once per reader (checked against the crc32c that
 ``.metadata`` records for it), in parallel across files. Then, for each (saved chunk,
 target) overlap the loader reads only the checksum blocks (whole rows of the chunk's dim
-0) that hold needed rows, verifies every block it reads, and:
+0, or of a column band when the chunk was saved in bands) that hold needed rows, verifies
+every block it reads, and:
 
-- when the chunk lies whole inside the target and lands contiguously in a CPU tensor, reads
-  it directly into the destination (no copy);
-- otherwise reads block groups into a bounded scratch buffer and copies the overlap out.
+- when a large chunk lies whole inside the target and lands contiguously in a CPU tensor,
+  reads it directly into the destination, in slices verified as they land;
+- otherwise reads ranges through reused scratch memory in *runs*: nearby ranges of one
+  file (small chunks, the bands of a box, parts of chunks) in one read call, read ahead by
+  a thread of the file, then each range verified and copied out with one copy.
 
-Memory beyond the destination tensors stays within ``buffer_bytes`` per thread (or one
-block, if a single row is larger).
+Each file is read front to back by one thread; files are read in parallel. Memory beyond
+the destination tensors stays within ``buffer_bytes`` per file being read (or one block per
+run, if a single row is larger).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +32,7 @@ import crc32c
 import numpy as np
 import torch
 
+from . import direct_io
 from . import metadata as md
 from .box import Box
 from .chunks import ChunkRef, overlapping
@@ -36,26 +42,15 @@ from .planner import LoadPlan, ReadItem
 from .storage import StorageReader
 from .streams import StreamFence
 
-DEFAULT_BUFFER_BYTES = 64 << 20
-
-
-class _Scratch(threading.local):
-    """Per-thread read buffers of one ``read_plan`` call, reused across its reads (fresh
-    memory costs a page fault per 4 KiB); freed when the call returns.
-
-    Requests up to ``keep`` bytes are served from one cached buffer; larger ones (a single
-    row bigger than the read buffer) get memory of their own that is not kept.
-    """
-
-    buf: torch.Tensor | None = None
-
-    def get(self, nbytes: int, keep: int) -> torch.Tensor:
-        if nbytes > keep:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if self.buf is None or self.buf.numel() < nbytes:
-            self.buf = None
-            self.buf = torch.empty(max(nbytes, min(keep, 8 << 20)), dtype=torch.uint8)
-        return self.buf[:nbytes]
+DEFAULT_BUFFER_BYTES = 96 << 20  # scratch memory per file being read (runs in flight included)
+READ_SLICE = 32 << 20  # bytes per read call; what a scratch run holds at most (the pool's largest buffer)
+DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight into their destination
+GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
+_RUN_ALIGN = 64  # scratch memory sits at the file offset's position modulo this
+RUN_MIN, RUNS_MIN = 2 << 20, 8  # a file is read in at least 8 runs, each of at least 2 MiB when it can be
+PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
+PREFETCH_DIRECT = (2, 2)  # with O_DIRECT (no kernel read-ahead): bytes of runs ahead (in largest runs), threads
+DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
 
 
 @dataclass
@@ -79,68 +74,224 @@ def _check_blocks(item: ReadItem, data: memoryview, first_block: int, row_bytes:
             )
 
 
-def _read_item(
-    item: ReadItem,
-    dest: torch.Tensor,
-    target: Box,
-    reader: StorageReader,
-    buffer_bytes: int,
-    verify: bool,
-    pool: _Scratch,
-) -> int:
+def _scratch(nbytes: int) -> memoryview:
+    """Aligned scratch memory, reused across reads and loads (fresh memory costs a page
+    fault per 4 KiB); it returns to the pool when the last view of it is dropped."""
+    return direct_io.POOL.get(nbytes)
+
+
+@dataclass
+class _Segment:
+    """Rows ``row_lo:row_hi`` of a saved chunk (whole checksum blocks from ``block``), which
+    lie at file bytes ``lo:hi``, and where the needed part of them goes."""
+
+    item: ReadItem
+    dest: torch.Tensor  # the item's region inside its target
+    inner: Box  # the region, relative to the chunk
+    block: int
+    row_lo: int
+    row_hi: int
+    lo: int
+    hi: int
+    need: int  # bytes of the segment the region needs
+
+
+def _segments(item: ReadItem, dest_view: torch.Tensor, cap: int, verify: bool) -> list[_Segment]:
+    """An item's byte ranges: the checksum blocks holding its rows, in groups of <= ``cap``
+    bytes (at least one block each). Without verification, only the needed rows."""
     chunk = item.chunk
-    verify = verify and bool(chunk.crc32c)  # a foreign file's chunk (UncheckedIndex) has no checksums
-    cbox = Box(chunk.offsets, chunk.sizes)
-    where = chunk.file
     rows = chunk.rows
     row_bytes = chunk.length // rows
-    dest_view = dest[item.region.relative_to(target)] if dest.dim() else dest
-    # Fast path: the whole chunk lands contiguously in CPU memory -> read straight into it.
-    if item.region == cbox and dest_view.device.type == "cpu" and dest_view.is_contiguous():
-        data = tensor_bytes(dest_view)
-        reader.read_into(chunk.file, chunk.start, data)
-        if verify:
-            _check_blocks(item, data, 0, row_bytes, where)
-        return chunk.length
-    # General path: read the blocks holding needed rows, a few at a time, copy the overlap.
-    if cbox.ndim:
-        r0 = item.region.offsets[0] - chunk.offsets[0]
-        r1 = r0 + item.region.sizes[0]
-    else:
-        r0, r1 = 0, 1
-    br = chunk.block_rows
-    b0, b1 = r0 // br, -(-r1 // br)
-    per_group = max(1, buffer_bytes // (br * row_bytes))
-    dtype = dest.dtype
     inner = Box(tuple(o - c for o, c in zip(item.region.offsets, chunk.offsets, strict=True)), item.region.sizes)
-    if not verify and cbox.ndim:
-        return _read_exact(item, inner, dest_view, reader, buffer_bytes, pool)
-    read = 0
-    for g0 in range(b0, b1, per_group):
-        g1 = min(b1, g0 + per_group)
-        row_lo, row_hi = g0 * br, min(rows, g1 * br)
-        nbytes = (row_hi - row_lo) * row_bytes
-        scratch = pool.get(nbytes, buffer_bytes)
-        data = tensor_bytes(scratch)
-        reader.read_into(chunk.file, chunk.start + row_lo * row_bytes, data)
+    if not chunk.sizes:  # 0-d: one block
+        return [_Segment(item, dest_view, inner, 0, 0, 1, chunk.start, chunk.start + chunk.length, chunk.length)]
+    r0, r1 = inner.offsets[0], inner.offsets[0] + inner.sizes[0]
+    need_row = row_bytes * math.prod(inner.sizes[1:]) // max(1, math.prod(chunk.sizes[1:]))
+    br = chunk.block_rows
+    if not verify:
+        step = max(1, cap // row_bytes)
+        return [_Segment(item, dest_view, inner, 0, a, min(r1, a + step), chunk.start + a * row_bytes,
+                         chunk.start + min(r1, a + step) * row_bytes, (min(r1, a + step) - a) * need_row)
+                for a in range(r0, r1, step)]
+    b0, b1 = r0 // br, -(-r1 // br)
+    per = max(1, cap // (br * row_bytes))
+    out = []
+    for g0 in range(b0, b1, per):
+        g1 = min(b1, g0 + per)
+        lo_row, hi_row = g0 * br, min(rows, g1 * br)
+        need = (min(hi_row, r1) - max(lo_row, r0)) * need_row
+        out.append(_Segment(item, dest_view, inner, g0, lo_row, hi_row, chunk.start + lo_row * row_bytes,
+                            chunk.start + hi_row * row_bytes, need))
+    return out
+
+
+def _apply(seg: _Segment, data: memoryview, verify: bool) -> None:
+    """Verify a segment's blocks (``data`` holds its bytes) and copy the needed part out."""
+    item, chunk = seg.item, seg.item.chunk
+    row_bytes = chunk.length // chunk.rows
+    if verify:
+        _check_blocks(item, data, seg.block, row_bytes, chunk.file)
+    dtype = seg.dest.dtype
+    raw = torch.frombuffer(data, dtype=torch.uint8)
+    if not chunk.sizes:
+        seg.dest.copy_(raw.view(dtype).reshape(()))
+        return
+    block = raw.view(dtype).view((seg.row_hi - seg.row_lo, *chunk.sizes[1:]))
+    inner = seg.inner
+    lo, hi = max(seg.row_lo, inner.offsets[0]), min(seg.row_hi, inner.offsets[0] + inner.sizes[0])
+    cols = tuple(slice(o, o + n) for o, n in zip(inner.offsets[1:], inner.sizes[1:], strict=True))
+    seg.dest[lo - inner.offsets[0]:hi - inner.offsets[0]].copy_(block[(slice(lo - seg.row_lo, hi - seg.row_lo), *cols)])
+
+
+def _run_range(segs: list[_Segment], file_size: int, align: int) -> tuple[int, int]:
+    """The bytes a run reads. With O_DIRECT (``align``), whole aligned blocks (format v2 pads
+    large payloads to them), unless the run needs under ``DENSE`` of what it reads: those
+    bytes (whole rows of which a rank wants some columns) are likely wanted by other ranks
+    too, and the page cache lets the device read them once."""
+    lo, hi = segs[0].lo, segs[-1].hi
+    if align and sum(s.need for s in segs) >= DENSE * (hi - lo):
+        lo, hi = lo - lo % align, min(file_size, -(-hi // align) * align)
+    return lo, hi
+
+
+def _fetch(reader: StorageReader, file: str, lo: int, hi: int) -> memoryview:
+    """Bytes ``lo:hi`` of a file in scratch memory that sits at the file offset's position
+    modulo 64, so payloads land aligned to their dtype."""
+    shift = lo % _RUN_ALIGN
+    buf = _scratch(shift + hi - lo)[shift:]
+    reader.read_into(file, lo, buf)
+    return buf
+
+
+def _read_whole(item: ReadItem, dest_view: torch.Tensor, reader: StorageReader, verify: bool) -> int:
+    """A whole chunk straight into contiguous destination memory, in slices of whole checksum
+    blocks, each verified as soon as it lands (while the kernel reads ahead; with O_DIRECT,
+    ``_plan_file`` sends here only chunks whose slices are aligned)."""
+    chunk = item.chunk
+    data = tensor_bytes(dest_view)
+    step = _block_bytes(chunk)
+    row_bytes = chunk.length // chunk.rows
+    piece = max(1, READ_SLICE // step) * step
+    for off in range(0, chunk.length, piece):
+        part = data[off:off + piece]
+        reader.read_into(chunk.file, chunk.start + off, part)
         if verify:
-            _check_blocks(item, data, g0, row_bytes, where)
-        read += nbytes
-        block = scratch.view(dtype).reshape((row_hi - row_lo, *chunk.sizes[1:]) if cbox.ndim else ())
-        if not cbox.ndim:
-            dest_view.copy_(block)
+            _check_blocks(item, part, off // step, row_bytes, chunk.file)
+    return chunk.length
+
+
+def _block_bytes(chunk: md.ChunkRecord) -> int:
+    return chunk.block_rows * (chunk.length // chunk.rows)
+
+
+def _plan_file(items: list[_Targeted], dests: list[torch.Tensor], cap: int, verify: bool, align: int) -> list[tuple]:
+    """The reads of one file, in file order: ``("whole", item, dest)`` (straight into the
+    destination), ``("exact", item, inner, dest)`` (unverified partial rows), or
+    ``("run", segments)`` (nearby ranges read in one call through scratch memory)."""
+    ops: list[tuple] = []
+    run: list[_Segment] = []
+    for item, dest in zip(items, dests, strict=True):
+        chunk = item.chunk
+        cbox = Box(chunk.offsets, chunk.sizes)
+        dest_view = dest[item.region.relative_to(item.target)] if dest.dim() else dest
+        if (item.region == cbox and chunk.length >= DIRECT_READ_MIN and dest_view.device.type == "cpu"
+                and dest_view.is_contiguous()
+                and (not align or (chunk.start % align == 0 and _block_bytes(chunk) % align == 0
+                                   and dest_view.data_ptr() % align == 0))):
+            if run:
+                ops.append(("run", run))
+                run = []
+            ops.append(("whole", item, dest_view))
             continue
-        # Rows of this group that the region needs, in chunk-local and region-local coords.
-        lo, hi = max(row_lo, inner.offsets[0]), min(row_hi, inner.offsets[0] + inner.sizes[0])
-        cols = tuple(slice(o, o + n) for o, n in zip(inner.offsets[1:], inner.sizes[1:], strict=True))
-        src = block[(slice(lo - row_lo, hi - row_lo), *cols)]
-        dst = dest_view[lo - inner.offsets[0]:hi - inner.offsets[0]]
-        dst.copy_(src)
+        if not verify and cbox.ndim and item.region.sizes[1:] != cbox.sizes[1:]:
+            if run:
+                ops.append(("run", run))
+                run = []
+            inner = Box(tuple(o - c for o, c in zip(item.region.offsets, chunk.offsets, strict=True)),
+                        item.region.sizes)
+            ops.append(("exact", item, inner, dest_view))
+            continue
+        for seg in _segments(item, dest_view, cap, verify):
+            if run and (seg.lo < run[-1].hi or seg.lo - run[-1].hi > GAP_BYTES or seg.hi - run[0].lo > cap):
+                ops.append(("run", run))
+                run = []
+            run.append(seg)
+    if run:
+        ops.append(("run", run))
+    return ops
+
+
+def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: StorageReader, file_size: int,
+               buffer_bytes: int, verify: bool) -> int:
+    """Read one file's items (sorted by offset) front to back.
+
+    Large whole chunks that land contiguously in CPU memory are read straight into it;
+    everything else (small chunks, column bands, parts of chunks) is read through scratch
+    memory in runs: nearby byte ranges of consecutive items in one call, then each range
+    verified and copied to its destination (one copy per range). A state dict of hundreds
+    of small tensors thus costs a few reads, not one per tensor. Runs are read ahead by
+    threads of the file, so the device works while ranges are verified and copied; with
+    O_DIRECT (the reader's ``read_alignment``) that is the only read-ahead, so it keeps
+    several requests in flight (``PREFETCH_DIRECT``).
+    """
+    # a foreign file's chunks (an UncheckedIndex: Hugging Face files) carry no checksums
+    verify = verify and any(i.chunk.crc32c for i in items)
+    align = getattr(reader, "read_alignment", 0) or 0
+    depth, threads = PREFETCH_DIRECT if align else (PREFETCH, 1)
+    cap = max(1, min(READ_SLICE, buffer_bytes // (depth + 1)))  # runs in flight + the one being copied
+    # At least RUNS_MIN runs when the file is small, so copying one overlaps reading the next.
+    total = sum(i.chunk.length for i in items)
+    cap = min(cap, max(RUN_MIN, -(-total // RUNS_MIN)))
+    ops = _plan_file(items, dests, cap, verify, align)
+    file = items[0].chunk.file
+    runs = [op for op in ops if op[0] == "run"]
+    ahead: deque = deque()  # (future, bytes)
+    pool = (ThreadPoolExecutor(threads, thread_name_prefix="dcp-prefetch") if len(runs) > 1 and depth
+            else None)
+    next_run = 0
+
+    def fill() -> None:
+        # Keep ``depth`` runs' worth of bytes in flight: more runs when they are small (the
+        # bands a column reader wants, separated by the ones it skips).
+        nonlocal next_run
+        budget = depth * cap
+        while pool is not None and next_run < len(runs):
+            lo, hi = _run_range(runs[next_run][1], file_size, align)
+            if ahead and (sum(n for _, n in ahead) + hi - lo > budget or len(ahead) >= 4 * depth):
+                break
+            ahead.append((pool.submit(_fetch, reader, file, lo, hi), hi - lo))
+            next_run += 1
+
+    read = 0
+    try:
+        for op in ops:
+            if op[0] == "whole":
+                read += _read_whole(op[1], op[2], reader, verify)
+            elif op[0] == "exact":
+                read += _read_exact(op[1], op[2], op[3], reader, buffer_bytes)
+            else:
+                segs = op[1]
+                lo, hi = _run_range(segs, file_size, align)
+                if pool is not None:
+                    fill()
+                    buf = ahead.popleft()[0].result()
+                    fill()
+                else:
+                    buf = _fetch(reader, file, lo, hi)
+                for seg in segs:
+                    _apply(seg, buf[seg.lo - lo:seg.hi - lo], verify)
+                buf = None
+                read += hi - lo
+    finally:
+        if pool is not None:
+            for f, _ in ahead:
+                f.cancel()
+            pool.shutdown(wait=True)
     return read
 
 
 def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: StorageReader,
-                buffer_bytes: int, pool: _Scratch) -> int:
+                buffer_bytes: int) -> int:
     """Read only the region's bytes (no checksum): one read per contiguous run.
 
     Runs separated by small gaps (under a tenth of a run) are read as one, gap included.
@@ -166,7 +317,7 @@ def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: Sto
     offsets = base + grid @ np.array(strides[:d], dtype=np.int64)
     runs_per_slab = math.prod(outer[1:]) if d else 1
     slab = span * runs_per_slab
-    slabs_per_group = max(1, buffer_bytes // max(slab, 1))
+    slabs_per_group = max(1, min(buffer_bytes, READ_SLICE) // max(slab, 1))
     full_rows = span != run  # we read whole slabs of dim d and must slice them
     read_shape = list(inner.sizes)
     if full_rows:
@@ -175,18 +326,26 @@ def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: Sto
     total_slabs = inner.sizes[0] if d else 1
     for s0 in range(0, total_slabs, slabs_per_group):
         s1 = min(total_slabs, s0 + slabs_per_group)
-        scratch = pool.get((s1 - s0) * slab, buffer_bytes)
-        data = tensor_bytes(scratch)
+        data = _scratch((s1 - s0) * slab)
         for k, off in enumerate(offsets[s0 * runs_per_slab: s1 * runs_per_slab]):
             reader.read_into(chunk.file, int(off), data[k * span:(k + 1) * span])
-        read += scratch.numel()
+        read += data.nbytes
         shape = [s1 - s0, *read_shape[1:]] if d else read_shape
-        block = scratch.view(dest_view.dtype).reshape(shape)
+        block = torch.frombuffer(data, dtype=torch.uint8).view(dest_view.dtype).reshape(shape)
         if full_rows:
             block = block[(slice(None),) * (d + 1) + tuple(
                 slice(o, o + m) for o, m in zip(inner.offsets[d + 1:], inner.sizes[d + 1:], strict=True))]
         dest_view[s0:s1].copy_(block) if d else dest_view.copy_(block)
     return read
+
+
+class _Targeted:
+    """A resolved read item with the box of its target (what ``_read_file`` works on)."""
+
+    __slots__ = ("key", "chunk", "region", "target")
+
+    def __init__(self, item: ReadItem, target: Box):
+        self.key, self.chunk, self.region, self.target = item.key, item.chunk, item.region, target
 
 
 class TargetResolver(Protocol):
@@ -307,14 +466,7 @@ def read_plan(
             )
         stats.bytes_needed += item.region.numel * (c.length // max(1, Box(c.offsets, c.sizes).numel))
 
-    scratch = _Scratch()
     fence = StreamFence()  # accelerator targets are filled from reader threads
-
-    def run(item: ReadItem) -> int:
-        dest = planner.resolve_target(item.key).detach()
-        fence.before_copy(dest)
-        with torch.no_grad():
-            return _read_item(item, dest, plan.targets[item.key], reader, buffer_bytes, verify, scratch)
 
     # Each file is read front to back by one thread (the kernel's readahead then streams it);
     # different files are read in parallel. Interleaving reads of one file from several
@@ -325,7 +477,14 @@ def read_plan(
     streams = sorted(by_file.values(), key=lambda items: -sum(i.chunk.length for i in items))
 
     def run_file(items: list[ReadItem]) -> int:
-        return sum(run(i) for i in items)
+        dests = []
+        for item in items:
+            dest = planner.resolve_target(item.key).detach()
+            fence.before_copy(dest)
+            dests.append(dest)
+        with torch.no_grad():
+            return _read_file([_Targeted(i, plan.targets[i.key]) for i in items], dests, reader,
+                              sizes[items[0].chunk.file], buffer_bytes, verify)
 
     workers = max(1, min(thread_count, len(streams)))
     if workers > 1:

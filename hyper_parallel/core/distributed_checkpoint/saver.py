@@ -2,10 +2,14 @@
 
 Each data file is laid out by :func:`.data_file.plan_file` before a byte is written (so the
 safetensors header, padding and index positions are known), then streamed in order:
-header, payloads, index. Bytes go from tensor memory to storage with no intermediate copy;
-the crc32c of each block is computed just before the block is handed to storage, while it
-is still in cache. A resolver may produce a chunk as several row slabs (an iterable of
-tensors), which bounds the memory of offline tools; checksums run across slab boundaries.
+header, payloads, index, in slices of at most ``SLICE_BYTES``. Contiguous host tensors go
+from their memory to storage with no intermediate copy; others (column bands, strided
+views, accelerator tensors) are copied slab by slab into reused 4 KiB-aligned buffers,
+never into fresh memory. The crc32c of each slice is computed just before the slice is
+handed to storage, so checksumming the next slice overlaps with the storage writing this
+one (the filesystem writer writes on a thread of its own). A resolver may produce a chunk
+as several row slabs (an iterable of tensors), which bounds the memory of offline tools;
+checksums run across slab boundaries.
 
 The coordinator then merges every rank's file records into the checkpoint's metadata
 (:func:`build_metadata`): O(files + tensors), never a loop over chunks.
@@ -22,6 +26,7 @@ import crc32c
 import numpy as np
 import torch
 
+from . import direct_io
 from . import metadata as md
 from .box import Box
 from .data_file import BLOCK_BYTES, ContentHash, Item, block_rows, encode_index, plan_file, tensor_bytes
@@ -75,17 +80,39 @@ def data_file_names(rank: int, save_id: str, count: int) -> list[str]:
     return [data_file_name(rank, i, save_id) for i in range(max(1, count))]
 
 
+SLICE_BYTES = 8 << 20  # bytes handed to storage at a time (checksummed just before)
+
+
 def _pieces(value: Any) -> Iterator[memoryview]:
-    """A resolved chunk as byte pieces: one tensor, raw bytes, or an iterable of row slabs."""
+    """A resolved chunk as byte slices: one tensor, raw bytes, or an iterable of row slabs."""
     if isinstance(value, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)):
         value = [value]
     for part in value:
         if isinstance(part, torch.Tensor):
-            yield tensor_bytes(part)
-        elif isinstance(part, np.ndarray):
-            yield memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)).cast("B")
+            yield from _tensor_slices(part)
+            continue
+        if isinstance(part, np.ndarray):
+            view = memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)).cast("B")
         else:
-            yield memoryview(part).cast("B")
+            view = memoryview(part).cast("B")
+        for off in range(0, view.nbytes, SLICE_BYTES):
+            yield view[off:off + SLICE_BYTES]
+
+
+def _tensor_slices(t: torch.Tensor) -> Iterator[memoryview]:
+    """A tensor's row-major bytes in slices of at most SLICE_BYTES (whole rows when copied)."""
+    t = t.detach()
+    if t.device.type == "cpu" and t.is_contiguous() or t.dim() == 0 or not t.numel():
+        view = tensor_bytes(t)
+        for off in range(0, view.nbytes, SLICE_BYTES):
+            yield view[off:off + SLICE_BYTES]
+        return
+    rows = max(1, SLICE_BYTES // max(1, t[0].numel() * t.element_size()))
+    for r0 in range(0, t.shape[0], rows):
+        slab = t[r0:r0 + rows]
+        buf = direct_io.POOL.get(slab.numel() * slab.element_size())
+        torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(slab.shape).copy_(slab)
+        yield buf
 
 
 class _Checksums:

@@ -71,7 +71,9 @@ class StorageWriter(abc.ABC):
 
         Called on every rank with data, possibly from several threads at once for different
         names. The file need not be visible to readers before ``commit``. On error the file
-        may be left partly written; the framework removes it.
+        may be left partly written; the framework removes it. A backend may still be writing
+        a part after it has asked for the next one (the filesystem writer does, on a thread
+        of its own): a part's memory must stay unchanged until ``write_file`` returns.
         """
 
     @abc.abstractmethod
