@@ -156,8 +156,8 @@ def overlapping(meta: md.Metadata, entry: md.Entry, box: Box, rank: int | None =
     if not box.numel:
         return []
     loc = _locator(meta, entry)
-    if loc.grid is not None:
-        return _grid_refs(meta, entry, loc.grid.overlapping(box), rank)
+    if loc.grid is not None:  # a box's column bands (tiles) may miss the region: keep those that meet it
+        return [r for r in _grid_refs(meta, entry, loc.grid.overlapping(box), rank) if r.box.intersect(box)]
     store: md.TableStore = entry.store
     if store is None or not len(store):
         return []

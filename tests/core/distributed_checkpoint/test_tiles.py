@@ -150,9 +150,6 @@ def test_untiled_checkpoints_still_load(tmp_path):
     assert torch.equal(target["w"], full[:, 1024:])
 
 
-@pytest.mark.xfail(reason="chunks.overlapping returns every band of an overlapping box, and read_box counts "
-                          "bands that miss the region (None.numel); needs a filter in chunks.overlapping",
-                   raises=AttributeError)
 def test_read_box_of_part_of_a_tiled_chunk(tmp_path):
     from hyper_parallel.core.distributed_checkpoint.loader import read_box, read_metadata
     full = make_tensor((512, 2048))
