@@ -51,14 +51,17 @@ T = TypeVar("T")
 
 def write_and_report(coord: Coordinator, writer: StorageWriter, phase: str, write: Callable[[], T],
                      own_files: list[str], what: str, save_id: str) -> list[T] | None:
-    """Steps 1-2: run ``write`` and hand its result to the coordinator (payloads on the
-    coordinator, None elsewhere). On failure, this rank's files are removed unless the
+    """Steps 1-2: run ``write`` (then the writer's ``flush``) and hand its result to the
+    coordinator (payloads on the coordinator, None elsewhere). On failure, this rank's files are removed unless the
     coordinator may already commit them."""
     reported = False
 
     def run() -> T:
         nonlocal reported
         result = write()
+        flush = getattr(writer, "flush", None)  # protocol writers that do not subclass StorageWriter
+        if flush is not None:
+            flush()  # a writer that defers syncing makes its files durable before the commit
         reported = True
         return result
 

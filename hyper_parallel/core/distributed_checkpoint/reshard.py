@@ -447,7 +447,8 @@ def reshard(
             raise ValueError("say where to write: dst_path or storage_writer")
         if src_path is not None and os.path.realpath(os.fspath(src_path)) == os.path.realpath(os.fspath(dst_path)):
             raise ValueError(f"dst_path {os.fspath(dst_path)!r} is the source checkpoint; write to a new path")
-        storage_writer = FileSystemWriter(os.fspath(dst_path), sync_files=sync_files)
+        # one file per destination rank: thousands of small files sync faster as one batch
+        storage_writer = FileSystemWriter(os.fspath(dst_path), sync_files=sync_files, defer_sync=True)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     coord = Coordinator(process_group, process_group is None, coordinator_rank, timeout)

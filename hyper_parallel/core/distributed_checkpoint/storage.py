@@ -52,7 +52,7 @@ class StorageWriter(abc.ABC):
     """Writes one checkpoint's data files and commits its metadata.
 
     Call order (see the module docstring): ``set_up`` -> ``prepare`` -> ``write_file``... ->
-    ``read_committed`` -> ``commit`` -> ``remove``. The commit protocol built on these
+    (``flush``) -> ``read_committed`` -> ``commit`` -> ``remove``. The commit protocol built on these
     methods is described in :mod:`.commit`.
     """
 
@@ -75,6 +75,12 @@ class StorageWriter(abc.ABC):
         a part after it has asked for the next one (the filesystem writer does, on a thread
         of its own): a part's memory must stay unchanged until ``write_file`` returns.
         """
+
+    def flush(self) -> None:
+        """Make every file this writer wrote durable before the commit, for writers that
+        defer syncing (one batch of many small files syncs faster than each on its own).
+        Every rank that wrote calls it after its last ``write_file``; the default does nothing."""
+        return None
 
     @abc.abstractmethod
     def read_committed(self, name: str = ".metadata") -> bytes | None:

@@ -412,3 +412,30 @@ def test_filesystem_names():
         assert direct_io.direct_io_default(SHM) is (direct_io.filesystem_name(SHM) in
                                                   direct_io.DIRECT_FILESYSTEMS.values())
     _ = fss  # the module under test
+
+
+def test_deferred_sync_makes_every_data_file_durable_before_the_commit(tmp_path, monkeypatch):
+    """defer_sync batches the fsyncs, but all of them happen before .metadata is in place."""
+    synced: list[str] = []
+    synced_at_commit: list[set[str]] = []
+    real_fsync, real_commit = os.fsync, FileSystemWriter.commit
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def commit(self, *args, **kwargs):
+        synced_at_commit.append(set(synced))
+        return real_commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(FileSystemWriter, "commit", commit)
+    path = str(tmp_path / "c")
+    writer = FileSystemWriter(path, defer_sync=True, direct_io=False)
+    sd = {"w": make_tensor((64, 8)), "b": make_tensor((8,))}
+    save(sd, storage_writer=writer, no_dist=True)
+    data = {os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")}
+    assert data and synced_at_commit and data <= synced_at_commit[0]
+    assert not writer._unsynced
+    out = load(path=path)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
