@@ -29,7 +29,7 @@ from .errors import (
 )
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .fsspec_storage import FsspecReader, FsspecWriter
-from .hf_storage import HuggingFaceStorageReader
+from .hf_storage import HuggingFaceStorageReader, TorchShardedSafetensorsReader
 from .hyper_parallel_import import import_hyper_parallel
 from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
 from .manager import CheckpointManager, SaveTiming
@@ -101,6 +101,7 @@ __all__ = [
     "FileSystemWriter",
     "FileSystemReader",
     "HuggingFaceStorageReader",
+    "TorchShardedSafetensorsReader",
     "Metadata",
     "Layout",
     "TensorLayout",

@@ -9,6 +9,7 @@ which the loader reads in whole rows of the saved chunk.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -98,3 +99,28 @@ def uncovered(target: Box, boxes: list[Box]) -> list[Box]:
             break
         left = [piece for p in left for piece in p.subtract(b)]
     return left
+
+
+def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
+    """Positions ``(i, j)`` of two of ``boxes`` (all of one ndim) that share an element, or None.
+
+    Equal boxes overlap; empty ones overlap nothing. A sweep along the dim where the boxes
+    start at the most distinct places compares only boxes whose ranges there overlap, so
+    thousands of row- or column-sharded chunks cost little more than sorting them.
+    """
+    live = [i for i, b in enumerate(boxes) if b.numel]
+    if len(live) < 2:
+        return None
+    ndim = boxes[live[0]].ndim
+    if not ndim:
+        return live[0], live[1]
+    d = max(range(ndim), key=lambda k: len({boxes[i].offsets[k] for i in live}))
+    active: list[int] = []
+    for i in sorted(live, key=lambda i: boxes[i].offsets[d]):
+        b = boxes[i]
+        active = [a for a in active if boxes[a].ends[d] > b.offsets[d]]
+        for a in active:
+            if boxes[a].intersect(b) is not None:
+                return a, i
+        active.append(i)
+    return None

@@ -1,17 +1,27 @@
-"""Hugging Face checkpoints as a storage reader: load and reshard straight from safetensors files.
+"""Safetensors directories as storage readers: load and reshard straight from their files.
 
-``load(sd, storage_reader=HuggingFaceStorageReader(hf_dir))`` fills a (sharded) state dict
-from a directory as ``save_pretrained`` writes it: ``model.safetensors``, or the files that
-``model.safetensors.index.json`` names. Nothing else in the directory is read (a stray
-``consolidated.safetensors`` beside them is ignored). No conversion step, no copy.
+Two kinds of directory, one reader each (what makes one kind valid makes the other wrong):
+
+- ``load(sd, storage_reader=HuggingFaceStorageReader(hf_dir))`` reads a directory as
+  ``save_pretrained`` writes it: ``model.safetensors``, or the files that
+  ``model.safetensors.index.json`` names; every tensor whole in one file. Nothing else in the
+  directory is read (a stray ``consolidated.safetensors`` beside them is ignored).
+- ``load(sd, storage_reader=TorchShardedSafetensorsReader(dir))`` reads what torch's
+  ``HuggingFaceStorageWriter(path, save_distributed=True)`` writes before consolidating:
+  every ``*.safetensors`` file of the directory holds some ranks' shards, under the tensors'
+  own names, and its header's ``__metadata__["DCP_SHARDING_INFO"]`` (a JSON string) gives
+  each shard's ``saved_offsets`` in the whole tensor. There is no index.
+
+No conversion step, no copy.
 
 How foreign files fit the loader: the reader *presents* the directory as a checkpoint of
 this library. Its ``read_metadata`` parses the safetensors headers and returns a format-v2
 ``.metadata`` in which every tensor is one table-stored chunk (its whole box) in one file
-record per safetensors file; each record's "index" is the file's JSON header (offset 8, its
-length and crc32c). On every rank, ``file_index`` reads a file's header again, checks it
-against that crc32c (a file rewritten while loading is an error, not a mix of two versions)
-and returns an :class:`~.data_file.UncheckedIndex`: where each tensor's bytes start. From
+record per safetensors file (for torch's shards: one table chunk per shard, each file's shard
+of a key having id 0 in that file); each record's "index" is the file's JSON header (offset
+8, its length and crc32c). On every rank, ``file_index`` reads a file's header again, checks
+it against that crc32c (a file rewritten while loading is an error, not a mix of two
+versions) and returns an :class:`~.data_file.UncheckedIndex`: where each tensor's bytes start. From
 there the loader is the ordinary one: a rank intersects its targets with the chunks and
 reads only the overlapping byte ranges (a ``Shard(0)`` rank reads only its rows), a target
 of another dtype is converted, and ``strict`` behaves as for any checkpoint.
@@ -20,7 +30,11 @@ What is not checked: safetensors files carry no checksums, so bytes are read as 
 (``verify`` has nothing to verify for them). Headers are validated the way safetensors
 validates them before anything is allocated or read: the 8-byte length, JSON, known dtypes,
 shapes, and data offsets that tile the data area exactly (no overlap, no hole, nothing past
-the end of the file). Errors name the file and the key. Nothing is ever unpickled.
+the end of the file). The shards of a torch directory must tile each tensor exactly: no
+overlap, no hole (a file of a shard in the middle is missing); the headers do not record a
+tensor's full shape, so it is the extent of its shards, and a missing file that held only
+the last rows of every tensor makes them look smaller: a target of the right shape then fails
+the load with a shape mismatch. Errors name the file and the key. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ import errno
 import json
 import math
 import os
+import re
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +54,7 @@ import crc32c
 import numpy as np
 
 from . import metadata as md
+from .box import Box, first_overlap, uncovered
 from .data_file import UncheckedIndex
 from .errors import CorruptCheckpointError, MetadataError, NotACheckpointError, UnsupportedValueError
 from .storage import Buffer, StorageReader, checkpoint_path
@@ -49,9 +65,13 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 MAX_INDEX_BYTES = 256 << 20
 _HEAD = 8  # the little-endian u64 header length that opens a safetensors file
 _METADATA_KEY = "__metadata__"
-# torch's HuggingFaceStorageWriter(save_distributed=True) records each tensor's place in the
-# whole tensor here; a non-zero offset means the file holds a shard, not a whole tensor.
+# torch's HuggingFaceStorageWriter records each tensor's place in the whole tensor here (a
+# JSON string: {name: {"saved_offsets": [...]}}); a non-zero offset means a shard.
 _TORCH_SHARDING = "DCP_SHARDING_INFO"
+_SAVED_OFFSETS = "saved_offsets"
+_SUFFIX = ".safetensors"
+_INDEX_SUFFIX = ".safetensors.index.json"
+_TORCH_SHARD_NAME = re.compile(r"shard-(\d+)-model-\d+-of-\d+\.safetensors")
 _SUB_BYTE = ("F4", "F6_E2M3", "F6_E3M2")
 
 
@@ -104,7 +124,6 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
     extra = doc.pop(_METADATA_KEY, {})
     if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
         raise CorruptCheckpointError(f"{where}: its header's {_METADATA_KEY!r} must map names to strings")
-    _refuse_torch_shards(extra, where)
     tensors: dict[str, SafetensorsTensor] = {}
     spans: list[tuple[int, int, str]] = []
     for name, info in doc.items():
@@ -158,19 +177,37 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
     return SafetensorsHeader(len(raw), crc32c.crc32c(raw), tensors, extra)
 
 
-def _refuse_torch_shards(extra: dict[str, str], where: str) -> None:
-    info = extra.get(_TORCH_SHARDING)
+def torch_saved_offsets(header: SafetensorsHeader, where: str,
+                        strict: bool = True) -> dict[str, tuple[int, ...]] | None:
+    """Where each tensor of a file sits in its whole tensor, as torch's HuggingFaceStorageWriter
+    records it (``DCP_SHARDING_INFO``), or None for a file that records nothing.
+
+    Raises CorruptCheckpointError when the record is not a JSON object, or (``strict``) lacks
+    valid offsets (one integer >= 0 per dim) for a tensor of the file; not ``strict``, such
+    tensors are left out.
+    """
+    info = header.extra.get(_TORCH_SHARDING)
     if info is None:
-        return
+        return None
     try:
-        offsets = [v.get("saved_offsets") for v in json.loads(info).values()]
-    except (ValueError, AttributeError):
-        raise CorruptCheckpointError(f"{where}: {_TORCH_SHARDING} in its header is not a JSON object") from None
-    if any(isinstance(o, list) and any(o) for o in offsets):
-        raise UnsupportedValueError(
-            f"{where} holds shards of larger tensors (torch's HuggingFaceStorageWriter with "
-            "save_distributed=True); consolidate them first (torch.distributed.checkpoint."
-            "_consolidate_hf_safetensors.consolidate_safetensors_files)")
+        doc = json.loads(info)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}: {_TORCH_SHARDING} in its header is not a JSON object")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, t in header.tensors.items():
+        rec = doc.get(name)
+        offsets = rec.get(_SAVED_OFFSETS) if isinstance(rec, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != len(t.shape)
+                or not all(type(o) is int and 0 <= o < 1 << 56 for o in offsets)):
+            if not strict:
+                continue
+            raise CorruptCheckpointError(
+                f"{where}: {_TORCH_SHARDING} in its header gives tensor {name!r} (shape {list(t.shape)}) no "
+                f"valid {_SAVED_OFFSETS} (one integer >= 0 per dim), found {rec!r:.80}; the header is damaged")
+        out[name] = tuple(offsets)
+    return out
 
 
 def read_safetensors_header(reader: StorageReader, name: str, where: str) -> SafetensorsHeader:
@@ -263,8 +300,9 @@ class HuggingFaceStorageReader(StorageReader):
     The files read are the ones ``model.safetensors.index.json`` names (its ``weight_map``),
     or ``model.safetensors`` alone when there is no index. Keys are the tensor names in the
     files (a nested target ``{"model": {...}}`` asks for ``model.<name>``: use a planner that
-    renames, or load ``model.state_dict()`` itself). Every tensor is whole in one file; the
-    shards torch's ``HuggingFaceStorageWriter(save_distributed=True)`` writes are refused.
+    renames, or load ``model.state_dict()`` itself). Every tensor is whole in one file; a
+    directory of the shards torch's ``HuggingFaceStorageWriter(save_distributed=True)`` writes
+    is read by :class:`TorchShardedSafetensorsReader`.
 
     Safetensors files have no checksums: nothing is verified beyond the headers' consistency
     and the files' sizes (see the module docstring).
@@ -286,7 +324,8 @@ class HuggingFaceStorageReader(StorageReader):
             is damaged or lies about its data; a tensor the index maps to a file is not in it;
             two files hold the same tensor; a file changed while loading. The message names
             the file and the tensor.
-        UnsupportedValueError: a sub-byte dtype (F4, F6), or a directory of torch shards.
+        UnsupportedValueError: a sub-byte dtype (F4, F6), or a directory of torch shards
+            (the message names :class:`TorchShardedSafetensorsReader`).
     """
 
     def __init__(self, path: str | os.PathLike, thread_count: int = 1, *,
@@ -327,7 +366,9 @@ class HuggingFaceStorageReader(StorageReader):
             if self._exists(HF_SINGLE):
                 return [HF_SINGLE], None
             raise NotACheckpointError(
-                f"{self.path!r} is not a Hugging Face checkpoint: it has neither {HF_INDEX} nor {HF_SINGLE}")
+                f"{self.path!r} is not a Hugging Face checkpoint: it has neither {HF_INDEX} nor {HF_SINGLE} (the "
+                "shards torch's HuggingFaceStorageWriter(save_distributed=True) writes load with "
+                "TorchShardedSafetensorsReader)")
         where = self._where(HF_INDEX)
         size = self.files.file_size(HF_INDEX)
         if size > MAX_INDEX_BYTES:
@@ -356,18 +397,17 @@ class HuggingFaceStorageReader(StorageReader):
                 raise CorruptCheckpointError(
                     f"{self._where(name)} is missing: {HF_INDEX} maps {first!r} (and maybe more) to it; the "
                     "download is incomplete")
-        read = lambda name: read_safetensors_header(self.files, name, self._where(name))
-        if self.thread_count > 1 and len(names) > 1:
-            with ThreadPoolExecutor(min(self.thread_count, len(names)), thread_name_prefix="hf-header") as pool:
-                headers = list(pool.map(read, names))
-        else:
-            headers = [read(name) for name in names]
+        headers = self._read_headers(names)
         entries: dict[str, md.Entry] = {}
-        files: list[md.FileRecord] = []
+        files = self._file_records(names, headers)
         holder: dict[str, str] = {}
         for i, (name, header) in enumerate(zip(names, headers, strict=True)):
             where = self._where(name)
-            files.append(md.FileRecord(name, "", -1, _HEAD, header.length, header.crc, self.files.file_size(name)))
+            offsets = torch_saved_offsets(header, where, strict=False)  # only to tell shards apart
+            if offsets is not None and any(any(o) for o in offsets.values()):
+                raise UnsupportedValueError(
+                    f"{where} holds shards of larger tensors (torch's HuggingFaceStorageWriter with "
+                    "save_distributed=True); load the directory with TorchShardedSafetensorsReader")
             for key, t in header.tensors.items():
                 if key in holder:
                     raise CorruptCheckpointError(f"tensor {key!r} is in both {self._where(holder[key])} and {where}")
@@ -384,6 +424,18 @@ class HuggingFaceStorageReader(StorageReader):
                 raise CorruptCheckpointError(f"{self._where(HF_INDEX)} maps tensor {key!r} to {name}, but {found}")
         meta = md.Metadata(entries, "huggingface", 1, user={"source": "huggingface"}, files=files)
         return meta.to_json()
+
+    def _read_headers(self, names: list[str]) -> list[SafetensorsHeader]:
+        read = lambda name: read_safetensors_header(self.files, name, self._where(name))
+        if self.thread_count > 1 and len(names) > 1:
+            with ThreadPoolExecutor(min(self.thread_count, len(names)), thread_name_prefix="hf-header") as pool:
+                return list(pool.map(read, names))
+        return [read(name) for name in names]
+
+    def _file_records(self, names: list[str], headers: list[SafetensorsHeader]) -> list[md.FileRecord]:
+        # each file's "index" is its JSON header: file_index reads it again and checks its crc32c
+        return [md.FileRecord(name, "", -1, _HEAD, h.length, h.crc, self.files.file_size(name))
+                for name, h in zip(names, headers, strict=True)]
 
     def file_index(self, record: md.FileRecord) -> UncheckedIndex:
         """Where each tensor of ``record``'s file starts, from its header (checked against the metadata)."""
@@ -408,3 +460,122 @@ class HuggingFaceStorageReader(StorageReader):
 
     def close(self) -> None:
         self.files.close()
+
+
+class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
+    """Reads the shards torch's ``HuggingFaceStorageWriter(path, save_distributed=True)`` writes.
+
+    Saving that way (without ``enable_consolidation``), every rank writes its shard of each
+    tensor to a file of its own, ``shard-00001-model-00001-of-00001.safetensors`` and so on,
+    under the tensor's own name, and records in the file's header where in the whole tensor
+    the shard starts; no index is written. Pass the directory to :func:`~.api.load`::
+
+        torch.distributed.checkpoint.save(model.state_dict(),
+            storage_writer=HuggingFaceStorageWriter(d, save_distributed=True))
+        load(model.state_dict(), storage_reader=TorchShardedSafetensorsReader(d))  # any mesh, any placements
+        sd = load(storage_reader=TorchShardedSafetensorsReader(d))                 # full CPU tensors
+
+    Every ``*.safetensors`` file of the directory is read, and each must record those offsets.
+    A key's shards become its chunks (one per file holding part of it); they must tile the
+    whole tensor exactly, and its shape is their extent (the headers record no other). Each
+    rank then reads only the byte ranges its targets need, as with
+    :class:`HuggingFaceStorageReader`: same arguments, same checks, no checksums to verify.
+
+    Raises (from ``load``):
+        NotACheckpointError: no such directory, or no ``*.safetensors`` file in it.
+        UnsupportedValueError: the directory has a ``*.safetensors.index.json`` (whole tensors:
+            use HuggingFaceStorageReader), or a file records no shard offsets.
+        CorruptCheckpointError: a header is damaged; a key's shards overlap, leave a hole (a
+            shard file is missing) or disagree on dtype or number of dims; a file changed while
+            loading. The message names the key and the files.
+    """
+
+    def weight_files(self) -> tuple[list[str], dict[str, str] | None]:
+        """The shard files (every ``*.safetensors`` of the directory, sorted), and None (no index)."""
+        try:
+            listed = self.files.list_files()
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotACheckpointError(f"{self.path!r} is not a checkpoint: no such directory") from None
+        except NotImplementedError:
+            raise UnsupportedValueError(f"{type(self.files).__name__} cannot list {self.path!r}; "
+                                        "TorchShardedSafetensorsReader finds the shard files by listing") from None
+        indexes = sorted(n for n in listed if n.endswith(_INDEX_SUFFIX))
+        if indexes:
+            raise UnsupportedValueError(
+                f"{self._where(indexes[0])}: a directory with an index holds whole tensors, not torch's shards; "
+                "load it with HuggingFaceStorageReader (torch's HuggingFaceStorageWriter with "
+                "enable_consolidation=True keeps its shards in the 'sharded' subdirectory)")
+        names = sorted(n for n in listed if n.endswith(_SUFFIX))
+        if not names:
+            raise NotACheckpointError(
+                f"{self.path!r} holds no *.safetensors file: torch's HuggingFaceStorageWriter(save_distributed="
+                "True) writes shard-<n>-model-<i>-of-<k>.safetensors files (with enable_consolidation=True, in "
+                "its 'sharded' subdirectory)")
+        for name in names:
+            md.validate_file_name(name, self.path)
+        return names, None
+
+    def read_metadata(self) -> bytes:
+        """Describe the shards as a format-v2 ``.metadata`` (coordinator only): a table chunk per shard."""
+        names, _ = self.weight_files()
+        headers = self._read_headers(names)
+        shards: dict[str, list[tuple[Box, int]]] = {}
+        kinds: dict[str, tuple[str, int, int]] = {}  # key -> dtype, ndim, file of its first shard
+        for i, (name, header) in enumerate(zip(names, headers, strict=True)):
+            where = self._where(name)
+            offsets = torch_saved_offsets(header, where)
+            if offsets is None:
+                raise UnsupportedValueError(
+                    f"{where} records no {_TORCH_SHARDING} in its header, so it is no shard of torch's "
+                    "HuggingFaceStorageWriter(save_distributed=True), and every *.safetensors file here must be "
+                    "one; a Hugging Face checkpoint of whole tensors loads with HuggingFaceStorageReader")
+            for key, t in header.tensors.items():
+                kind = kinds.setdefault(key, (t.dtype, len(t.shape), i))
+                if kind[:2] != (t.dtype, len(t.shape)):
+                    raise CorruptCheckpointError(
+                        f"tensor {key!r} is {t.dtype} with {len(t.shape)} dims in {where}, but {kind[0]} with "
+                        f"{kind[1]} dims in {self._where(names[kind[2]])}; the files come from different saves")
+                shards.setdefault(key, []).append((Box(offsets[key], t.shape), i))
+        entries = {key: self._entry(key, kinds[key][0], found, names) for key, found in shards.items()}
+        meta = md.Metadata(entries, "torch-sharded-safetensors", 1, user={"source": "torch-sharded-safetensors"},
+                           files=self._file_records(names, headers))
+        return meta.to_json()
+
+    def _entry(self, key: str, dtype: str, shards: list[tuple[Box, int]], names: list[str]) -> md.Entry:
+        """A key's table entry, after checking that its shards tile the tensor exactly."""
+        ndim = shards[0][0].ndim
+        shape = tuple(max(b.ends[d] for b, _ in shards) for d in range(ndim))
+        live = sorted(((b, i) for b, i in shards if b.numel), key=lambda s: s[0].offsets)
+        pair = first_overlap([b for b, _ in live])
+        if pair is not None:
+            (a, fa), (b, fb) = live[pair[0]], live[pair[1]]
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: its shard {a} in {self._where(names[fa])} overlaps its shard {b} in "
+                f"{self._where(names[fb])}; the directory mixes shards of different saves (torch's writer "
+                "overwrites only its own files: save into an empty directory)")
+        held, total = sum(b.numel for b, _ in live), math.prod(shape)
+        if held != total:
+            holes = uncovered(Box.full(shape), [b for b, _ in live]) if len(live) <= 64 else []
+            hole = f"; {holes[0]} is in no file" if holes else ""
+            files = sorted({names[i] for _, i in shards})
+            listed = ", ".join(files[:6]) + (f" and {len(files) - 6} more" if len(files) > 6 else "")
+            raise CorruptCheckpointError(
+                f"tensor {key!r} (shape {list(shape)}, the extent of its shards): its shards in {listed} cover "
+                f"{held} of its {total} elements{hole}. A shard file is missing from {self.path!r}"
+                f"{_missing_shards(names)}, or the files come from different saves")
+        n = len(live)
+        store = md.TableStore(np.array([b.offsets for b, _ in live], dtype=np.int64).reshape(n, ndim),
+                              np.array([b.sizes for b, _ in live], dtype=np.int64).reshape(n, ndim),
+                              np.array([i for _, i in live], dtype=np.int32),
+                              subs=np.zeros(n, dtype=np.int32))  # a file holds one shard of a key: its id 0
+        return md.Entry(key, "tensor", (key,), dtype, shape, store=store)
+
+
+def _missing_shards(names: list[str]) -> str:
+    """A hint naming the shard numbers missing from torch's file names in ``names`` ("" if none)."""
+    numbers = {int(m.group(1)) for m in map(_TORCH_SHARD_NAME.fullmatch, names) if m}
+    absent = sorted(set(range(1, max(numbers, default=0) + 1)) - numbers)
+    if not absent:
+        return ""
+    shown = ", ".join(f"shard-{n:05d}-*" for n in absent[:4]) + (" ..." if len(absent) > 4 else "")
+    return f" (the shard numbers have holes: no {shown})"

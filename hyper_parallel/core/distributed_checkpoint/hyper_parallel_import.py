@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import metadata as md
-from .box import Box
+from .box import Box, first_overlap
 from .errors import CheckpointError, MetadataError, UnsupportedValueError
 from .offline_transform import write_streaming
 from .planner import EntrySpec, WriteItem
@@ -312,8 +312,8 @@ def _parse(meta: HPMetadata, where: str, tensors: dict[str, _Tensor], values: di
 def _check_coverage(key: str, t: _Tensor, src: str) -> None:
     """The chunks must tile the tensor: pairwise disjoint (within its shape) and of full volume.
 
-    A sweep along dim 0 compares each chunk only with those whose rows it shares, so a grid
-    of thousands of shards costs little more than reading their list.
+    Overlaps are found by :func:`~.box.first_overlap` (a sweep: thousands of shards cost
+    little more than sorting them).
     """
     total = math.prod(t.shape)
     if total == 0:
@@ -322,14 +322,10 @@ def _check_coverage(key: str, t: _Tensor, src: str) -> None:
         if not t.chunks:
             raise CheckpointError(f"{src}: the scalar {key!r} has no saved chunk")
         return
-    boxes = sorted((c.box for c in t.chunks), key=lambda b: b.offsets)
-    active: list[Box] = []
-    for b in boxes:
-        active = [a for a in active if a.offsets[0] + a.sizes[0] > b.offsets[0]]
-        for a in active:
-            if a.intersect(b) is not None:
-                raise MetadataError(f"{src}: {key!r} has overlapping chunks {a} and {b}")
-        active.append(b)
+    boxes = [c.box for c in t.chunks]
+    pair = first_overlap(boxes)
+    if pair is not None:
+        raise MetadataError(f"{src}: {key!r} has overlapping chunks {boxes[pair[0]]} and {boxes[pair[1]]}")
     covered = sum(b.numel for b in boxes)
     if covered != total:
         raise CheckpointError(

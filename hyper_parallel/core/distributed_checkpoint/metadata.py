@@ -54,7 +54,7 @@ import crc32c
 import numpy as np
 import torch
 
-from .box import Box
+from .box import Box, first_overlap
 from .errors import MetadataError
 
 FORMAT_NAME = "hyper-parallel-dcp"
@@ -794,18 +794,11 @@ def replicas(chunks: list[ChunkRecord]) -> list[list[ChunkRecord]]:
 
 
 def _check_disjoint(boxes: set[tuple[tuple[int, ...], tuple[int, ...]]], where: str, key: str) -> None:
-    # Distinct boxes must not overlap (equal boxes are replicas). Sweep along dim 0: only
-    # boxes whose dim-0 ranges overlap can overlap.
-    if len(boxes) < 2 or not next(iter(boxes))[1]:
-        return
-    ordered = sorted((Box(o, s) for o, s in boxes), key=lambda b: b.offsets[0])
-    active: list[Box] = []
-    for box in ordered:
-        active = [a for a in active if a.ends[0] > box.offsets[0]]
-        for a in active:
-            if a.intersect(box) is not None:
-                raise _fail(where, key, f"chunks {a} and {box} overlap")
-        active.append(box)
+    # Distinct boxes must not overlap (equal boxes are replicas, and the set holds each once).
+    distinct = [Box(o, s) for o, s in boxes]
+    pair = first_overlap(distinct)
+    if pair is not None:
+        raise _fail(where, key, f"chunks {distinct[pair[0]]} and {distinct[pair[1]]} overlap")
 
 
 # ---------------------------------------------------------------------------- paths

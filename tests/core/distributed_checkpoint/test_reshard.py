@@ -25,7 +25,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint.box import uncovered
+from hyper_parallel.core.distributed_checkpoint.box import first_overlap, uncovered
 from hyper_parallel.core.distributed_checkpoint.chunks import overlapping
 from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
 from hyper_parallel.core.distributed_checkpoint.offline_transform import write_streaming
@@ -276,6 +276,16 @@ def test_box_subtraction_and_coverage():
     assert Box((2, 0), (5, 3)).split(6) == [Box((2, 0), (2, 3)), Box((4, 0), (2, 3)), Box((6, 0), (1, 3))]
     assert Box((0, 0), (1, 5)).split(2) == [Box((0, 0), (1, 2)), Box((0, 2), (1, 2)), Box((0, 4), (1, 1))]
 
+
+
+def test_first_overlap_finds_a_pair_or_none():
+    cols = [Box((0, 2 * i), (8, 2)) for i in range(1000)]  # column shards: swept along dim 1
+    assert first_overlap(cols) is None
+    assert first_overlap([*cols, Box((3, 5), (1, 1))]) == (2, 1000)
+    assert first_overlap([Box((0, 0), (2, 2)), Box((0, 0), (2, 2))]) == (0, 1)  # equal boxes overlap
+    assert first_overlap([Box((0, 0), (0, 2)), Box((0, 0), (2, 2))]) is None  # empty boxes do not
+    assert first_overlap([Box((), ()), Box((), ())]) == (0, 1)
+    assert first_overlap([Box((0, 0), (2, 2)), Box((1, 2), (2, 2)), Box((2, 0), (2, 2))]) is None
 
 def test_destination_rank_list_names_the_data_files(tp8_checkpoint, tmp_path):
     src, expected = tp8_checkpoint
