@@ -33,7 +33,7 @@ from .commit import (
     write_and_report,
 )
 from .coordination import Coordinator
-from .errors import CheckpointError, CommitError, StateDictMismatchError, UnsupportedValueError
+from .errors import CheckpointError, CommitError, NotACheckpointError, StateDictMismatchError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .flatten import FlatStateDict, flatten, unflatten
 from .fragments import fragment_name, fragment_of, read_checkpoint_metadata, read_fragment, table_sub_ids
@@ -422,8 +422,9 @@ def load(
         process_group: as for :func:`save` (default: the world, or the one mesh over some
             ranks that every target DTensor lives on; ranks outside that mesh need not call
             load, and a call with an empty target returns at once without any collective).
-        use_collectives: False: this rank reads only its own fragment of a rank-local
-            checkpoint (a same-layout load, no collective).
+        use_collectives: False: no collective; this rank reads the whole checkpoint's
+            metadata where there is one (``.metadata``, or a foreign reader's such as
+            Hugging Face files), else only its own fragment of a rank-local checkpoint.
         strict: ``True`` (default): every key this rank asks for must be in the checkpoint
             (keys the checkpoint holds and no target asks for are fine: pipeline stages,
             model-only loads). ``False``: load what exists and warn about the rest.
@@ -496,7 +497,10 @@ def load(
         reader.set_up(coord.rank, coord.is_coordinator)
         flat = flatten(state_dict) if state_dict is not None else None
         if rank_local:
-            raw.append(read_fragment(reader, my_rank, where or "checkpoint").to_json())
+            try:  # a whole checkpoint (or a foreign one, e.g. Hugging Face files) needs no fragment
+                raw.append(reader.read_metadata())
+            except NotACheckpointError:
+                raw.append(read_fragment(reader, my_rank, where or "checkpoint").to_json())
         elif coord.is_coordinator:
             raw.append(read_checkpoint_metadata(reader, where or "checkpoint"))
 

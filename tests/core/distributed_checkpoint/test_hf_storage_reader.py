@@ -439,6 +439,11 @@ def _hf_on_ranks(rank: int, ws: int, d: str, broken: str) -> dict:
     assert sum(n for _, n in data_reads) == rows * row_bytes, data_reads
     assert all(header_end + row0 * row_bytes <= o and o + n <= header_end + (row0 + rows) * row_bytes
                for o, n in data_reads), data_reads
+    # use_collectives=False (HyperParallel's dcp_hf_load variant): each rank reads the files alone.
+    alone = {"big": zeros("big", [Shard(0)]), "col": zeros("col", [Shard(1)], torch.float32)}
+    load(alone, storage_reader=HuggingFaceStorageReader(d), use_collectives=False)
+    for key, v in alone.items():
+        assert torch.equal(bits(v.to_local()), bits(local_expected(full[key].to(v.dtype), mesh, v.placements))), key
     # No target: every rank gets every tensor whole.
     everything = load(storage_reader=HuggingFaceStorageReader(d))
     assert set(everything) == set(full) and all(torch.equal(bits(everything[k]), bits(full[k])) for k in full)

@@ -137,6 +137,10 @@ def _load_on_ranks(rank: int, ws: int, d: str) -> None:
             assert torch.equal(bits(v.to_local()), bits(local_expected(want, v.device_mesh, v.placements))), key
         else:
             assert torch.equal(bits(v), bits(want)), key
+    # use_collectives=False: each rank reads the shards' metadata alone
+    alone = {"w": zeros("w", Shard(1))}
+    load(alone, storage_reader=TorchShardedSafetensorsReader(d), use_collectives=False)
+    assert torch.equal(alone["w"].to_local(), local_expected(full["w"], mesh, [Shard(1)]))
     # "w" in torch's own layout: a rank reads data only from its own shard file
     rec = ListingRecorder(FileSystemReader(d))
     same = {"w": zeros("w", Shard(0))}
