@@ -28,7 +28,6 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any
 
 import crc32c
 import numpy as np
@@ -113,15 +112,22 @@ def _align(pos: int, a: int) -> int:
     return -(-pos // a) * a
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _json_key(key: str) -> str:
+    """``key`` as a JSON string without its closing quote (cached: every file repeats keys)."""
+    return json.dumps(key)[:-1]
+
+
 def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes: int = BLOCK_BYTES) -> FileLayout:
     """Place ``items`` (in this order) in a data file; see the module docstring.
 
-    One pass, a few operations per item: offline tools plan thousands of files of
-    thousands of tiny chunks each.
+    One pass, a few operations per item, the JSON header written as text directly:
+    offline tools plan thousands of files of thousands of tiny chunks each.
     """
     aligned = any(i.nbytes >= ALIGN_MIN for i in items)
-    header: dict[str, Any] = {"__metadata__": {"format": md.FORMAT_NAME, "version": str(md.FORMAT_VERSION),
-                                               "save_id": save_id}}
+    meta = {"format": md.FORMAT_NAME, "version": str(md.FORMAT_VERSION), "save_id": save_id}
+    out: list[str] = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"))]
+    names: set[str] = set()
     rel: list[int] = []
     crc_first: list[int] = []
     pos = pads = n_crcs = 0
@@ -135,23 +141,26 @@ def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes
         a = ALIGN if nbytes >= ALIGN_MIN else size
         start = -(-pos // a) * a
         if start > pos:
-            header[f"__pad{pads}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
+            out.append(f',"__pad{pads}":{{"dtype":"U8","shape":[{start - pos}],"data_offsets":[{pos},{start}]}}')
             pads += 1
         box = item.box
-        header[f"{item.key}@{','.join(map(str, box.offsets))}"] = {
-            "dtype": st or "U8", "shape": list(box.sizes) if st else [nbytes],
-            "data_offsets": [start, start + nbytes]}
+        name = f'{_json_key(item.key)}@{",".join(map(str, box.offsets))}"'
+        if name in names:
+            raise ValueError(f"{item.key!r}: two chunks at offsets {box.offsets} in one data file")
+        names.add(name)
+        shape = ",".join(map(str, box.sizes)) if st else str(nbytes)
+        out.append(f',{name}:{{"dtype":"{st or "U8"}","shape":[{shape}],"data_offsets":[{start},{start + nbytes}]}}')
         rel.append(start)
         pos = start + nbytes
         crc_first.append(n_crcs)
         n_crcs += (1 if nbytes else 0) if nbytes <= block_bytes else n_blocks(box.sizes, nbytes, block_bytes)
     index_rel = _align(pos, ALIGN if aligned else 8)
     if index_rel > pos:
-        header[f"__pad{pads}"] = {"dtype": "U8", "shape": [index_rel - pos], "data_offsets": [pos, index_rel]}
+        out.append(f',"__pad{pads}":{{"dtype":"U8","shape":[{index_rel - pos}],"data_offsets":[{pos},{index_rel}]}}')
     index_length = _HEAD.size + _ROW * len(items) + 4 * n_crcs + (16 * len(items) if hashes else 0)
     span = _align(index_length, ALIGN) if aligned else index_length  # the file ends on a block boundary
-    header[INDEX_NAME] = {"dtype": "U8", "shape": [span], "data_offsets": [index_rel, index_rel + span]}
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    out.append(f',"{INDEX_NAME}":{{"dtype":"U8","shape":[{span}],"data_offsets":[{index_rel},{index_rel + span}]}}}}')
+    raw = "".join(out).encode()
     raw += b" " * (-(8 + len(raw)) % (ALIGN if aligned else 8))
     blob = struct.pack("<Q", len(raw)) + raw
     base = len(blob)

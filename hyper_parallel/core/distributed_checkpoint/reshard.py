@@ -23,6 +23,7 @@ is re-exported here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import uuid
@@ -314,7 +315,12 @@ class _SourceData:
 def _contiguous_run(shape: tuple[int, ...], box: Box) -> tuple[int, int] | None:
     """(first element, element count) of ``box`` in a row-major tensor of ``shape`` when
     the box is one contiguous range (dims before the last partial one have size 1), else None."""
-    sizes, offsets = box.sizes, box.offsets
+    return _run(shape, box.offsets, box.sizes)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _run(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
+    # keys laid out alike ask for the same box: computed once per (shape, box)
     i = len(shape) - 1
     while i >= 0 and sizes[i] == shape[i]:
         i -= 1

@@ -17,6 +17,7 @@ The coordinator then merges every rank's file records into the checkpoint's meta
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,14 +61,17 @@ class WriteResult:
 
 def _split_files(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
     """Items into at most ``n`` files of similar size, each in (key, sub) order."""
-    bins: list[list[WriteItem]] = [[] for _ in range(max(1, min(n, len(items))))]
+    order = operator.attrgetter("key", "sub")
+    if n <= 1 or len(items) <= 1:
+        return [sorted(items, key=order)] if items else []
+    bins: list[list[WriteItem]] = [[] for _ in range(min(n, len(items)))]
     loads = [0] * len(bins)
     for item in sorted(items, key=lambda i: -i.nbytes):
         j = loads.index(min(loads))
         bins[j].append(item)
         loads[j] += item.nbytes
     for b in bins:
-        b.sort(key=lambda i: (i.key, i.sub))
+        b.sort(key=order)
     return [b for b in bins if b]
 
 
@@ -244,9 +248,11 @@ def write_plan(
     for (record, digests, written), witems in zip(outs, groups, strict=True):
         result.files.append(record)
         result.nbytes += written
-        boxes = {(w.key, w.sub): w.box for w in witems}
-        result.digests.update({ks: (d, boxes[ks], record.name) for ks, d in digests.items()})
-        result.rows.extend((w.key, w.sub, w.box, record.name) for w in witems if w.key in tables)
+        if digests:
+            boxes = {(w.key, w.sub): w.box for w in witems}
+            result.digests.update({ks: (d, boxes[ks], record.name) for ks, d in digests.items()})
+        if tables:
+            result.rows.extend((w.key, w.sub, w.box, record.name) for w in witems if w.key in tables)
     return result
 
 
