@@ -787,13 +787,17 @@ def hsdp_ranks(rank: int, ws: int, cfg: dict) -> dict:
         sizes[lib] = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
                          if n != ".metadata" and not n.startswith("."))
     target = dtensors(False)
+    # ours_noshare: every replica reads for itself (broadcast_replicated_tensors=False), as before
+    loaders = {"ours": (b.ours_load, {}), "ours_noshare": (b.ours_load, {"broadcast_replicated_tensors": False}),
+               "torch": (b.torch_load, {})}
     for rep in range(cfg["reps"]):
-        for lib in b.order(rep, ["ours", "torch"]):
+        for lib in b.order(rep, list(loaders)):
             if rep == 0:
                 for v in target.values():
                     v._local_tensor.zero_()
-            fn = b.ours_load if lib == "ours" else b.torch_load
-            rec = b.timed(lambda fn=fn, lib=lib: fn(target, kept[lib]), cold=[kept[lib]])
+            fn, kw = loaders[lib]
+            path = kept["torch" if lib == "torch" else "ours"]
+            rec = b.timed(lambda fn=fn, kw=kw, path=path: fn(target, path, **kw), cold=[path])
             if rep == 0:
                 rec["correct"] = correct(target)
             b.record("hsdp_load", lib, rec, total)
