@@ -73,6 +73,9 @@ __all__ = [
 
 PathLike = str | os.PathLike
 ALIGN = 64  # byte alignment of every tensor in a staging buffer
+# Large tensors start on page boundaries (and the buffer on one), so the background write can
+# hand their memory to O_DIRECT as it is, with no copy through a bounce buffer.
+PAGE_ALIGN, PAGE_ALIGN_MIN = 4096, 64 << 10
 _BOUNDED = object()  # "wait at most the checkpointer's wait_timeout_s"
 _STAGING_MODES = ("eager", "lazy")
 
@@ -144,9 +147,10 @@ class _StagingBuffer:
         self.signature = signature
         offsets, pos = [], 0
         for _, spec in signature:
-            pos += -pos % ALIGN
+            n = _nbytes(spec)
+            pos += -pos % (PAGE_ALIGN if n >= PAGE_ALIGN_MIN else ALIGN)
             offsets.append(pos)
-            pos += _nbytes(spec)
+            pos += n
         self.nbytes = pos
         self.flat = _allocate(pos, pinned)
         self.pinned = self.flat.is_pinned() if pos else pinned
@@ -165,14 +169,19 @@ class _StagingBuffer:
 
 
 def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of host memory starting on a page boundary (pinned if asked and possible)."""
+    raw = None
     if pinned:
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            raw = torch.empty(nbytes + PAGE_ALIGN, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:  # pageable memory still works, but copies are slower and synchronous
             warnings.warn(f"async_save: pinning a {nbytes}-byte staging buffer failed ({exc}); using pageable "
                           "memory, so snapshots from the accelerator are slower and block on each copy",
                           stacklevel=2)
-    return torch.empty(nbytes, dtype=torch.uint8)
+    if raw is None:
+        raw = torch.empty(nbytes + PAGE_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE_ALIGN
+    return raw[skip:skip + nbytes]
 
 
 def _wrap_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
