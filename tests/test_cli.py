@@ -134,3 +134,41 @@ def test_ls_lists_the_steps_of_a_manager_directory_committed_or_not(tmp_path):
         (10, "committed", 2), (20, "committed", 2), (30, "uncommitted", 1)]
     assert doc["steps"][0]["metrics"] == {"loss": 0.25, "acc": "nan"} and doc["steps"][0]["references"] == []
     assert run("ls", str(tmp_path / "missing")).returncode == 2
+
+
+def _rank_local_save(rank: int, ws: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ws,))
+    save({"w": distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)])}, checkpoint_id=path,
+         use_collectives=False)
+
+
+def test_gc_keeps_every_file_a_rank_local_checkpoint_names(tmp_path):
+    from multiprocess import run_ranks
+
+    from hyper_parallel.core.distributed_checkpoint import load
+
+    path = str(tmp_path / "local")
+    run_ranks(_rank_local_save, 2, path)
+    data = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    assert len(data) == 2 and not os.path.exists(os.path.join(path, ".metadata"))
+    debris = "data-r00007-0-00ff.safetensors"
+    with open(os.path.join(path, debris), "wb") as f:
+        f.write(b"x")
+    out = run("gc", path)
+    assert out.returncode == 0, out.stderr
+    assert sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) == data  # only the debris went
+    assert torch.equal(load(path=path)["w"], torch.arange(64.0).reshape(8, 8))
+    os.remove(os.path.join(path, ".metadata-r00001"))  # a fragment missing: refuse, delete nothing
+    out = run("gc", path)
+    assert out.returncode != 0 and "fragment" in (out.stderr + out.stdout)
+    assert sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) == data
+
+
+def test_verify_of_a_format_v1_checkpoint_reports_no_debris():
+    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "v1", "ckpt")
+    out = run("verify", fixture)
+    assert out.returncode == 0, out.stderr
+    assert "unreferenced" not in out.stdout

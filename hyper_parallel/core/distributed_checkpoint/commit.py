@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from . import metadata as md
 from .coordination import Coordinator
 from .errors import CommitError, LostContactError, NotACheckpointError, RankFailedError
+from .fragments import read_checkpoint_metadata
 from .storage import StorageWriter
 
 T = TypeVar("T")
@@ -243,13 +244,15 @@ def unreferenced_files(reader: Any, referenced: list[str]) -> list[str]:
 def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False) -> list[str]:
     """Remove the debris of failed or replaced saves from a checkpoint directory.
 
-    Debris is what this library writes that the committed ``.metadata`` does not name (data
-    files, temporary metadata); everything else is left alone. Do not run it while a save
-    to the same path is in progress: that save's files are not named by ``.metadata`` yet.
-    Returns the names removed (or, with ``dry_run``, that would be).
+    Debris is what this library writes that the committed ``.metadata`` (or, in a rank-local
+    checkpoint, the rank fragments together) does not name (data files, temporary metadata);
+    everything else is left alone. Fragments that are missing or disagree are an error, not a
+    reason to delete. Do not run it while a save to the same path is in progress: that save's
+    files are not named by ``.metadata`` yet. Returns the names removed (or, with ``dry_run``,
+    that would be).
     """
     try:
-        referenced = md.Metadata.from_json(reader.read_metadata()).file_names()
+        referenced = md.Metadata.from_json(read_checkpoint_metadata(reader)).file_names()
     except NotACheckpointError:
         referenced = []
     garbage = unreferenced_files(reader, referenced)

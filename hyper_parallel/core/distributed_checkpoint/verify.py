@@ -129,7 +129,7 @@ def verify_checkpoint(
             report.problems.append(
                 f"{key!r}: chunks cover {covered} of {math.prod(entry.shape or ())} elements")
     report.files = len(by_file)
-    report.unreferenced = unreferenced_files(reader, meta.files)
+    report.unreferenced = unreferenced_files(reader, meta.file_names())
     try:
         for name, records in sorted(by_file.items()):
             try:
