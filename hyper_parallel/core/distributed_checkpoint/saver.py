@@ -41,14 +41,15 @@ from .streams import StreamFence
 class WriteResult:
     """What one rank wrote: its data files, the JSON values it records, table chunks it wrote.
 
-    ``rows`` are ``(key, sub, box, file name)`` of chunks of table-stored keys (those whose
-    spec has no store); ``digests`` the content hash of every chunk written, when asked for
-    (incremental saves keep them; they are not sent to the coordinator).
+    ``rows`` are ``(key, sub, box, file dir, file name)`` of chunks of table-stored keys (those
+    whose spec has no store), written now (dir "") or reused from an earlier step's file;
+    ``digests`` the content hash of every chunk written, when asked for (incremental saves
+    keep them; they are not sent to the coordinator).
     """
 
     files: list[md.FileRecord] = field(default_factory=list)
     objects: dict[str, Any] = field(default_factory=dict)
-    rows: list[tuple[str, int, Box, str]] = field(default_factory=list)
+    rows: list[tuple[str, int, Box, str, str]] = field(default_factory=list)
     nbytes: int = 0
     reused: list[tuple[str, int, md.FileRecord]] = field(default_factory=list)  # (key, sub, earlier step's file)
     # kept on the rank (incremental saves), not sent to the coordinator:
@@ -164,6 +165,7 @@ def write_plan(
     for key in plan.objects:
         result.objects[key] = planner.resolve_data(WriteItem(key, Box((), ()), 0))
     items, known = plan.items, {}
+    tables = {k for k, spec in plan.entries.items() if spec.store is None and spec.kind != "object"}
     if reuse:
         same: dict[tuple[str, int], bool] = {}  # per (key, box): every sub-chunk unchanged
         for item in plan.items:
@@ -179,10 +181,11 @@ def write_plan(
                 prior = reuse[(item.key, item.sub)]
                 result.reused.append((item.key, item.sub, prior.file))
                 result.known_reused[(item.key, item.sub)] = prior
+                if item.key in tables:
+                    result.rows.append((item.key, item.sub, item.box, prior.file.dir, prior.file.name))
             else:
                 items.append(item)
     groups = _split_files(items, thread_count)
-    tables = {k for k, spec in plan.entries.items() if spec.store is None and spec.kind != "object"}
 
     def write_group(index: int, witems: list[WriteItem]) -> tuple[md.FileRecord, dict, int]:
         name = data_file_name(rank, index, save_id)
@@ -252,7 +255,7 @@ def write_plan(
             boxes = {(w.key, w.sub): w.box for w in witems}
             result.digests.update({ks: (d, boxes[ks], record.name) for ks, d in digests.items()})
         if tables:
-            result.rows.extend((w.key, w.sub, w.box, record.name) for w in witems if w.key in tables)
+            result.rows.extend((w.key, w.sub, w.box, "", record.name) for w in witems if w.key in tables)
     return result
 
 
@@ -299,11 +302,11 @@ def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], s
     files = list({(f.dir, f.name): f for f in files}.values())
     file_index = {(f.dir, f.name): i for i, f in enumerate(files)}
     objects: dict[str, Any] = {}
-    rows: dict[str, list[tuple[int, Box, str]]] = {}
+    rows: dict[str, list[tuple[int, Box, tuple[str, str]]]] = {}
     for r in results:
         objects.update(r.objects)
-        for key, sub, box, name in r.rows:
-            rows.setdefault(key, []).append((sub, box, name))
+        for key, sub, box, d, name in r.rows:
+            rows.setdefault(key, []).append((sub, box, (d, name)))
     out = {}
     for key, spec in entries.items():
         entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, objects.get(key), spec.store)
@@ -331,14 +334,14 @@ def _with_where(spec: EntrySpec, reused: list[tuple[int, str]], dirs: list[str])
     return md.GridStore(store.tiles, store.offset, store.copies, store.writer, store.layout, runs)
 
 
-def _table(key: str, spec: EntrySpec, rows: list[tuple[int, Box, str]], file_index: dict) -> md.TableStore:
+def _table(key: str, spec: EntrySpec, rows: list[tuple[int, Box, tuple[str, str]]], file_index: dict) -> md.TableStore:
     ndim = len(spec.shape or ())
     if [s for s, _, _ in rows] != list(range(len(rows))):
         raise ValueError(f"{key!r}: table chunks must have sub ids 0..n-1, found {[s for s, _, _ in rows][:10]}")
     return md.TableStore(
         np.array([b.offsets for _, b, _ in rows], dtype=np.int64).reshape(len(rows), ndim),
         np.array([b.sizes for _, b, _ in rows], dtype=np.int64).reshape(len(rows), ndim),
-        np.array([file_index[("", n)] for _, _, n in rows], dtype=np.int32))
+        np.array([file_index[f] for _, _, f in rows], dtype=np.int32))
 
 
 from .single_file import save_checkpoint  # noqa: E402, F401  (HyperParallel single-file API)

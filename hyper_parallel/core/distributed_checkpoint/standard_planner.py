@@ -565,6 +565,8 @@ class _GlobalPlan(Sequence):
         return self.size
 
     def __getitem__(self, rank: int) -> SavePlan:  # type: ignore[override]
+        if not 0 <= rank < self.size:  # also ends iteration (``for plan in global_plan``)
+            raise IndexError(f"rank {rank} is outside the save's {self.size} ranks")
         plan = self._plans.get(rank)
         if plan is None:
             plan = self._plans[rank] = self._plan_of(rank)

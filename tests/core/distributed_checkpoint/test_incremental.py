@@ -137,3 +137,35 @@ def test_incremental_steps_on_an_s3_server(s3_bucket):
     assert len(step1) == 1 and step1[0].rsplit("/", 1)[-1].startswith("data-r00000-")
     assert sum(fs.size(p) for p in fs.ls(f"{bucket}/run/step_00000002") if p.endswith(".safetensors")) \
         < 0.1 * fs.size(step1[0])
+
+
+def test_table_stored_keys_reuse_earlier_files_and_load(tmp_path):
+    """A planner that leaves stores unset (table-stored keys): unchanged chunks are named in
+    the earlier step's file, not dropped."""
+    import dataclasses
+
+    from hyper_parallel.core.distributed_checkpoint import StandardPlanner, save
+    from hyper_parallel.core.distributed_checkpoint.incremental import IncrementalState
+    from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
+
+    class Tables(StandardPlanner):
+        def create_global_save_plan(self, plans):
+            out = []
+            for plan in super().create_global_save_plan(plans):  # a sequence of per-rank plans
+                entries = {k: spec if spec.kind == "object" else dataclasses.replace(spec, store=None)
+                           for k, spec in plan.entries.items()}
+                out.append(SavePlan(entries, list(plan.items), list(plan.objects)))
+            return out
+
+    sd = model(256)
+    inc = IncrementalState()
+    for step in (1, 2):
+        if step == 2:
+            sd["lora"] = sd["lora"] + 1
+        inc.begin(f"step_{step}")
+        save(sd, str(tmp_path / f"step_{step}"), planner=Tables(), incremental=inc, no_dist=True)
+    second = str(tmp_path / "step_2")
+    assert data_bytes(second) < data_bytes(str(tmp_path / "step_1")) / 4
+    out = load(path=second)
+    assert [k for k in ("base", "emb", "lora", "exp_avg") if not torch.equal(out[k], sd[k])] == []
+    assert verify_checkpoint(second).ok
