@@ -114,8 +114,10 @@ def _grid_refs(meta: md.Metadata, entry: md.Entry, boxes: list[int], rank: int |
         d = loc.dir_of(b)
         if store.writer is not None:
             writers = [store.writer]
+        elif store.copies == "all" and g.replicas == 1:
+            writers = [g.holder(b, 0)]  # the one holder writes it
         elif store.copies == "all":
-            holders = [g.holder(b, q) for q in range(g.replicas)] if g.replicas > 1 else [g.holder(b, 0)]
+            holders = [g.holder(b, q) for q in range(g.replicas)]
             first = g.writer(b, store.offset)
             writers = ([rank] if rank in holders else []) + [first] + [h for h in holders if h not in (rank, first)]
         else:
