@@ -68,6 +68,16 @@ def filesystem_name(path: str) -> str:
     return DIRECT_FILESYSTEMS.get(magic) or _NAMES.get(magic) or f"{magic:#x}"
 
 
+# statfs f_type of filesystems that live on one node (a disk or memory of this machine).
+LOCAL_FILESYSTEMS = {0xEF53, 0x58465342, 0x9123683E, 0xF2F52010, 0xCA451A4E, 0x01021994, 0x858458F6, 0x794C7630}
+
+
+def is_node_local(path: str) -> bool:
+    """Whether ``path`` is on a filesystem of this node only (ext4, xfs, btrfs, f2fs,
+    bcachefs, tmpfs, ramfs, overlayfs); False for network and unknown filesystems."""
+    return _statfs_type(path) in LOCAL_FILESYSTEMS
+
+
 def direct_io_default(path: str) -> bool:
     """Whether writing files under ``path`` with O_DIRECT is the automatic choice."""
     return bool(O_DIRECT) and _statfs_type(path) in DIRECT_FILESYSTEMS

@@ -506,6 +506,11 @@ class FileSystemReader(StorageReader):
     def file_size(self, name: str) -> int:
         return os.fstat(self._fd(name)).st_size
 
+    @property
+    def shared_storage(self) -> bool:
+        """False on a filesystem of this node only (see :func:`.direct_io.is_node_local`)."""
+        return not direct_io.is_node_local(self.path)
+
     def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
         view = memoryview(buffer).cast("B")
         want = view.nbytes

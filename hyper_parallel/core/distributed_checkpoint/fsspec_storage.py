@@ -91,6 +91,12 @@ class FsspecReader(StorageReader):
             return f"{self.root.rsplit('/', 1)[0]}/{name[3:]}"
         return f"{self.root}/{name}"
 
+    @property
+    def shared_storage(self) -> bool:
+        """False for local files and ``memory://``; True for object stores and the like."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        return not {"file", "local", "memory"} & set(protocols)
+
     def _missing(self, name: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"data file {self._path(name)!r} is missing; the checkpoint is incomplete")
 

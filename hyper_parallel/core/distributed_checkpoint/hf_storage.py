@@ -246,6 +246,12 @@ class _LocalFiles(StorageReader):
     def read_metadata(self) -> bytes:
         raise NotImplementedError("a Hugging Face directory has no .metadata")
 
+    @property
+    def shared_storage(self) -> bool:
+        from .direct_io import is_node_local
+
+        return not is_node_local(self.path)
+
     def _fd(self, name: str) -> int:
         with self._lock:
             fd = self._fds.get(name)
@@ -345,6 +351,10 @@ class HuggingFaceStorageReader(StorageReader):
     def bytes_read(self) -> int:  # type: ignore[override]
         """Bytes read so far through this reader (headers and index included)."""
         return self.files.bytes_read
+
+    @property
+    def shared_storage(self) -> bool:
+        return self.files.shared_storage
 
     def set_up(self, rank: int, is_coordinator: bool) -> None:
         super().set_up(rank, is_coordinator)

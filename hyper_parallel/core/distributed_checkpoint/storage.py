@@ -144,6 +144,14 @@ class StorageReader(abc.ABC):
         """
         return None
 
+    @property
+    def shared_storage(self) -> bool:
+        """Whether the bytes come from storage that many nodes read over a network (a network
+        filesystem, an object store). There, ``load`` reads what several ranks need once and
+        sends it to the others (``broadcast_replicated_tensors=None``); on storage local to
+        one node the page cache already serves every rank. Default: True."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release open files; the reader may be set up again afterwards."""
 
