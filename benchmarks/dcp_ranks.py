@@ -787,8 +787,8 @@ def hsdp_ranks(rank: int, ws: int, cfg: dict) -> dict:
         sizes[lib] = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
                          if n != ".metadata" and not n.startswith("."))
     target = dtensors(False)
-    # ours: shared reads forced on (what the default does on network storage); ours_noshare: every
-    # replica reads for itself (what the default does on a node's own disk, as here)
+    # ours: shared reads (the default on disks and network storage); ours_noshare: every replica
+    # reads for itself (broadcast_replicated_tensors=False; the default for files in memory)
     loaders = {"ours": (b.ours_load, {"broadcast_replicated_tensors": True}),
                "ours_noshare": (b.ours_load, {"broadcast_replicated_tensors": False}),
                "torch": (b.torch_load, {})}

@@ -439,12 +439,12 @@ def load(
         broadcast_replicated_tensors: True: read each saved chunk that several ranks need
             (replicas: HSDP, DDP, ``Replicate``, plain tensors) from storage once, by one of
             them, and send it to the others over the group (see :mod:`.shared_reads`). False:
-            every rank reads what it needs itself. None (default): True where the storage is
-            shared by nodes over a network (network filesystems, object stores: the reader's
-            ``shared_storage``), False on a node's own disk or memory, where one page cache
-            already serves every rank and sending is slower (measured: 2x on 4 gloo ranks).
-            The coordinator's reader decides for all. Changes how bytes are fetched, never
-            what is loaded.
+            every rank reads what it needs itself. None (default): True, except where the files
+            live in memory (tmpfs, ramfs, ``memory://``: the reader's ``memory_backed``), where
+            reading again is as cheap as receiving. The coordinator's reader decides for all.
+            On one machine with a fast local disk sharing can be slower than every replica
+            reading (measured 2x on 4 gloo ranks: one page cache serves them all); pass False
+            there. Changes how bytes are fetched, never what is loaded.
         broadcast_batch_bytes: bytes of shared chunks a rank holds at once while sending or
             receiving them (default 256 MiB).
         broadcast_groups: HyperParallel's explicit replica groups; accepted and not needed
@@ -509,7 +509,7 @@ def load(
         elif coord.is_coordinator:
             raw.append(read_checkpoint_metadata(reader, where or "checkpoint"))
             if broadcast_replicated_tensors is None:  # decided once, for every rank
-                auto_share.append(bool(getattr(reader, "shared_storage", True)))
+                auto_share.append(not getattr(reader, "memory_backed", False))
 
     loaded: list[Any] = []
     try:

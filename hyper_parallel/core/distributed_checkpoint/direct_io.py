@@ -68,14 +68,12 @@ def filesystem_name(path: str) -> str:
     return DIRECT_FILESYSTEMS.get(magic) or _NAMES.get(magic) or f"{magic:#x}"
 
 
-# statfs f_type of filesystems that live on one node (a disk or memory of this machine).
-LOCAL_FILESYSTEMS = {0xEF53, 0x58465342, 0x9123683E, 0xF2F52010, 0xCA451A4E, 0x01021994, 0x858458F6, 0x794C7630}
+MEMORY_FILESYSTEMS = {0x01021994, 0x858458F6}  # tmpfs, ramfs
 
 
-def is_node_local(path: str) -> bool:
-    """Whether ``path`` is on a filesystem of this node only (ext4, xfs, btrfs, f2fs,
-    bcachefs, tmpfs, ramfs, overlayfs); False for network and unknown filesystems."""
-    return _statfs_type(path) in LOCAL_FILESYSTEMS
+def is_memory_filesystem(path: str) -> bool:
+    """Whether ``path`` is on a filesystem kept in memory (tmpfs, ramfs)."""
+    return _statfs_type(path) in MEMORY_FILESYSTEMS
 
 
 def direct_io_default(path: str) -> bool:

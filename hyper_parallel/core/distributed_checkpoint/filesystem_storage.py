@@ -507,9 +507,9 @@ class FileSystemReader(StorageReader):
         return os.fstat(self._fd(name)).st_size
 
     @property
-    def shared_storage(self) -> bool:
-        """False on a filesystem of this node only (see :func:`.direct_io.is_node_local`)."""
-        return not direct_io.is_node_local(self.path)
+    def memory_backed(self) -> bool:
+        """True on tmpfs and ramfs (see :attr:`StorageReader.memory_backed`)."""
+        return direct_io.is_memory_filesystem(self.path)
 
     def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
         view = memoryview(buffer).cast("B")

@@ -92,10 +92,10 @@ class FsspecReader(StorageReader):
         return f"{self.root}/{name}"
 
     @property
-    def shared_storage(self) -> bool:
-        """False for local files and ``memory://``; True for object stores and the like."""
+    def memory_backed(self) -> bool:
+        """True for ``memory://``."""
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        return not {"file", "local", "memory"} & set(protocols)
+        return "memory" in protocols
 
     def _missing(self, name: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"data file {self._path(name)!r} is missing; the checkpoint is incomplete")

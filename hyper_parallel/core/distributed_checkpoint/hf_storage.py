@@ -247,10 +247,10 @@ class _LocalFiles(StorageReader):
         raise NotImplementedError("a Hugging Face directory has no .metadata")
 
     @property
-    def shared_storage(self) -> bool:
-        from .direct_io import is_node_local
+    def memory_backed(self) -> bool:
+        from .direct_io import is_memory_filesystem
 
-        return not is_node_local(self.path)
+        return is_memory_filesystem(self.path)
 
     def _fd(self, name: str) -> int:
         with self._lock:
@@ -353,8 +353,8 @@ class HuggingFaceStorageReader(StorageReader):
         return self.files.bytes_read
 
     @property
-    def shared_storage(self) -> bool:
-        return self.files.shared_storage
+    def memory_backed(self) -> bool:
+        return self.files.memory_backed
 
     def set_up(self, rank: int, is_coordinator: bool) -> None:
         super().set_up(rank, is_coordinator)

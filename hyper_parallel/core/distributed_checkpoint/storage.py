@@ -145,12 +145,12 @@ class StorageReader(abc.ABC):
         return None
 
     @property
-    def shared_storage(self) -> bool:
-        """Whether the bytes come from storage that many nodes read over a network (a network
-        filesystem, an object store). There, ``load`` reads what several ranks need once and
-        sends it to the others (``broadcast_replicated_tensors=None``); on storage local to
-        one node the page cache already serves every rank. Default: True."""
-        return True
+    def memory_backed(self) -> bool:
+        """Whether the files live in memory (tmpfs, ramfs, ``memory://``), where reading a
+        byte again costs no more than receiving it from another rank: ``load`` then lets
+        every rank read for itself instead of sharing replicated reads
+        (``broadcast_replicated_tensors=None``). Default: False."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release open files; the reader may be set up again afterwards."""

@@ -30,10 +30,10 @@ class CountingReader(FileSystemReader):
         return super().read_into(name, offset, buffer)
 
 
-class NetworkReader(CountingReader):
-    """The same files, presented as storage that many nodes share (a network filesystem)."""
+class MemoryReader(CountingReader):
+    """The same files, presented as kept in memory (as on tmpfs)."""
 
-    shared_storage = True
+    memory_backed = True
 
 
 def test_assignment_gives_each_shared_chunk_one_reader_balanced_and_batched():
@@ -58,7 +58,7 @@ def test_assignment_gives_each_shared_chunk_one_reader_balanced_and_batched():
     assert assign(needs, batch_bytes=150).rounds == a.rounds  # the same on every rank
 
 
-def rank_hsdp(rank: int, ws: int, path: str, share: bool | None, batch: int | None, network: bool = False) -> dict:
+def rank_hsdp(rank: int, ws: int, path: str, share: bool | None, batch: int | None, memory: bool = False) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     w = make_tensor((256, 512), seed=1)
     b = make_tensor((512,), seed=2)
@@ -67,7 +67,7 @@ def rank_hsdp(rank: int, ws: int, path: str, share: bool | None, batch: int | No
         save(sd, checkpoint_id=path)
     target = {"w": make_dtensor(torch.zeros(256, 512), mesh, [Replicate(), Shard(0)]),
               "b": torch.zeros(512), "step": 0}
-    reader = (NetworkReader if network else CountingReader)(path)
+    reader = (MemoryReader if memory else CountingReader)(path)
     load(target, storage_reader=reader, broadcast_replicated_tensors=share, broadcast_batch_bytes=batch)
     want = make_dtensor(w, mesh, [Replicate(), Shard(0)]).to_local()
     assert torch.equal(target["w"].to_local(), want) and torch.equal(target["b"], b) and target["step"] == 5
@@ -87,18 +87,15 @@ def test_hsdp_replicas_read_each_byte_once(tmp_path, batch):
     assert max(r["payload"] for r in shared) <= 0.5 * checkpoint  # the reads are spread over the ranks
 
 
-def test_by_default_only_storage_shared_by_nodes_is_read_once(tmp_path):
-    """broadcast_replicated_tensors=None: share over the group where the storage is a network's
-    (the reader's shared_storage), read alone on a node's own disk (one page cache serves all)."""
-    from hyper_parallel.core.distributed_checkpoint import direct_io
-
+def test_by_default_replicas_read_once_unless_the_files_are_in_memory(tmp_path):
+    """broadcast_replicated_tensors=None: share reads, except where the files live in memory
+    (the reader's memory_backed: reading again costs no more than receiving)."""
     path = str(tmp_path / "ckpt")
     checkpoint = 256 * 512 * 4 + 512 * 4
-    network = sum(r["payload"] for r in run_ranks(rank_hsdp, 4, path, None, None, True))
-    assert network <= 1.05 * checkpoint, (network, checkpoint)
-    if direct_io.is_node_local(path):
-        local = sum(r["payload"] for r in run_ranks(rank_hsdp, 4, path, None, None, False))
-        assert local >= 1.9 * checkpoint, (local, checkpoint)
+    default = sum(r["payload"] for r in run_ranks(rank_hsdp, 4, path, None, None, False))
+    assert default <= 1.05 * checkpoint, (default, checkpoint)
+    memory = sum(r["payload"] for r in run_ranks(rank_hsdp, 4, path, None, None, True))
+    assert memory >= 1.9 * checkpoint, (memory, checkpoint)
 
 
 def rank_corrupt(rank: int, ws: int, path: str) -> str:
@@ -128,13 +125,13 @@ def test_a_corrupt_shared_chunk_fails_every_rank_naming_it(tmp_path):
     assert all("checksum" in msg and "'b" in msg for msg in out), out
 
 
-def test_readers_say_whether_their_storage_is_shared_by_nodes(tmp_path, s3_bucket):
+def test_readers_say_whether_their_files_are_in_memory(tmp_path, s3_bucket):
     from hyper_parallel.core.distributed_checkpoint import FsspecReader, HuggingFaceStorageReader, direct_io
 
-    assert FsspecReader("memory://x").shared_storage is False
-    assert FsspecReader(f"s3://{s3_bucket[0]}/c", **s3_bucket[1]).shared_storage is True
-    local = direct_io.is_node_local(str(tmp_path))
-    assert FileSystemReader(str(tmp_path)).shared_storage is (not local)
-    assert HuggingFaceStorageReader(str(tmp_path)).shared_storage is (not local)
-    if os.path.isdir("/dev/shm"):
-        assert FileSystemReader("/dev/shm").shared_storage is False  # tmpfs: this node's memory
+    assert FsspecReader("memory://x").memory_backed is True
+    assert FsspecReader(f"s3://{s3_bucket[0]}/c", **s3_bucket[1]).memory_backed is False
+    in_memory = direct_io.filesystem_name(str(tmp_path)) in ("tmpfs", "ramfs")
+    assert FileSystemReader(str(tmp_path)).memory_backed is in_memory
+    assert HuggingFaceStorageReader(str(tmp_path)).memory_backed is in_memory
+    if os.path.isdir("/dev/shm") and direct_io.filesystem_name("/dev/shm") == "tmpfs":
+        assert FileSystemReader("/dev/shm").memory_backed is True
