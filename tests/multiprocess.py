@@ -79,7 +79,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120,
             now = time.monotonic()
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
             if dead:
-                time.sleep(0.3)
+                time.sleep(1.0)  # its last message may still be on the way
                 if q.empty():
                     for i in dead:
                         results[i] = ("crash", f"rank {i} exited with code {procs[i].exitcode}")
@@ -99,6 +99,11 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120,
         if os.path.exists(init_file):
             os.unlink(init_file)
         os.rmdir(d)
+    # A rank marked crashed because its exit was seen before its message: keep what it said.
+    while not q.empty():
+        r, kind, payload = q.get()
+        if results.get(r, ("crash",))[0] == "crash":
+            results[r] = (kind, payload)
     errs = {r: v for r, v in results.items() if v[0] != "ok"}
     missing = [r for r in range(world_size) if r not in results]
     if errs or missing:
