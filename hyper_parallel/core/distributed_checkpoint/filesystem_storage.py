@@ -506,6 +506,19 @@ class FileSystemReader(StorageReader):
     def file_size(self, name: str) -> int:
         return os.fstat(self._fd(name)).st_size
 
+    def prefetch(self, ranges: Iterable[tuple[str, int, int]]) -> bool:
+        """``posix_fadvise(WILLNEED)`` on each range: the kernel reads them in parallel into
+        the page cache while the caller goes on (buffered reads then find them there)."""
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is None:
+            return False
+        for name, offset, length in ranges:
+            try:
+                advise(self._fd(name), offset, length, os.POSIX_FADV_WILLNEED)
+            except (OSError, CorruptCheckpointError):
+                return False  # only a hint; the read itself reports real problems
+        return True
+
     @property
     def memory_backed(self) -> bool:
         """True on tmpfs and ramfs (see :attr:`StorageReader.memory_backed`)."""

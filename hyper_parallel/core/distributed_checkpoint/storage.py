@@ -144,6 +144,13 @@ class StorageReader(abc.ABC):
         """
         return None
 
+    def prefetch(self, ranges: Iterable[tuple[str, int, int]]) -> bool:
+        """Hint that byte ranges ``(file, offset, length)`` will be read soon, so the storage
+        fetches them in parallel (a load that touches thousands of small files). Returns
+        whether it did: the loader then reads those ranges in one thread; otherwise it reads
+        them from several. Optional; the default does nothing and returns False."""
+        return False
+
     @property
     def memory_backed(self) -> bool:
         """Whether the files live in memory (tmpfs, ramfs, ``memory://``), where reading a

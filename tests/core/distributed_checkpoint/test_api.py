@@ -335,3 +335,40 @@ def test_an_empty_state_dict_and_a_path_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(CheckpointError, match="not a directory"):
         save({"w": torch.ones(1)}, str(tmp_path / "f"))
+
+
+class _Hinting(FileSystemReader):
+    """Records the prefetch hints a load gives; ``accept=False`` plays a storage without them."""
+
+    def __init__(self, path, accept=True):
+        super().__init__(path)
+        self.accept, self.hints = accept, []
+
+    def prefetch(self, ranges):
+        ranges = list(ranges)
+        self.hints.append(ranges)
+        return super().prefetch(ranges) if self.accept else False
+
+
+@pytest.mark.parametrize("accept", [True, False])
+def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, accept):
+    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
+
+    sd = {f"w{i}": make_tensor((256, 8), seed=i) for i in range(3)}
+    save(sd, str(tmp_path / "src"), no_dist=True)
+    dst = str(tmp_path / "dp32")
+    offline_transform(str(tmp_path / "src"), dst, dst_layout={"*": Layout((32,), ("dp",))("dp", "None")})
+    reader = _Hinting(dst, accept)
+    target = {"w1": torch.zeros(256, 8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # strict=False: the other keys are not asked for
+        load(target, storage_reader=reader, strict=False)
+    assert torch.equal(target["w1"], sd["w1"])
+    meta = read_metadata(FileSystemReader(dst))
+    indexes = {(f.path, f.index_offset, f.index_length) for f in meta.files}
+    assert set(reader.hints[0]) == indexes  # every file's index first
+    if accept:  # then the 8-row chunk of "w1" in each of the 32 files
+        assert len(reader.hints) == 2 and len(reader.hints[1]) == 32
+        assert all(length == 8 * 8 * 4 for _, _, length in reader.hints[1])
+    else:
+        assert len(reader.hints) == 2  # hinted, refused, and read from several threads as before
