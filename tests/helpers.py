@@ -140,3 +140,35 @@ def payload_start(path: str, entry: str) -> int:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
     return 8 + n + header[entry]["data_offsets"][0]
+
+
+
+def _storage_reader_base() -> type:
+    from hyper_parallel.core.distributed_checkpoint import StorageReader
+
+    return StorageReader
+
+
+class RecordingReader(_storage_reader_base()):
+    """Wraps a storage reader and records every byte range read: ``reads`` holds
+    (file, offset, length). Only the protocol's basic methods are passed on (no alignment,
+    hints or indexes of the wrapped reader), so reads are exactly what the loader asks for."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.reads = inner, []
+
+    def read_metadata(self) -> bytes:
+        return self.inner.read_metadata()
+
+    def file_size(self, name: str) -> int:
+        return self.inner.file_size(name)
+
+    def read_into(self, name: str, offset: int, buffer: Any) -> None:
+        self.reads.append((name, offset, memoryview(buffer).nbytes))
+        self.inner.read_into(name, offset, buffer)
+
+    def list_files(self) -> list[str]:
+        return self.inner.list_files()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -13,7 +13,7 @@ import struct
 
 import pytest
 import torch
-from helpers import assert_same, bits, local_expected, make_tensor
+from helpers import RecordingReader, assert_same, bits, local_expected, make_tensor
 from multiprocess import run_ranks
 from safetensors.torch import save_file
 
@@ -25,7 +25,6 @@ from hyper_parallel.core.distributed_checkpoint import (
     MetadataError,
     NotACheckpointError,
     StateDictMismatchError,
-    StorageReader,
     UnsupportedValueError,
     load,
 )
@@ -61,26 +60,6 @@ def write_raw(path: str, header: dict, data: bytes) -> None:
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw + data)
-
-
-class RecordingReader(StorageReader):
-    """Wraps a reader and records every byte range read: (file, offset, length)."""
-
-    def __init__(self, inner: StorageReader):
-        self.inner, self.reads = inner, []
-
-    def read_metadata(self) -> bytes:
-        return self.inner.read_metadata()
-
-    def file_size(self, name: str) -> int:
-        return self.inner.file_size(name)
-
-    def read_into(self, name: str, offset: int, buffer) -> None:
-        self.reads.append((name, offset, memoryview(buffer).nbytes))
-        self.inner.read_into(name, offset, buffer)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 # ---------------------------------------------------------------------------- one process

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import bits, local_expected, make_tensor
+from helpers import RecordingReader, bits, local_expected, make_tensor
 from multiprocess import run_ranks
 from safetensors.torch import save_file
 
@@ -26,7 +26,6 @@ from hyper_parallel.core.distributed_checkpoint import (
     HuggingFaceStorageReader,
     NotACheckpointError,
     StateDictMismatchError,
-    StorageReader,
     TorchShardedSafetensorsReader,
     UnsupportedValueError,
     load,
@@ -79,29 +78,6 @@ def shards(torch_shards, tmp_path):
     return d
 
 
-class ListingRecorder(StorageReader):
-    """Wraps a reader, records every byte range read (file, offset, length), and lists files."""
-
-    def __init__(self, inner: StorageReader):
-        self.inner, self.reads = inner, []
-
-    def read_metadata(self) -> bytes:
-        return self.inner.read_metadata()
-
-    def file_size(self, name: str) -> int:
-        return self.inner.file_size(name)
-
-    def read_into(self, name: str, offset: int, buffer) -> None:
-        self.reads.append((name, offset, memoryview(buffer).nbytes))
-        self.inner.read_into(name, offset, buffer)
-
-    def list_files(self) -> list[str]:
-        return self.inner.list_files()
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def _torch_header(tensors: dict[str, torch.Tensor], offsets: dict[str, list[int]]) -> dict[str, str]:
     """The ``__metadata__`` torch's writer puts in each shard file (filesystem.py, SAFETENSORS)."""
     return {"DCP_SHARDING_INFO": json.dumps({k: {"saved_offsets": offsets[k]} for k in tensors}),
@@ -142,7 +118,7 @@ def _load_on_ranks(rank: int, ws: int, d: str) -> None:
     load(alone, storage_reader=TorchShardedSafetensorsReader(d), use_collectives=False)
     assert torch.equal(alone["w"].to_local(), local_expected(full["w"], mesh, [Shard(1)]))
     # "w" in torch's own layout: a rank reads data only from its own shard file
-    rec = ListingRecorder(FileSystemReader(d))
+    rec = RecordingReader(FileSystemReader(d))
     same = {"w": zeros("w", Shard(0))}
     load(same, storage_reader=TorchShardedSafetensorsReader(d, storage_reader=rec))
     assert torch.equal(same["w"].to_local(), local_expected(full["w"], mesh, [Shard(0)]))
