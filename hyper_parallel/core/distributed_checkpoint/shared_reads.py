@@ -1,26 +1,28 @@
 """Zero-redundant loading: saved bytes that several ranks need are read from storage once.
 
 With data-parallel replicas (HSDP, DDP, ``Replicate`` placements, plain tensors every rank
-loads) many ranks read the same region of the same saved chunk; each reading it itself
-multiplies the load on shared storage by the replica count. Here every rank tells the others
-which reads its plan makes (ids of (key, chunk, region), not bytes), every rank computes the
-same assignment — each read that several ranks make goes to one of them, the least loaded
-so far, so the reads stay balanced — and then, in rounds bounded by ``batch_bytes`` per rank:
+loads) many ranks load the same part of a tensor; each reading it itself multiplies the load
+on shared storage by the replica count. The unit of sharing is a *slab*: a run of whole rows
+(dim 0) of one key's target, at most ``SLAB_BYTES``, so it is contiguous in a row-major target
+and a message can land straight in it. Ranks whose targets of a key are the same box need the
+same slabs. Every rank tells the others which slabs its plan fills (ids, not bytes), every
+rank computes the same assignment — each slab that several ranks need goes to one of them, the
+least loaded so far, so the reads stay balanced — and then, in rounds bounded by
+``batch_bytes`` of buffers per rank (targets that cannot take a message directly):
 
-1. each owner reads its regions of the round, checksums verified (an exchange, so a corrupt
-   chunk fails every rank at once instead of leaving receivers waiting);
-2. owners send the bytes to the other ranks that make the same read, one message per
-   (owner, receiver) pair per round, over the load's gloo group;
-3. every rank copies what it read or received into its targets.
+1. every rank posts the receives of the round, straight into its targets where it can;
+2. each owner reads its slabs of the round (checksums verified, into its own target) in
+   batches and sends each batch as soon as it is read, so storage and network overlap;
+3. receivers copy what landed in buffers into their targets.
 
-Reads only one rank makes — including different parts of one chunk that different ranks
-need, as in a resharded load — are done by that rank directly into its targets, as without
-sharing. Storage then serves each replicated byte once; the process group carries the copies.
+Targets that only one rank has are read by that rank directly, as without sharing. Storage
+then serves each replicated byte once; the process group carries the copies.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from . import metadata as md
 from .box import Box
 from .coordination import Coordinator
+from .data_file import block_rows
 from .loader import ReadStats, read_plan
 from .planner import LoadPlan, ReadItem
 from .storage import StorageReader
@@ -41,7 +44,7 @@ MAX_SHARED_IDS = 1 << 22  # beyond this many needs over all ranks, the exchange 
 
 @dataclass
 class Needs:
-    """What one rank's plan reads: ``ids`` (see :func:`read_id`) and bytes of each read."""
+    """What one rank's plan fills: slab ``ids`` (see :func:`slab_id`) and bytes of each."""
 
     ids: np.ndarray
     nbytes: np.ndarray
@@ -49,10 +52,10 @@ class Needs:
 
 @dataclass
 class Assignment:
-    """The same on every rank: which rank reads each shared chunk, and in which round."""
+    """The same on every rank: which rank reads each shared slab, and in which round."""
 
     rounds: list[list[tuple[int, int, int, tuple[int, ...]]]] = field(default_factory=list)
-    # each round: (read id, bytes, owner, ranks that need it)
+    # each round: (slab id, bytes, owner, ranks that need it)
     shared: set[int] = field(default_factory=set)
 
 
@@ -63,32 +66,88 @@ def _key_index(meta: md.Metadata) -> dict[str, int]:
     return found
 
 
-def read_id(index: dict[str, int], item: ReadItem) -> int:
-    """A 63-bit id of a read, the same on every rank that makes it: the key, the saved
-    chunk's offsets (distinct boxes of a key never overlap; replicas share a box) and the
-    region read."""
-    parts = (*item.chunk.box.offsets, *item.region.offsets, *item.region.sizes)
-    raw = index[item.key].to_bytes(4, "little") + b"".join(o.to_bytes(8, "little") for o in parts)
+SLAB_BYTES = 32 << 20  # the unit of sharing: small enough to balance, big enough per message
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Rows of one key's target box (contiguous in a row-major target)."""
+
+    key: str
+    target: Box
+    box: Box
+
+
+def slabs_of(plan: LoadPlan, meta: md.Metadata) -> dict[str, list[Slab]]:
+    """Each key's target (keys with reads only) cut into slabs of about ``SLAB_BYTES``, at
+    rows where every saved chunk it reads from starts a checksum block (so no block is read
+    by two owners). The cut depends only on the target box and the checkpoint, so it is the
+    same on every rank with the same target."""
+    by_key: dict[str, list[ReadItem]] = {}
+    for item in plan.items:
+        by_key.setdefault(item.key, []).append(item)
+    out: dict[str, list[Slab]] = {}
+    for key, items in by_key.items():
+        target = plan.targets[key]
+        if not target.numel:
+            continue
+        row_bytes = math.prod(target.sizes[1:]) * md.torch_dtype(meta.entries[key].dtype).itemsize
+        cuts = _cuts(target, items, max(1, SLAB_BYTES // max(1, row_bytes))) if target.ndim else []
+        rows = [target.offsets[0], *cuts, target.offsets[0] + target.sizes[0]] if target.ndim else []
+        out[key] = ([Slab(key, target, Box((a, *target.offsets[1:]), (b - a, *target.sizes[1:])))
+                     for a, b in zip(rows, rows[1:], strict=False)] if rows else [Slab(key, target, target)])
+    return out
+
+
+def _cuts(target: Box, items: list[ReadItem], step: int) -> list[int]:
+    """Rows inside ``target`` to cut at, about ``step`` rows apart, where no saved chunk is
+    cut inside a checksum block."""
+    t0, t1 = target.offsets[0], target.offsets[0] + target.sizes[0]
+    if t1 - t0 <= step:
+        return []
+    spans = []  # (first row, end row, rows per block) of each saved chunk
+    for item in items:
+        chunk = item.chunk
+        if isinstance(chunk, md.ChunkRecord):
+            c0, rows, per = chunk.offsets[0], chunk.rows, chunk.block_rows
+        else:
+            c0, rows, per = chunk.box.offsets[0], chunk.box.sizes[0], block_rows(chunk.box.sizes, chunk.nbytes)
+        spans.append((c0, c0 + rows, max(1, per)))
+    candidates = sorted({r for c0, c1, per in spans for r in (*range(c0, c1, per), c1) if t0 < r < t1})
+    if len(candidates) * len(spans) > 1 << 20:  # too many tiles to check: one slab
+        return []
+    valid = [r for r in candidates if all(r <= c0 or r >= c1 or (r - c0) % per == 0 for c0, c1, per in spans)]
+    cuts, last = [], t0
+    for i, r in enumerate(valid):
+        after = valid[i + 1] if i + 1 < len(valid) else t1
+        if after - last > step and r > last:  # the next cut would make this slab too long
+            cuts.append(r)
+            last = r
+    return cuts
+
+
+def slab_id(index: dict[str, int], slab: Slab) -> int:
+    """A 63-bit id of a slab, the same on every rank whose target of the key is the same box."""
+    parts = (*slab.target.offsets, *slab.target.sizes, *slab.box.offsets, *slab.box.sizes)
+    raw = index[slab.key].to_bytes(4, "little") + b"".join(o.to_bytes(8, "little") for o in parts)
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
 
 
-def _nbytes(item: ReadItem) -> int:
-    ref = item.chunk
-    return item.region.numel * (ref.nbytes // max(1, ref.box.numel))
+def _nbytes(slab: Slab, meta: md.Metadata) -> int:
+    return slab.box.numel * md.torch_dtype(meta.entries[slab.key].dtype).itemsize
 
 
 def needs_of(plan: LoadPlan, meta: md.Metadata) -> Needs:
-    """The reads ``plan`` makes (each once)."""
+    """The slabs ``plan`` fills."""
     index = _key_index(meta)
-    seen: dict[int, int] = {}
-    for item in plan.items:
-        seen.setdefault(read_id(index, item), _nbytes(item))
-    return Needs(np.fromiter(seen.keys(), np.int64, len(seen)), np.fromiter(seen.values(), np.int64, len(seen)))
+    slabs = [s for per_key in slabs_of(plan, meta).values() for s in per_key]
+    return Needs(np.fromiter((slab_id(index, s) for s in slabs), np.int64, len(slabs)),
+                 np.fromiter((_nbytes(s, meta) for s in slabs), np.int64, len(slabs)))
 
 
 def assign(needs: list[Needs], batch_bytes: int = DEFAULT_BATCH_BYTES) -> Assignment:
-    """Give every read that several ranks make to one of them, balancing bytes read; cut
-    the transfers into rounds in which no rank holds more than ``batch_bytes`` (or one read)."""
+    """Give every slab that several ranks need to one of them, balancing bytes read; cut
+    the transfers into rounds in which no rank holds more than ``batch_bytes`` (or one slab)."""
     ranks = np.concatenate([np.full(len(n.ids), r, np.int64) for r, n in enumerate(needs)])
     ids = np.concatenate([n.ids for n in needs])
     sizes = np.concatenate([n.nbytes for n in needs])
@@ -125,14 +184,21 @@ def assign(needs: list[Needs], batch_bytes: int = DEFAULT_BATCH_BYTES) -> Assign
     return out
 
 
-class _Buffers:
-    """Resolver for shared reads into fresh buffers (see :func:`_buffer_name`)."""
+@dataclass
+class _Shared:
+    """One shared slab as this rank sees it: ``direct`` is the target's bytes (uint8) when the
+    slab lies there contiguously in the saved dtype, so the read fills it and the message
+    lands in it; otherwise a buffer in the saved dtype carries it, for its round only."""
 
-    def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-
-    def resolve_target(self, key: str) -> torch.Tensor:
-        return self.tensors[key]
+    tag: int
+    size: int
+    owner: int
+    holders: tuple[int, ...]
+    slab: Slab
+    items: list[ReadItem]  # the plan's reads, cut to the slab
+    dtype: torch.dtype  # saved
+    direct: torch.Tensor | None
+    message: torch.Tensor | None = None  # the bytes sent or received, in its round
 
 
 def read_shared(
@@ -148,145 +214,124 @@ def read_shared(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     phase: str = "load",
 ) -> ReadStats:
-    """Fill this rank's targets of ``plan``, reading each shared chunk once over the group.
+    """Fill this rank's targets of ``plan``, reading each shared slab once over the group.
 
     Every rank of ``coord``'s group must call it with its own plan and the same ``everyone``
     (each rank's :func:`needs_of`). Returns this rank's bytes read from storage.
+
+    A failed read does not leave receivers waiting: its owner sends zeros in its place and
+    the failure is reported to every rank at the end, so the load fails everywhere (a target
+    may then hold those zeros, as it may hold partial data after any failed load).
     """
-    plan_assignment = assign(everyone, batch_bytes)
+    assignment = assign(everyone, batch_bytes)
     index = _key_index(meta)
     me = coord.rank
-    mine: dict[int, list[ReadItem]] = {}
+    slabs = {slab_id(index, s): s for per_key in slabs_of(plan, meta).values() for s in per_key}
+    shared_keys = {s.key for cid, s in slabs.items() if cid in assignment.shared}
+    by_key: dict[str, list[ReadItem]] = {}
     solo: list[ReadItem] = []
     for item in plan.items:
-        cid = read_id(index, item)
-        if cid in plan_assignment.shared:
-            mine.setdefault(cid, []).append(item)
-        else:
-            solo.append(item)
+        (by_key.setdefault(item.key, []) if item.key in shared_keys else solo).append(item)
     stats = ReadStats()
+    rounds: list[list[_Shared]] = []
 
-    def read_solo() -> None:
+    def prepare() -> None:
+        tag = 0
+        for chunks in assignment.rounds:
+            rounds.append([])
+            for cid, size, owner, holders in chunks:
+                tag += 1
+                if me in holders:
+                    rounds[-1].append(_prepare(slabs[cid], tag, size, owner, holders, by_key, planner, meta))
+
+    coord.exchange(f"{phase} (preparing shared reads)", prepare)
+    failure: list[BaseException] = []
+
+    def transfer() -> None:
+        for shared in rounds:
+            _round(coord, shared, me, planner, plan.targets, reader, stats, thread_count, verify, failure)
+
+    coord._collective(f"{phase} (reading and sending shared slabs)", transfer)
+
+    def finish() -> None:
+        if failure:
+            raise failure[0]
         got = read_plan(LoadPlan(solo, plan.targets), planner, reader, thread_count, verify=verify)
         stats.bytes_read += got.bytes_read
         stats.bytes_needed += got.bytes_needed
 
-    coord.exchange(f"{phase} (reading)", read_solo)
-    refs: dict[int, ReadItem] = {cid: items[0] for cid, items in mine.items()}
-    for number, chunks in enumerate(plan_assignment.rounds):
-        _round(coord, number, chunks, me, mine, refs, plan, planner, reader, meta, stats, thread_count, verify,
-               phase)
+    coord.exchange(f"{phase} (reading)", finish)
     return stats
 
 
-def _round(coord: Coordinator, number: int, chunks: list, me: int, mine: dict[int, list[ReadItem]],
-           refs: dict[int, ReadItem], plan: LoadPlan, planner: Any, reader: StorageReader, meta: md.Metadata,
-           stats: ReadStats, thread_count: int, verify: bool, phase: str) -> None:
-    owned = [(cid, size, holders) for cid, size, owner, holders in chunks if owner == me]
-    buffers = _Buffers()
-    data: dict[int, torch.Tensor] = {}  # read id -> its bytes (uint8), read or received
-
-    def read_owned() -> None:
-        items = []
-        for cid, _, _ in owned:
-            ref = refs[cid]
-            name = _buffer_name(ref)
-            if name in buffers.tensors:
-                raise AssertionError(f"two shared reads named {name!r}")  # would alias buffers
-            buffers.tensors[name] = torch.empty(ref.region.sizes, dtype=md.torch_dtype(meta.entries[ref.key].dtype))
-            items.append(ReadItem(name, ref.chunk, ref.region))
-        if items:
-            got = read_plan(LoadPlan(items, {i.key: i.region for i in items}), buffers, reader, thread_count,
-                            verify=verify)
-            stats.bytes_read += got.bytes_read
-        for cid, _, _ in owned:
-            ref = refs[cid]
-            data[cid] = _as_bytes(buffers.tensors[_buffer_name(ref)])
-
-    coord.exchange(f"{phase} (reading shared chunks, round {number})", read_owned)
-
-    # one message per (owner, receiver) pair: the owner's chunks that receiver needs, in chunk order
-    sends: dict[int, list[int]] = {}
-    recvs: dict[int, list[tuple[int, int]]] = {}
-    for cid, size, owner, holders in chunks:
-        for r in holders:
-            if r == owner:
-                continue
-            if owner == me:
-                sends.setdefault(r, []).append(cid)
-            elif r == me:
-                recvs.setdefault(owner, []).append((cid, size))
-
-    def transfer() -> None:
-        works, inbox = [], {}
-        for owner, wanted in sorted(recvs.items()):
-            inbox[owner] = torch.empty(_packed_size(size for _, size in wanted), dtype=torch.uint8)
-            works.append(dist.irecv(inbox[owner], src=coord._global(owner), group=coord.group, tag=number))
-        for r, cids in sorted(sends.items()):
-            out = data[cids[0]] if len(cids) == 1 else _pack([data[c] for c in cids])
-            works.append(dist.isend(out, dst=coord._global(r), group=coord.group, tag=number))
-        for w in works:
-            w.wait()
-        for owner, wanted in recvs.items():
-            pos = 0
-            for cid, size in wanted:
-                data[cid] = inbox[owner][pos:pos + size]
-                pos += _aligned(size)
-
-    if sends or recvs:
-        coord._collective(f"{phase} (sending shared chunks, round {number})", transfer)
-
-    def apply() -> None:
-        with torch.no_grad():
-            for cid, _, _, holders in chunks:
-                if me not in holders:
-                    continue
-                ref = refs[cid]
-                if data[cid].numel() != _nbytes(ref):  # a 64-bit id collision: never copy wrong bytes
-                    raise RuntimeError(f"{ref.key!r}: shared read {ref.region} arrived with {data[cid].numel()} "
-                                       f"bytes, expected {_nbytes(ref)}; load with broadcast_replicated_tensors=False")
-                region = data[cid].view(md.torch_dtype(meta.entries[ref.key].dtype)).reshape(ref.region.sizes)
-                for item in mine[cid]:
-                    _copy_region(item, region, planner.resolve_target(item.key), plan.targets[item.key])
-
-    coord.exchange(f"{phase} (applying shared chunks, round {number})", apply)
+def _prepare(slab: Slab, tag: int, size: int, owner: int, holders: tuple[int, ...],
+             by_key: dict[str, list[ReadItem]], planner: Any, meta: md.Metadata) -> _Shared:
+    dtype = md.torch_dtype(meta.entries[slab.key].dtype)
+    if slab.box.numel * dtype.itemsize != size:  # a 64-bit id collision: never copy wrong bytes
+        raise RuntimeError(f"{slab.key!r}: shared slab {slab.box} is {slab.box.numel * dtype.itemsize} bytes here "
+                           f"and {size} on rank {owner}; load with broadcast_replicated_tensors=False")
+    items = []
+    for item in by_key[slab.key]:
+        cut = item.region.intersect(slab.box)
+        if cut is not None and cut.numel:
+            items.append(ReadItem(item.key, item.chunk, cut))
+    view = _view(slab, planner)
+    direct = view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous()
+    return _Shared(tag, size, owner, holders, slab, items, dtype, _as_bytes(view) if direct else None)
 
 
-def _buffer_name(ref: Any) -> str:
-    """The name a shared read goes by (in errors too): the key, the chunk and the region."""
-    return f"{ref.key} [chunk at {list(ref.chunk.box.offsets)}, region {ref.region}]"
+def _view(slab: Slab, planner: Any) -> torch.Tensor:
+    dest = planner.resolve_target(slab.key).detach()
+    return dest[slab.box.relative_to(slab.target)] if dest.dim() else dest
 
 
-_ALIGN = 16  # chunks in a message start at multiples of this, so any dtype can view them
+SEND_BATCH_BYTES = 32 << 20  # slabs read together before sending: threads get several files, sends start early
 
 
-def _aligned(size: int) -> int:
-    return -(-size // _ALIGN) * _ALIGN
-
-
-def _packed_size(sizes: Any) -> int:
-    sizes = list(sizes)
-    return sum(_aligned(s) for s in sizes[:-1]) + sizes[-1]
-
-
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The chunks of one message, each starting on an ``_ALIGN`` boundary."""
-    out = torch.empty(_packed_size(p.numel() for p in parts), dtype=torch.uint8)
-    pos = 0
-    for p in parts:
-        out[pos:pos + p.numel()].copy_(p)
-        pos += _aligned(p.numel())
-    return out
+def _round(coord: Coordinator, shared: list[_Shared], me: int, planner: Any, targets: dict[str, Box],
+           reader: StorageReader, stats: ReadStats, thread_count: int, verify: bool,
+           failure: list[BaseException]) -> None:
+    """One round: post the receives, read and send what this rank owns in batches, wait,
+    then copy what landed in buffers into the targets."""
+    for s in shared:
+        if s.direct is not None:
+            s.message = s.direct
+        elif s.owner != me:
+            s.message = torch.empty(s.size, dtype=torch.uint8)
+    works = [dist.irecv(s.message, src=coord._global(s.owner), group=coord.group, tag=s.tag)
+             for s in shared if s.owner != me and s.size]
+    owned = [s for s in shared if s.owner == me]
+    batch: list[_Shared] = []
+    for i, s in enumerate(owned):
+        batch.append(s)
+        if i + 1 < len(owned) and sum(b.size for b in batch) < SEND_BATCH_BYTES:
+            continue
+        if not failure:
+            try:
+                items = [item for b in batch for item in b.items]
+                stats.bytes_read += read_plan(LoadPlan(items, targets), planner, reader, thread_count,
+                                              verify=verify).bytes_read
+            except BaseException as exc:  # reported to every rank once the transfers are done
+                failure.append(exc)
+        for b in batch:
+            if failure:
+                b.message = torch.zeros(b.size, dtype=torch.uint8)
+            elif b.direct is None:  # the slab as the receivers expect it: contiguous, saved dtype
+                b.message = _as_bytes(_view(b.slab, planner).to(b.dtype).contiguous())
+            works.extend(dist.isend(b.message, dst=coord._global(r), group=coord.group, tag=b.tag)
+                         for r in b.holders if r != me and b.size)
+        batch = []
+    for w in works:
+        w.wait()
+    with torch.no_grad():
+        for s in shared:
+            if not failure and s.direct is None and s.owner != me:
+                _view(s.slab, planner).copy_(s.message.view(s.dtype).reshape(s.slab.box.sizes))
+            s.message = None
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _copy_region(item: ReadItem, region: torch.Tensor, dest: torch.Tensor, target: Box) -> None:
-    dst = dest.detach()
-    dst = dst[item.region.relative_to(target)] if dst.dim() else dst
-    dst.copy_(region)
 
 
 def sharing_wanted(coord: Coordinator, enabled: bool, rank_local: bool) -> bool:
@@ -295,7 +340,7 @@ def sharing_wanted(coord: Coordinator, enabled: bool, rank_local: bool) -> bool:
 
 
 def worth_sharing(everyone: list[Needs]) -> bool:
-    """True when some chunk is needed by two ranks and the bookkeeping stays small."""
+    """True when some slab is needed by two ranks and the bookkeeping stays small."""
     total = sum(len(n.ids) for n in everyone)
     if not total or total > MAX_SHARED_IDS:
         return False

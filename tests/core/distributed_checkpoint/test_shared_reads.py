@@ -12,7 +12,7 @@ from multiprocess import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from hyper_parallel.core.distributed_checkpoint import FileSystemReader, RankFailedError, load, save
+from hyper_parallel.core.distributed_checkpoint import FileSystemReader, RankFailedError, load, save, shared_reads
 from hyper_parallel.core.distributed_checkpoint.shared_reads import Needs, assign
 
 
@@ -59,25 +59,33 @@ def test_assignment_gives_each_shared_chunk_one_reader_balanced_and_batched():
 
 
 def rank_hsdp(rank: int, ws: int, path: str, share: bool | None, batch: int | None, memory: bool = False) -> dict:
+    if batch:  # small rounds, and targets cut into several slabs (at checksum blocks)
+        shared_reads.SLAB_BYTES = 1000
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    w = make_tensor((256, 512), seed=1)
+    w = make_tensor((16384, 64), seed=1)  # 2 checksum blocks per saved shard
     b = make_tensor((512,), seed=2)
-    sd = {"w": make_dtensor(w, mesh, [Replicate(), Shard(0)]), "b": b.clone(), "step": 5}
+    m = make_tensor((64, 32), seed=3)
+    sd = {"w": make_dtensor(w, mesh, [Replicate(), Shard(0)]), "b": b.clone(), "m": m.clone(), "h": b[:96].clone(),
+          "step": 5}
     if not os.path.exists(os.path.join(path, ".metadata")):
         save(sd, checkpoint_id=path)
-    target = {"w": make_dtensor(torch.zeros(256, 512), mesh, [Replicate(), Shard(0)]),
-              "b": torch.zeros(512), "step": 0}
+    # "m" lands in a transposed (non-contiguous) target, "h" in another dtype: both go through
+    # buffers; "w" and "b" straight into the targets
+    target = {"w": make_dtensor(torch.zeros(16384, 64), mesh, [Replicate(), Shard(0)]),
+              "b": torch.zeros(512), "m": torch.zeros(32, 64).t(), "h": torch.zeros(96, dtype=torch.bfloat16),
+              "step": 0}
     reader = (MemoryReader if memory else CountingReader)(path)
     load(target, storage_reader=reader, broadcast_replicated_tensors=share, broadcast_batch_bytes=batch)
     want = make_dtensor(w, mesh, [Replicate(), Shard(0)]).to_local()
     assert torch.equal(target["w"].to_local(), want) and torch.equal(target["b"], b) and target["step"] == 5
+    assert torch.equal(target["m"], m) and torch.equal(target["h"], b[:96].to(torch.bfloat16))
     return {"payload": reader.payload}
 
 
 @pytest.mark.parametrize("batch", [None, 64 << 10])
 def test_hsdp_replicas_read_each_byte_once(tmp_path, batch):
     path = str(tmp_path / "ckpt")
-    checkpoint = 256 * 512 * 4 + 512 * 4
+    checkpoint = 16384 * 64 * 4 + 512 * 4 + 64 * 32 * 4 + 96 * 4
     shared = run_ranks(rank_hsdp, 4, path, True, batch)
     alone = run_ranks(rank_hsdp, 4, path, False, None)
     total_shared = sum(r["payload"] for r in shared)
@@ -91,7 +99,7 @@ def test_by_default_replicas_read_once_unless_the_files_are_in_memory(tmp_path):
     """broadcast_replicated_tensors=None: share reads, except where the files live in memory
     (the reader's memory_backed: reading again costs no more than receiving)."""
     path = str(tmp_path / "ckpt")
-    checkpoint = 256 * 512 * 4 + 512 * 4
+    checkpoint = 16384 * 64 * 4 + 512 * 4 + 64 * 32 * 4 + 96 * 4
     default = sum(r["payload"] for r in run_ranks(rank_hsdp, 4, path, None, None, False))
     assert default <= 1.05 * checkpoint, (default, checkpoint)
     memory = sum(r["payload"] for r in run_ranks(rank_hsdp, 4, path, None, None, True))
@@ -135,3 +143,47 @@ def test_readers_say_whether_their_files_are_in_memory(tmp_path, s3_bucket):
     assert HuggingFaceStorageReader(str(tmp_path)).memory_backed is in_memory
     if os.path.isdir("/dev/shm") and direct_io.filesystem_name("/dev/shm") == "tmpfs":
         assert FileSystemReader("/dev/shm").memory_backed is True
+
+
+def rank_hsdp_corrupt(rank: int, ws: int, path: str) -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    target = {"w": make_dtensor(torch.zeros(16384, 64), mesh, [Replicate(), Shard(0)]), "b": torch.zeros(512)}
+    try:
+        load(target, checkpoint_id=path, broadcast_replicated_tensors=True, broadcast_batch_bytes=64 << 10)
+    except RankFailedError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_a_corrupt_slab_in_an_early_round_fails_every_rank_without_waiting(tmp_path):
+    """Its owner still sends (zeros) so receivers of that and later rounds finish; every rank
+    then raises, naming the key."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(rank_hsdp, 4, path, True, None)
+    from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
+
+    meta = read_metadata(FileSystemReader(path))
+    f = max(meta.files, key=lambda f: f.index_offset)  # a file holding part of "w"
+    with open(os.path.join(path, f.path), "r+b") as fh:
+        fh.seek(f.index_offset // 3)
+        byte = fh.read(1)
+        fh.seek(f.index_offset // 3)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    out = run_ranks(rank_hsdp_corrupt, 4, path, timeout_s=60)
+    assert all("checksum" in msg and "'w" in msg for msg in out), out
+
+
+@pytest.mark.parametrize("slab_bytes,rows", [(1000, [4096] * 4), (3 << 20, [12288, 4096]), (64 << 20, [16384])])
+def test_slabs_are_cut_at_checksum_blocks(tmp_path, monkeypatch, slab_bytes, rows):
+    """Targets are shared in slabs of whole rows, cut only where every saved chunk starts a
+    checksum block (4 blocks of 4096 rows here), so no block is read by two owners."""
+    from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
+    from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardPlanner
+
+    save({"w": make_tensor((16384, 64), seed=1)}, checkpoint_id=str(tmp_path), no_dist=True)
+    meta = read_metadata(FileSystemReader(str(tmp_path)))
+    planner = StandardPlanner()
+    planner.set_up_load({"w": torch.zeros(16384, 64)}, meta, True)
+    monkeypatch.setattr(shared_reads, "SLAB_BYTES", slab_bytes)
+    slabs = shared_reads.slabs_of(planner.create_local_load_plan(), meta)["w"]
+    assert [s.box.sizes[0] for s in slabs] == rows and all(s.box.sizes[1:] == (64,) for s in slabs)
