@@ -36,11 +36,17 @@ class Box:
 
     def intersect(self, other: Box) -> Box | None:
         """The overlap of two boxes, or None when they do not overlap (or one is empty)."""
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=False))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends, strict=False))
-        if any(h <= low for low, h in zip(lo, hi, strict=False)):
-            return None
-        return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=False)))
+        # One pass, no generators: planning a load calls this once or twice per saved chunk.
+        lo: list[int] = []
+        sizes: list[int] = []
+        for a, n, b, m in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=False):
+            start = a if a > b else b
+            end = min(a + n, b + m)
+            if end <= start:
+                return None
+            lo.append(start)
+            sizes.append(end - start)
+        return Box(tuple(lo), tuple(sizes))
 
     def contains(self, other: Box) -> bool:
         return all(

@@ -18,7 +18,7 @@ import numpy as np
 from . import metadata as md
 from .box import Box
 from .errors import MetadataError
-from .grid import Grid
+from .grid import Grid, shared_grid
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,10 @@ class _Locator:
             layout = store.layout if store.layout is not None else (entry.layout if store.writer is None else None)
             try:
                 if layout is not None:
-                    self.grid = Grid(shape, layout["mesh_shape"], layout["placements"], layout.get("rank_list"),
-                                     store.tiles)
+                    self.grid = shared_grid(shape, layout["mesh_shape"], layout["placements"],
+                                            layout.get("rank_list"), store.tiles)
                 else:
-                    self.grid = Grid(shape, (1,), ["R"], [store.writer], store.tiles)
+                    self.grid = shared_grid(shape, (1,), ["R"], [store.writer], store.tiles)
             except ValueError as exc:
                 raise MetadataError(f"key {entry.key!r}: its saved layout describes no chunk grid: {exc}") from None
             if store.where is not None:
@@ -158,8 +158,11 @@ def overlapping(meta: md.Metadata, entry: md.Entry, box: Box, rank: int | None =
     if not box.numel:
         return []
     loc = _locator(meta, entry)
-    if loc.grid is not None:  # a box's column bands (tiles) may miss the region: keep those that meet it
-        return [r for r in _grid_refs(meta, entry, loc.grid.overlapping(box), rank) if r.box.intersect(box)]
+    if loc.grid is not None:
+        refs = _grid_refs(meta, entry, loc.grid.overlapping(box), rank)
+        if loc.grid.tiles == 1:
+            return refs
+        return [r for r in refs if r.box.intersect(box)]  # a box's column bands may miss the region
     store: md.TableStore = entry.store
     if store is None or not len(store):
         return []

@@ -107,6 +107,23 @@ def dim_intervals(length: int, steps: tuple[tuple, ...]) -> tuple[tuple[int, int
 _SORTED: dict[int, tuple[tuple, list[int], list[int]]] = {}
 
 
+def shared_grid(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[str],
+                rank_list: Sequence[int] | None = None, tiles: int = 1) -> Grid:
+    """``Grid(...)``, one object per distinct layout (a model's tensors share a few shapes
+    and layouts: planning a load then builds a handful of grids, not one per tensor).
+    Grids are not changed once built (only their lookup caches fill), so sharing is safe."""
+    if rank_list is not None and len(rank_list) > 64:  # hashing it would cost what sharing saves
+        return Grid(shape, mesh_shape, placements, rank_list, tiles)
+    ranks = tuple(rank_list) if rank_list is not None else None
+    return _shared_grid(tuple(shape), tuple(mesh_shape), tuple(placements), ranks, tiles)
+
+
+@lru_cache(maxsize=1024)
+def _shared_grid(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[str, ...],
+                 rank_list: tuple[int, ...] | None, tiles: int) -> Grid:
+    return Grid(shape, mesh_shape, placements, rank_list, tiles)
+
+
 def _by_start(intervals: tuple[tuple[int, int], ...]) -> tuple[list[int], list[int]]:
     """Starts of the non-empty intervals in increasing order, and their dim coordinates.
 
@@ -162,6 +179,7 @@ class Grid:
         self.radix = [len(self.intervals[d]) for d in self.dims]
         self.num_boxes = math.prod(self.radix)
         self.replicas = math.prod(self.mesh_shape[m] for m in self.replica_dims)
+        self._bands: dict[int, list[tuple[int, Box]]] = {}
 
     # ------------------------------------------------------------------ boxes
 
@@ -189,13 +207,18 @@ class Grid:
                    box.sizes[:1] + (size,) + box.sizes[2:])
 
     def band_subs(self, box: int) -> list[tuple[int, Box]]:
-        """The non-empty sub-chunks (id, box) of a box."""
-        out = []
-        for t in range(self.tiles):
-            sub = box * self.tiles + t
-            b = self.sub_box(sub)
-            if b.numel:
-                out.append((sub, b))
+        """The non-empty sub-chunks (id, box) of a box (remembered: a shared grid serves the
+        same boxes to every tensor of its shape). Do not modify the list."""
+        out = self._bands.get(box)
+        if out is None:
+            out = []
+            for t in range(self.tiles):
+                sub = box * self.tiles + t
+                b = self.sub_box(sub)
+                if b.numel:
+                    out.append((sub, b))
+            if len(self._bands) < 4096:
+                self._bands[box] = out
         return out
 
     # ------------------------------------------------------------------ mesh positions

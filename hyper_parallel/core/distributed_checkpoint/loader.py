@@ -51,10 +51,11 @@ RUN_MIN, RUNS_MIN = 2 << 20, 8  # a file is read in at least 8 runs, each of at 
 PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
 PREFETCH_DIRECT = (2, 2)  # with O_DIRECT (no kernel read-ahead): bytes of runs ahead (in largest runs), threads
 DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
-# A load that touches many files for little data each (one tensor of a checkpoint split over
-# thousands of ranks) is bound by per-file latency and Python work: it hints every range to
-# the storage first (the kernel fetches them in parallel), then reads such files through the
-# page cache in one thread (more threads only contend for the GIL: measured 2x slower).
+# Files from which a load needs little data (one tensor of a checkpoint split over thousands
+# of ranks; the scattered 0-d optimizer steps of a model) are bound by per-read latency and
+# Python work: every range of them is hinted to the storage first (the kernel fetches them
+# in parallel), then they are read through the page cache in one thread (more threads only
+# contend for the GIL: measured 2x slower with many files).
 MANY_FILES, SMALL_FILE_BYTES = 16, 256 << 10
 
 
@@ -489,8 +490,7 @@ def read_plan(
     for item in sorted(plan.items, key=lambda i: (i.chunk.file, i.chunk.start)):
         by_file.setdefault(item.chunk.file, []).append(item)
     streams = sorted(by_file.values(), key=lambda items: -sum(i.chunk.length for i in items))
-    small = {items[0].chunk.file for items in streams if sum(i.chunk.length for i in items) <= SMALL_FILE_BYTES} \
-        if len(streams) >= MANY_FILES else set()
+    small = {items[0].chunk.file for items in streams if sum(i.chunk.length for i in items) <= SMALL_FILE_BYTES}
     if small and not _prefetch(reader, [(i.chunk.file, i.chunk.start, i.chunk.length) for items in streams
                                         if items[0].chunk.file in small for i in items]):
         small = set()  # no hints: read them from several threads as before

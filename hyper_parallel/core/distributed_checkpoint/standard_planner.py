@@ -35,7 +35,7 @@ from .box import Box, uncovered
 from .chunks import overlapping
 from .errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
 from .flatten import renamed_path
-from .grid import Grid, parse_placement
+from .grid import Grid, parse_placement, shared_grid
 from .layout import placement_to_name
 from .planner import (
     EntrySpec,
@@ -101,7 +101,7 @@ def dtensor_box(t: DTensor, key: str) -> Box | None:
     # index lists, which cost O(rows) per strided DTensor.
     mesh_shape = tuple(t.device_mesh.shape)
     try:  # uneven strided shards are not contiguous boxes: refuse rather than save wrong data
-        grid = Grid(tuple(t.shape), mesh_shape, [placement_to_name(p) for p in t.placements])
+        grid = shared_grid(tuple(t.shape), mesh_shape, [placement_to_name(p) for p in t.placements])
     except ValueError as exc:
         raise UnsupportedValueError(f"{key!r}: {exc}") from None
     position = 0

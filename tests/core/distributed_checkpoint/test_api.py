@@ -372,3 +372,13 @@ def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, a
         assert all(length == 8 * 8 * 4 for _, _, length in reader.hints[1])
     else:
         assert len(reader.hints) == 2  # hinted, refused, and read from several threads as before
+
+
+def test_a_single_file_a_load_needs_little_of_is_hinted_then_read(tmp_path):
+    sd = {f"w{i}": make_tensor((4, 8), seed=i) for i in range(3)}
+    save(sd, str(tmp_path / "c"), no_dist=True)
+    reader = _Hinting(str(tmp_path / "c"))
+    target = {k: torch.zeros(4, 8) for k in sd}
+    load(target, storage_reader=reader)
+    assert_same(sd, target)
+    assert len(reader.hints) == 1 and sorted(length for _, _, length in reader.hints[0]) == [128] * 3

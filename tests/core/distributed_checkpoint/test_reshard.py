@@ -277,6 +277,12 @@ def test_box_subtraction_and_coverage():
     assert Box((0, 0), (1, 5)).split(2) == [Box((0, 0), (1, 2)), Box((0, 2), (1, 2)), Box((0, 4), (1, 1))]
 
 
+def test_box_intersection_is_the_overlap_or_none():
+    assert Box((0, 0), (4, 6)).intersect(Box((2, 3), (5, 5))) == Box((2, 3), (2, 3))
+    assert Box((0, 0), (4, 6)).intersect(Box((4, 0), (1, 6))) is None  # touching is not overlapping
+    assert Box((0, 0), (0, 6)).intersect(Box((0, 0), (4, 6))) is None  # an empty box overlaps nothing
+    assert Box((), ()).intersect(Box((), ())) == Box((), ())  # 0-d: the one element
+
 
 def test_first_overlap_finds_a_pair_or_none():
     cols = [Box((0, 2 * i), (8, 2)) for i in range(1000)]  # column shards: swept along dim 1

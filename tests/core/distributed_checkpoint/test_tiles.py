@@ -159,3 +159,14 @@ def test_read_box_of_part_of_a_tiled_chunk(tmp_path):
     meta = read_metadata(reader)
     out, _ = read_box(meta.entries["w"], reader, Box((10, 100), (300, 900)), meta=meta)
     assert torch.equal(out, full[10:310, 100:1000])
+
+
+def test_tensors_of_one_layout_share_one_grid_and_long_rank_lists_get_their_own():
+    from hyper_parallel.core.distributed_checkpoint.grid import Grid, shared_grid
+
+    a = shared_grid((64, 8), (2,), ["S(0)"], None, 4)
+    assert shared_grid([64, 8], [2], ("S(0)",), None, 4) is a  # lists and tuples alike
+    assert shared_grid((64, 8), (2,), ["S(1)"], None, 4) is not a
+    assert a.band_subs(1) == Grid((64, 8), (2,), ["S(0)"], None, 4).band_subs(1)
+    ranks = list(range(128))
+    assert shared_grid((128, 8), (128,), ["S(0)"], ranks) is not shared_grid((128, 8), (128,), ["S(0)"], ranks)
