@@ -46,6 +46,8 @@ import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from . import direct_io
 from .direct_io import ALIGN, O_DIRECT
 from .errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
@@ -178,6 +180,18 @@ class _BufferedSink:
         return self.pos
 
 
+GIL_FREE_COPY = 64 << 10  # larger copies go through numpy, which releases the GIL while copying
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src``; large copies without holding the GIL (a memoryview assignment holds
+    it, so reader threads waiting to copy their own data would stall behind it)."""
+    if src.nbytes < GIL_FREE_COPY:
+        dst[:] = src
+    else:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
 class _DirectSink:
     """O_DIRECT writes in aligned blocks: aligned parts as they are, the rest via bounce buffers.
 
@@ -211,7 +225,7 @@ class _DirectSink:
                 self._buf = _POOL.get(BOUNCE_BYTES)
                 self._start = self._fill = 0
             take = min(BOUNCE_BYTES - self._fill, view.nbytes)
-            self._buf[self._fill:self._fill + take] = view[:take]
+            _copy(self._buf[self._fill:self._fill + take], view[:take])
             self._fill += take
             view = view[take:]
             if self._fill == BOUNCE_BYTES:
