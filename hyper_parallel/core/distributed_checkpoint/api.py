@@ -436,17 +436,17 @@ def load(
             of whole rows, so a load that needs part of each row (e.g. ``Shard(0)`` saved,
             ``Shard(1)`` loaded) reads whole rows. ``verify=False`` reads only the bytes the
             target needs and checks sizes but no checksums.
-        broadcast_replicated_tensors: True: read each saved chunk that several ranks need
-            (replicas: HSDP, DDP, ``Replicate``, plain tensors) from storage once, by one of
-            them, and send it to the others over the group (see :mod:`.shared_reads`). False:
-            every rank reads what it needs itself. None (default): True, except where the files
-            live in memory (tmpfs, ramfs, ``memory://``: the reader's ``memory_backed``), where
-            reading again is as cheap as receiving. The coordinator's reader decides for all.
-            On one machine with a fast local disk sharing can be slower than every replica
-            reading (measured 2x on 4 gloo ranks: one page cache serves them all); pass False
-            there. Changes how bytes are fetched, never what is loaded.
-        broadcast_batch_bytes: bytes of shared chunks a rank holds at once while sending or
-            receiving them (default 256 MiB).
+        broadcast_replicated_tensors: True: read each part of a target that several ranks
+            need (replicas: HSDP, DDP, ``Replicate``, plain tensors) from storage once, by one
+            of them, and send it to the others over the group, straight into their targets
+            (see :mod:`.shared_reads`). False: every rank reads what it needs itself. None
+            (default): True, except where the files live in memory (tmpfs, ramfs,
+            ``memory://``: the reader's ``memory_backed``), where reading again is as cheap as
+            receiving. The coordinator's reader decides for all. Changes how bytes are
+            fetched, never what is loaded.
+        broadcast_batch_bytes: bytes of buffers a rank holds at once for shared parts that
+            cannot land in their targets directly (non-contiguous or accelerator targets;
+            default 256 MiB).
         broadcast_groups: HyperParallel's explicit replica groups; accepted and not needed
             (the ranks that share a chunk are found from the plans).
 
