@@ -109,3 +109,23 @@ def test_cuda_dtensors_on_two_ranks_then_reshard_offline(tmp_path):
     offline_transform(src, dst, dst_layout={"w": TensorLayout(mesh, {1: [0]}, 2)})  # dim 1 split over dp
     assert verify_checkpoint(dst).ok
     assert run_ranks(rank_cuda_dtensor, 2, dst, "load") == [True, True]
+
+
+def rank_cuda_shared(rank: int, ws: int, path: str) -> bool:
+    from helpers import make_tensor
+
+    full = make_tensor((64, 48), seed=6)
+    target = {"w": torch.zeros(64, 48, device="cuda"), "b": torch.zeros(48, device="cuda").to(torch.bfloat16)}
+    load(target, checkpoint_id=path, broadcast_replicated_tensors=True)  # each replicated slab read once
+    return (target["w"].device.type == "cuda" and torch.equal(target["w"].cpu(), full)
+            and torch.equal(target["b"].cpu(), full[0].to(torch.bfloat16)))
+
+
+def test_shared_reads_into_cuda_targets(tmp_path):
+    """Replicated CUDA targets: the owner reads into its device target and sends a host copy;
+    the other rank receives into host memory and copies to its device."""
+    from helpers import make_tensor
+
+    full = make_tensor((64, 48), seed=6)
+    save({"w": full, "b": full[0].clone()}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert run_ranks(rank_cuda_shared, 2, str(tmp_path)) == [True, True]

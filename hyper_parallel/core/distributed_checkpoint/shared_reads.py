@@ -316,8 +316,8 @@ def _round(coord: Coordinator, shared: list[_Shared], me: int, planner: Any, tar
         for b in batch:
             if failure:
                 b.message = torch.zeros(b.size, dtype=torch.uint8)
-            elif b.direct is None:  # the slab as the receivers expect it: contiguous, saved dtype
-                b.message = _as_bytes(_view(b.slab, planner).to(b.dtype).contiguous())
+            elif b.direct is None:  # the slab as the receivers expect it: host memory, contiguous, saved dtype
+                b.message = _as_bytes(_view(b.slab, planner).to(device="cpu", dtype=b.dtype).contiguous())
             works.extend(dist.isend(b.message, dst=coord._global(r), group=coord.group, tag=b.tag)
                          for r in b.holders if r != me and b.size)
         batch = []
