@@ -26,10 +26,13 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 import uuid
 import warnings
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -57,6 +60,7 @@ from .topology_mapper import MapperLike, as_topology_mapper, rename_keys
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
 
 DEFAULT_MAX_MEMORY = 256 << 20
+WRITERS = 4  # destination files one process writes at once (see write_mine)
 
 
 @dataclass
@@ -256,8 +260,10 @@ class _SourceData:
     """Reads destination chunks out of the source checkpoint (the saver's data resolver).
 
     A source tensor small enough is read whole once and kept (up to ``cache_bytes`` in
-    all), so a tensor split into thousands of small destination chunks costs one read; a
-    larger chunk is produced in row slabs of at most ``slab_bytes``, which bounds memory.
+    all, least recently used out first), so a tensor split into thousands of small
+    destination chunks costs one read; a larger chunk is produced in row slabs of at most
+    ``slab_bytes``, which bounds memory. Safe to share between the threads that write
+    several destination files at once: a tensor several of them ask for is read once.
     """
 
     def __init__(self, meta: md.Metadata, reader: StorageReader, buffer_bytes: int, verify: bool,
@@ -267,30 +273,46 @@ class _SourceData:
         self.progress = progress
         self.slab_bytes = slab_bytes
         self.cache_bytes = cache_bytes
-        self._cache: dict[str, torch.Tensor] = {}
+        self._cache: OrderedDict[str, tuple[torch.Tensor, memoryview]] = OrderedDict()
         self._cached = 0
+        self._lock = threading.Lock()
+        self._loading: dict[str, threading.Lock] = {}  # one reader per key; the others wait for it
         self.bytes_read = 0
         self.bytes_needed = 0
 
     def _read(self, entry: md.Entry, box: Box) -> torch.Tensor:
         dest, stats = read_box(entry, self.reader, box, verify=self.verify, buffer_bytes=self.buffer_bytes,
                                meta=self.meta)
-        self.bytes_read += stats.bytes_read
-        self.bytes_needed += stats.bytes_needed
+        with self._lock:
+            self.bytes_read += stats.bytes_read
+            self.bytes_needed += stats.bytes_needed
         return dest
 
     def _whole(self, entry: md.Entry) -> tuple[torch.Tensor, memoryview] | None:
         """The whole source tensor and its bytes, when it is small enough to keep (cached)."""
-        found = self._cache.get(entry.key)
-        if found is not None or entry.nbytes > self.cache_bytes // 4:
+        if entry.nbytes > self.cache_bytes // 4:
+            return None
+        with self._lock:
+            found = self._cache.get(entry.key)
+            if found is not None:
+                self._cache.move_to_end(entry.key)
+                return found
+            loading = self._loading.setdefault(entry.key, threading.Lock())
+        with loading:
+            with self._lock:
+                found = self._cache.get(entry.key)
+            if found is not None:
+                return found
+            whole = self._read(entry, Box.full(tuple(entry.shape or ())))
+            found = (whole, tensor_bytes(whole))
+            with self._lock:
+                while self._cache and self._cached + entry.nbytes > self.cache_bytes:
+                    old = self._cache.popitem(last=False)[1][0]  # the least recently used
+                    self._cached -= old.numel() * old.element_size()
+                self._cache[entry.key] = found
+                self._cached += entry.nbytes
+                self._loading.pop(entry.key, None)
             return found
-        while self._cache and self._cached + entry.nbytes > self.cache_bytes:
-            old = self._cache.pop(next(iter(self._cache)))[0]  # the oldest
-            self._cached -= old.numel() * old.element_size()
-        whole = self._read(entry, Box.full(tuple(entry.shape or ())))
-        found = self._cache[entry.key] = (whole, tensor_bytes(whole))
-        self._cached += entry.nbytes
-        return found
 
     def resolve_data(self, item: WriteItem) -> Any:
         entry = self.meta.entries[item.key]
@@ -399,7 +421,9 @@ def reshard(
             most two chunks and two read buffers of an eighth are alive, so at most 3/4 of
             it, plus one checksum block (up to 4 MiB) per read buffer when ``verify`` reads
             part of a chunk. (The process's RSS can grow further by what the C allocator
-            keeps cached after frees.)
+            keeps cached after frees, and by the writers' I/O buffers: about 32 MiB per
+            destination file being written, up to ``WRITERS`` files at once when the
+            tensors kept whole outgrow half the budget.)
         process_group: share the work among this group's ranks.
         verify: check the source's crc32c on every byte read (reads whole checksummed rows
             of a chunk). ``verify=False`` reads exactly the overlapping bytes, unchecked.
@@ -493,14 +517,24 @@ def reshard(
         mine.extend(_share(rplan, coord.world_size)[coord.rank])
 
         def write_mine() -> list[WriteResult]:
-            source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify, progress,
-                                 slab_bytes=max(1, max_memory // 4), cache_bytes=max_memory // 2)
-            out = []
-            for rank in sorted(mine):
+            # When the tensors kept whole outgrow the cache, destination files are written
+            # WRITERS at a time: they ask for the same source tensors at about the same time,
+            # so the cache serves them all from one read (one file after the other re-read
+            # every tensor once per file). The memory budget is split between them.
+            cached = sum(e.nbytes for e in meta.entries.values() if e.nbytes <= max_memory // 8)
+            writers = max(1, min(WRITERS, len(mine))) if cached > max_memory // 2 else 1
+            source = _SourceData(meta, storage_reader, max(1, max_memory // 8 // writers), verify, progress,
+                                 slab_bytes=max(1, max_memory // 4 // writers), cache_bytes=max_memory // 2)
+
+            def one(rank: int) -> WriteResult:
                 objects = rplan.objects if rank == rplan.object_rank else []
                 sp = SavePlan(rplan.entries, rplan.items(rank), objects)
-                out.append(write_plan(sp, source, storage_writer, rank, save_id, thread_count=1).for_coordinator())
-            return out
+                return write_plan(sp, source, storage_writer, rank, save_id, thread_count=1).for_coordinator()
+
+            if writers == 1:
+                return [one(rank) for rank in sorted(mine)]
+            with ThreadPoolExecutor(writers, thread_name_prefix="dcp-reshard") as pool:
+                return list(pool.map(one, sorted(mine)))
 
         mine_files = [n for r in mine for n in data_file_names(r, save_id, 1)]
         what = f"reshard to {os.fspath(dst_path) if dst_path is not None else 'storage'}"

@@ -182,6 +182,26 @@ def test_a_tiny_memory_budget_streams_chunks_in_row_slabs_and_loads_exactly(tmp_
     assert_same(full, load(path=str(tmp_path / "r")))
 
 
+def test_destination_files_share_source_reads_when_the_checkpoint_outgrows_the_cache(tmp_path):
+    """4 destination files need every tensor; the cache holds 8 of 32. Written one after the
+    other they read the source 4 times over; written together, about once."""
+
+    class Counting(FileSystemReader):
+        payload = 0
+
+        def read_into(self, name, offset, buffer):
+            Counting.payload += memoryview(buffer).nbytes if offset > 4096 else 0
+            return super().read_into(name, offset, buffer)
+
+    full = {f"t{i}": make_tensor((64, 64), seed=i) for i in range(32)}  # 16 KiB each
+    save(full, str(tmp_path / "plain"), no_dist=True)
+    split = TensorLayout(Layout((4,), ("dp",)), {0: [0]}, 2)
+    reshard(None, str(tmp_path / "r"), dst_mesh={"dp": 4}, rules={"t*": split}, max_memory=256 << 10,
+            storage_reader=Counting(str(tmp_path / "plain")))
+    assert Counting.payload <= 2 * 32 * 16384, Counting.payload  # one file after the other: 3.9x
+    assert_same(full, load(path=str(tmp_path / "r")))
+
+
 def test_plain_values_bytes_arrays_and_odd_dtypes_carry_over(tmp_path):
     sd = {"values": {"step": 7, "lr": 1e-3, "betas": (0.9, 0.95), "name": "run"}, "blob": b"\x00\xffbytes",
           "array": np.arange(10, dtype=np.int16).reshape(2, 5), "scalar": torch.tensor(3.5),
