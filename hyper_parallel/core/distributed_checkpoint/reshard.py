@@ -288,9 +288,13 @@ class _SourceData:
             self.bytes_needed += stats.bytes_needed
         return dest
 
+    def keeps_whole(self, entry: md.Entry) -> bool:
+        """Whether a tensor is read whole and kept (a quarter of the cache at most)."""
+        return entry.nbytes <= self.cache_bytes // 4
+
     def _whole(self, entry: md.Entry) -> tuple[torch.Tensor, memoryview] | None:
         """The whole source tensor and its bytes, when it is small enough to keep (cached)."""
-        if entry.nbytes > self.cache_bytes // 4:
+        if not self.keeps_whole(entry):
             return None
         with self._lock:
             found = self._cache.get(entry.key)
@@ -521,10 +525,12 @@ def reshard(
             # WRITERS at a time: they ask for the same source tensors at about the same time,
             # so the cache serves them all from one read (one file after the other re-read
             # every tensor once per file). The memory budget is split between them.
-            cached = sum(e.nbytes for e in meta.entries.values() if e.nbytes <= max_memory // 8)
-            writers = max(1, min(WRITERS, len(mine))) if cached > max_memory // 2 else 1
-            source = _SourceData(meta, storage_reader, max(1, max_memory // 8 // writers), verify, progress,
-                                 slab_bytes=max(1, max_memory // 4 // writers), cache_bytes=max_memory // 2)
+            source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify, progress,
+                                 slab_bytes=max(1, max_memory // 4), cache_bytes=max_memory // 2)
+            kept = sum(e.nbytes for e in meta.entries.values() if source.keeps_whole(e))
+            writers = max(1, min(WRITERS, len(mine))) if kept > source.cache_bytes else 1
+            source.buffer_bytes = max(1, source.buffer_bytes // writers)
+            source.slab_bytes = max(1, source.slab_bytes // writers)
 
             def one(rank: int) -> WriteResult:
                 objects = rplan.objects if rank == rplan.object_rank else []

@@ -83,11 +83,8 @@ def slabs_of(plan: LoadPlan, meta: md.Metadata) -> dict[str, list[Slab]]:
     rows where every saved chunk it reads from starts a checksum block (so no block is read
     by two owners). The cut depends only on the target box and the checkpoint, so it is the
     same on every rank with the same target."""
-    by_key: dict[str, list[ReadItem]] = {}
-    for item in plan.items:
-        by_key.setdefault(item.key, []).append(item)
     out: dict[str, list[Slab]] = {}
-    for key, items in by_key.items():
+    for key, items in _by_key(plan.items).items():
         target = plan.targets[key]
         if not target.numel:
             continue
@@ -96,6 +93,13 @@ def slabs_of(plan: LoadPlan, meta: md.Metadata) -> dict[str, list[Slab]]:
         rows = [target.offsets[0], *cuts, target.offsets[0] + target.sizes[0]] if target.ndim else []
         out[key] = ([Slab(key, target, Box((a, *target.offsets[1:]), (b - a, *target.sizes[1:])))
                      for a, b in zip(rows, rows[1:], strict=False)] if rows else [Slab(key, target, target)])
+    return out
+
+
+def _by_key(items: list[ReadItem]) -> dict[str, list[ReadItem]]:
+    out: dict[str, list[ReadItem]] = {}
+    for item in items:
+        out.setdefault(item.key, []).append(item)
     return out
 
 
@@ -228,10 +232,8 @@ def read_shared(
     me = coord.rank
     slabs = {slab_id(index, s): s for per_key in slabs_of(plan, meta).values() for s in per_key}
     shared_keys = {s.key for cid, s in slabs.items() if cid in assignment.shared}
-    by_key: dict[str, list[ReadItem]] = {}
-    solo: list[ReadItem] = []
-    for item in plan.items:
-        (by_key.setdefault(item.key, []) if item.key in shared_keys else solo).append(item)
+    by_key = _by_key(plan.items)
+    solo = [item for item in plan.items if item.key not in shared_keys]
     stats = ReadStats()
     rounds: list[list[_Shared]] = []
 
@@ -267,8 +269,8 @@ def read_shared(
 def _prepare(slab: Slab, tag: int, size: int, owner: int, holders: tuple[int, ...],
              by_key: dict[str, list[ReadItem]], planner: Any, meta: md.Metadata) -> _Shared:
     dtype = md.torch_dtype(meta.entries[slab.key].dtype)
-    if slab.box.numel * dtype.itemsize != size:  # a 64-bit id collision: never copy wrong bytes
-        raise RuntimeError(f"{slab.key!r}: shared slab {slab.box} is {slab.box.numel * dtype.itemsize} bytes here "
+    if _nbytes(slab, meta) != size:  # a 64-bit id collision: never copy wrong bytes
+        raise RuntimeError(f"{slab.key!r}: shared slab {slab.box} is {_nbytes(slab, meta)} bytes here "
                            f"and {size} on rank {owner}; load with broadcast_replicated_tensors=False")
     items = []
     for item in by_key[slab.key]:
