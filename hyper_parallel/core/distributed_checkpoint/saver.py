@@ -120,6 +120,73 @@ def _tensor_slices(t: torch.Tensor) -> Iterator[memoryview]:
         yield buf
 
 
+BAND_GROUP_BYTES = SLICE_BYTES  # a box's column bands up to this size are gathered in one copy
+
+
+def _band_run(plan: SavePlan, witems: list[WriteItem], items: list[Item], starts: list[int], i: int) -> int:
+    """How many items from ``i`` on are every column band of one box, of equal sizes, laid
+    out at one pitch and spanning at most BAND_GROUP_BYTES (1 when they are not)."""
+    tiles = _tiles(plan, witems[i].key)
+    if tiles <= 1 or witems[i].sub % tiles or i + tiles > len(witems) or not items[i].nbytes:
+        return 1
+    last = i + tiles - 1
+    pitch = starts[i + 1] - starts[i]
+    if starts[last] - starts[i] + items[last].nbytes > BAND_GROUP_BYTES:
+        return 1
+    for k in range(i + 1, last + 1):
+        if (witems[k].key != witems[i].key or witems[k].sub != witems[i].sub + k - i
+                or items[k].nbytes != items[i].nbytes or starts[k] - starts[i] != (k - i) * pitch):
+            return 1
+    return tiles
+
+
+def _view_of_more(value: Any, n: int) -> bool:
+    """Whether ``value`` is a host tensor viewing storage that could hold ``n`` of it (a
+    column band of a tensor, whose other bands are then views as well)."""
+    return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() >= 2
+            and value.untyped_storage().nbytes() >= n * value.numel() * value.element_size())
+
+
+def _banded(values: list[torch.Tensor], pitch: int) -> torch.Tensor | None:
+    """Equal column bands of one tensor as one ``(bands, *band shape)`` view, or None (also
+    when the file's ``pitch`` between them is not a whole number of elements)."""
+    first = values[0]
+    step = values[1].data_ptr() - first.data_ptr() if isinstance(values[1], torch.Tensor) else 0
+    size = first.element_size()
+    if step <= 0 or step % size or pitch % size:
+        return None
+    for k, v in enumerate(values):
+        if (not isinstance(v, torch.Tensor) or v.device != first.device or v.dtype != first.dtype
+                or v.shape != first.shape or v.stride() != first.stride()
+                or v.data_ptr() != first.data_ptr() + k * step):
+            return None
+    return first.as_strided((len(values), *first.shape), (step // size, *first.stride()), first.storage_offset())
+
+
+def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list[int]) -> memoryview:
+    """Copy a box's column bands into one aligned buffer as they lie in the file (band ``k``
+    at ``k * pitch``, zeros between), append each band's checksums to ``crcs``."""
+    nbytes = items[0].nbytes
+    span = pitch * (len(items) - 1) + nbytes
+    buf = direct_io.POOL.get(span)
+    size = bands.element_size()
+    contiguous, n = [], 1  # row-major strides of one band
+    for d in reversed(bands.shape[1:]):
+        contiguous.insert(0, n)
+        n *= d
+    dest = torch.frombuffer(buf, dtype=torch.uint8)[:span - span % size].view(bands.dtype)
+    dest.as_strided(bands.shape, (pitch // size, *contiguous)).copy_(bands)
+    rows = max(1, items[0].box.sizes[0] if items[0].box.sizes else 1)
+    step = max(1, nbytes // rows * block_rows(items[0].box.sizes, nbytes, BLOCK_BYTES))
+    for k in range(len(items)):
+        if k and pitch > nbytes:
+            buf[k * pitch - (pitch - nbytes):k * pitch] = bytes(pitch - nbytes)
+        sums = _Checksums(step)
+        sums.feed(buf[k * pitch:k * pitch + nbytes])
+        crcs.extend(sums.finish())
+    return buf
+
+
 class _Checksums:
     """crc32c of fixed-size blocks over a stream of pieces (blocks may span pieces)."""
 
@@ -195,43 +262,61 @@ def write_plan(
         digests: dict[tuple[str, int], bytes] = {}
         index_blob: list[bytes] = []
 
+        def write_one(witem: WriteItem, item: Item, value: Any) -> Iterator[memoryview]:
+            if type(value) is memoryview and item.nbytes <= BLOCK_BYTES and not hashes:
+                # the offline tools' small chunks (byte ranges of cached tensors): one block
+                if value.nbytes != item.nbytes:
+                    raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {value.nbytes}")
+                if item.nbytes:
+                    crcs.append(crc32c.crc32c(value))
+                    yield value
+                return
+            if isinstance(value, torch.Tensor):
+                fence.before_copy(value)
+            step = (item.nbytes // max(1, item.box.sizes[0] if item.box.sizes else 1)) * block_rows(
+                item.box.sizes, item.nbytes, BLOCK_BYTES) if item.nbytes else 1
+            sums = _Checksums(max(1, step))
+            hashed = known.get((item.key, item.sub))  # hashed already, by the reuse check
+            hasher = ContentHash() if hashes and hashed is None else None
+            got = 0
+            for data in _pieces(value):
+                sums.feed(data)
+                if hasher is not None:
+                    hasher.feed(data)
+                got += data.nbytes
+                yield data
+            value = data = None  # free this chunk before the next one is produced
+            if got != item.nbytes:
+                raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {got}")
+            crcs.extend(sums.finish())
+            if hashes:
+                digests[(item.key, item.sub)] = hashed if hashed is not None else hasher.digest()
+
         def parts() -> Iterator[memoryview]:
             yield memoryview(layout.header)
-            pos = layout.base
-            for witem, item, start in zip(witems, items, layout.starts, strict=True):
-                if start > pos:
-                    yield memoryview(bytes(start - pos))
-                value = planner.resolve_data(witem)
-                if type(value) is memoryview and item.nbytes <= BLOCK_BYTES and not hashes:
-                    # the offline tools' small chunks (byte ranges of cached tensors): one block
-                    if value.nbytes != item.nbytes:
-                        raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {value.nbytes}")
-                    if item.nbytes:
-                        crcs.append(crc32c.crc32c(value))
-                        yield value
-                    pos = start + item.nbytes
-                    continue
-                if isinstance(value, torch.Tensor):
-                    fence.before_copy(value)
-                step = (item.nbytes // max(1, item.box.sizes[0] if item.box.sizes else 1)) * block_rows(
-                    item.box.sizes, item.nbytes, BLOCK_BYTES) if item.nbytes else 1
-                sums = _Checksums(max(1, step))
-                hashed = known.get((item.key, item.sub))  # hashed already, by the reuse check
-                hasher = ContentHash() if hashes and hashed is None else None
-                got = 0
-                for data in _pieces(value):
-                    sums.feed(data)
-                    if hasher is not None:
-                        hasher.feed(data)
-                    got += data.nbytes
-                    yield data
-                value = data = None  # free this chunk before the next one is produced
-                if got != item.nbytes:
-                    raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {got}")
-                crcs.extend(sums.finish())
-                if hashes:
-                    digests[(item.key, item.sub)] = hashed if hashed is not None else hasher.digest()
-                pos = start + item.nbytes
+            pos, i = layout.base, 0
+            while i < len(witems):
+                witem, start = witems[i], layout.starts[i]
+                n = 1 if hashes else _band_run(plan, witems, items, layout.starts, i)
+                values = [planner.resolve_data(witem)]
+                if n > 1 and _view_of_more(values[0], n):  # the other bands are views too: cheap
+                    values += [planner.resolve_data(w) for w in witems[i + 1:i + n]]
+                    pitch = layout.starts[i + 1] - start
+                    bands = _banded(values, pitch)
+                    if bands is not None:  # every column band of a box, in one copy
+                        if start > pos:
+                            yield memoryview(bytes(start - pos))
+                        yield _gather_bands(bands, pitch, items[i:i + n], crcs)
+                        pos, i = layout.starts[i + n - 1] + items[i + n - 1].nbytes, i + n
+                        continue
+                for k in range(i, i + n):  # one by one, each resolved just before it is written
+                    if layout.starts[k] > pos:
+                        yield memoryview(bytes(layout.starts[k] - pos))
+                    value = values.pop(0) if values else planner.resolve_data(witems[k])
+                    yield from write_one(witems[k], items[k], value)
+                    value = None
+                    pos = layout.starts[k] + items[k].nbytes
+                i += n
             if layout.index_offset > pos:
                 yield memoryview(bytes(layout.index_offset - pos))
             blob = encode_index(layout, items, crcs, [digests[(i.key, i.sub)] for i in items] if hashes else None)

@@ -114,6 +114,32 @@ def test_same_layout_loads_of_tiled_chunks_are_exact(tmp_path):
         assert all(torch.equal(target[k], v) for k, v in sd.items())
 
 
+def _payload_and_index(path):
+    """A checkpoint's data file without its safetensors header (which names the save id)."""
+    (name,) = [n for n in os.listdir(path) if n.startswith("data-")]
+    raw = open(os.path.join(path, name), "rb").read()
+    return raw[8 + int.from_bytes(raw[:8], "little"):]
+
+
+def test_bands_gathered_in_one_copy_are_written_as_one_by_one(tmp_path, monkeypatch):
+    sd = {"gaps": make_tensor((600, 784)),  # bands of 470,400 B: 4 KiB-aligned, padding between
+          "dense": make_tensor((64, 256)),  # bands of 16 KiB, packed without padding
+          "bf16": make_tensor((3000, 784), torch.bfloat16),
+          "three_d": make_tensor((300, 512, 2)),
+          "transposed": make_tensor((512, 700)).t(),  # bands of a non-contiguous tensor
+          "uneven": make_tensor((1000, 1001))}  # bands of unequal widths: one by one
+    planner = StandardPlanner()
+    planner.tile_min_chunk_bytes = 64 << 10
+    grouped, single = str(tmp_path / "grouped"), str(tmp_path / "single")
+    save(sd, grouped, planner=planner, no_dist=True)
+    monkeypatch.setattr("hyper_parallel.core.distributed_checkpoint.saver.BAND_GROUP_BYTES", 0)
+    save(sd, single, planner=planner, no_dist=True)
+    assert all(_tiles_of(grouped, k) > 1 for k in sd)
+    assert _payload_and_index(grouped) == _payload_and_index(single)
+    out = load(path=grouped)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+
 def test_a_damaged_band_is_found_by_a_column_reader(tmp_path):
     full = make_tensor((512, 2048))
     path = str(tmp_path / "ckpt")
