@@ -155,10 +155,11 @@ def _banded(values: list[torch.Tensor], pitch: int) -> torch.Tensor | None:
     size = first.element_size()
     if step <= 0 or step % size or pitch % size:
         return None
+    storage = first.untyped_storage().data_ptr()
     for k, v in enumerate(values):
         if (not isinstance(v, torch.Tensor) or v.device != first.device or v.dtype != first.dtype
                 or v.shape != first.shape or v.stride() != first.stride()
-                or v.data_ptr() != first.data_ptr() + k * step):
+                or v.data_ptr() != first.data_ptr() + k * step or v.untyped_storage().data_ptr() != storage):
             return None
     return first.as_strided((len(values), *first.shape), (step // size, *first.stride()), first.storage_offset())
 
