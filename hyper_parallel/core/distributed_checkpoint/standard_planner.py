@@ -309,7 +309,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     #: whole rows reads a box's bands in one call and copies each into place. Set
     #: ``max_tiles = 1`` (on the class or an instance) to store chunks whole.
     max_tiles = 4
-    tile_min_chunk_bytes = 1 << 20
+    tile_min_chunk_bytes = 512 << 10
     tile_min_band_bytes = 512
 
     def tiles(self, key: str, spec: EntrySpec) -> int:
