@@ -590,9 +590,13 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
             b.barrier()
             done_at: list[float] = []
             t0 = time.monotonic()
-            if lib == "ours":
+            if lib.startswith("ours"):
+                kw = {}
+                if lib == "ours_untiled":  # no column bands: the background writes without copying
+                    kw["planner"] = hp.StandardPlanner()
+                    kw["planner"].max_tiles = 1
                 resp = hp.async_save(sd, checkpoint_id=path, sync_files=True,
-                                     callback=lambda r: done_at.append(time.monotonic()))
+                                     callback=lambda r: done_at.append(time.monotonic()), **kw)
                 finished = resp.done
                 wait = resp.result
             else:
@@ -615,7 +619,7 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
             b.barrier()
             return rec
 
-        libs = ["ours", "torch"] if have_ours else ["torch"]
+        libs = ["ours", "ours_untiled", "torch"] if have_ours else ["torch"]
         if not have_ours:
             b.notes.append("async_save not in hyper_parallel.core.distributed_checkpoint: ours skipped")
         for i in range(cfg["warmup_async"]):

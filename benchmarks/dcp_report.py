@@ -537,7 +537,9 @@ def markdown(doc: dict) -> str:
         L.append("|---|---|---|---|")
         for variant, e in a["variants"].items():
             name = {"ours": "ours", "torch": "torch DCP", "ours_first": "ours, first call (allocates)",
-                    "torch_first": "torch DCP, first call"}.get(variant, variant)
+                    "torch_first": "torch DCP, first call",
+                    "ours_untiled": "ours, `planner.max_tiles = 1` (no column bands to copy)",
+                    "ours_untiled_first": "ours, `max_tiles = 1`, first call"}.get(variant, variant)
             L.append(f"| {name} | {_cell(e['blocking_s'], 3)} | {_cell(e['committed_s'], 3)} | {_cell(e['kept'])} |")
         L.append("")
         L.append(f"ours/torch blocking {_x(a.get('blocking_vs_torch'))}; ours blocking/memcpy "
