@@ -177,8 +177,7 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
         n *= d
     dest = torch.frombuffer(buf, dtype=torch.uint8)[:span - span % size].view(bands.dtype)
     dest.as_strided(bands.shape, (pitch // size, *contiguous)).copy_(bands)
-    rows = max(1, items[0].box.sizes[0] if items[0].box.sizes else 1)
-    step = max(1, nbytes // rows * block_rows(items[0].box.sizes, nbytes, BLOCK_BYTES))
+    step = _crc_step(items[0])
     for k in range(len(items)):
         if k and pitch > nbytes:
             buf[k * pitch - (pitch - nbytes):k * pitch] = bytes(pitch - nbytes)
@@ -186,6 +185,14 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
         sums.feed(buf[k * pitch:k * pitch + nbytes])
         crcs.extend(sums.finish())
     return buf
+
+
+def _crc_step(item: Item) -> int:
+    """Bytes per checksum block of a chunk: whole rows, at most BLOCK_BYTES (or one row)."""
+    if not item.nbytes:
+        return 1
+    rows = max(1, item.box.sizes[0] if item.box.sizes else 1)
+    return max(1, item.nbytes // rows * block_rows(item.box.sizes, item.nbytes, BLOCK_BYTES))
 
 
 class _Checksums:
@@ -274,9 +281,7 @@ def write_plan(
                 return
             if isinstance(value, torch.Tensor):
                 fence.before_copy(value)
-            step = (item.nbytes // max(1, item.box.sizes[0] if item.box.sizes else 1)) * block_rows(
-                item.box.sizes, item.nbytes, BLOCK_BYTES) if item.nbytes else 1
-            sums = _Checksums(max(1, step))
+            sums = _Checksums(_crc_step(item))
             hashed = known.get((item.key, item.sub))  # hashed already, by the reuse check
             hasher = ContentHash() if hashes and hashed is None else None
             got = 0
