@@ -590,6 +590,7 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
             b.barrier()
             done_at: list[float] = []
             t0 = time.monotonic()
+            cpu0, own0 = time.process_time(), time.thread_time()  # the save's threads = process - this one
             if lib.startswith("ours"):
                 kw = {}
                 if lib == "ours_untiled":  # no column bands: the background writes without copying
@@ -612,10 +613,11 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
                 k += 1
             t_seen = time.monotonic()
             wait()
+            background_cpu = (time.process_time() - cpu0) - (time.thread_time() - own0)
             during = k / (t_seen - t_ret) if t_seen - t_ret > 0 and k else None
             rec = {"blocking_s": t_ret - t0, "committed_s": (done_at[0] if done_at else t_seen) - t0,
                    "idle_rate": idle, "during_rate": during,
-                   "kept": during / idle if during and idle else None}
+                   "kept": during / idle if during and idle else None, "background_cpu_s": background_cpu}
             b.barrier()
             return rec
 

@@ -54,9 +54,10 @@ def merge_ranks(per_rank: list[dict]) -> dict[str, dict[str, list[dict]]]:
                 for k in ("blocking_s", "committed_s", "rank_s", "call_s", "state_dict_s"):
                     if k in rec:
                         m[k] = max(s[k] for s in same)
-                if "kept" in rec:
-                    kept = [s["kept"] for s in same if s.get("kept") is not None]
-                    m["kept"] = sum(kept) / len(kept) if kept else None
+                for k in ("kept", "background_cpu_s"):  # the mean over ranks
+                    if k in rec:
+                        vals = [s[k] for s in same if s.get(k) is not None]
+                        m[k] = sum(vals) / len(vals) if vals else None
                 if variant == "_error":
                     m["errors"] = sorted({s.get("error", "") for s in same})
                 out.append(m)
@@ -226,6 +227,7 @@ def _async(data: dict, limits: dict, sync_save: dict, local_bytes: list[int]) ->
         entry["variants"][variant] = {
             "blocking_s": _secs(reps, "blocking_s"), "committed_s": _secs(reps, "committed_s"),
             "kept": summary([r["kept"] for r in reps if r.get("kept") is not None]),
+            "background_cpu_s": _secs(reps, "background_cpu_s"),
         }
     entry["available"] = "ours" in entry["variants"]
     memcpy = limits.get("memcpy_reused", {}).get("seconds", {}).get("median")
@@ -531,16 +533,19 @@ def markdown(doc: dict) -> str:
         L.append(f"Per rank: {human_bytes(a.get('local_bytes_per_rank') or 0)}; one memcpy of it into reused "
                  f"memory: {_f(a.get('memcpy_reused_s'), 's', 3)}; our sync save: "
                  f"{_f(a.get('ours_sync_save_s'), 's', 3)}. Blocking = the call's time (max over ranks); "
-                 "committed = call to commit; kept = matmul rate while the save is in flight / idle rate.")
+                 "committed = call to commit; kept = matmul rate while the save is in flight / idle rate; "
+                 "background CPU = CPU time of the rank's other threads (the save's) from the call to commit.")
         L.append("")
-        L.append("| variant | blocking s | committed s | throughput kept |")
-        L.append("|---|---|---|---|")
+        L.append("| variant | blocking s | committed s | throughput kept | background CPU s per rank |")
+        L.append("|---|---|---|---|---|")
         for variant, e in a["variants"].items():
             name = {"ours": "ours", "torch": "torch DCP", "ours_first": "ours, first call (allocates)",
                     "torch_first": "torch DCP, first call",
                     "ours_untiled": "ours, `planner.max_tiles = 1` (no column bands to copy)",
                     "ours_untiled_first": "ours, `max_tiles = 1`, first call"}.get(variant, variant)
-            L.append(f"| {name} | {_cell(e['blocking_s'], 3)} | {_cell(e['committed_s'], 3)} | {_cell(e['kept'])} |")
+            bg = e.get("background_cpu_s") or summary([])
+            L.append(f"| {name} | {_cell(e['blocking_s'], 3)} | {_cell(e['committed_s'], 3)} | {_cell(e['kept'])} "
+                     f"| {_cell(bg, 3)} |")
         L.append("")
         L.append(f"ours/torch blocking {_x(a.get('blocking_vs_torch'))}; ours blocking/memcpy "
                  f"{_x(a.get('blocking_vs_memcpy'))}; ours committed/sync save {_x(a.get('committed_vs_sync'))} "
