@@ -124,7 +124,7 @@ def _payload_and_index(path):
 
 def test_bands_gathered_in_one_copy_are_written_as_one_by_one(tmp_path, monkeypatch):
     sd = {"gaps": make_tensor((600, 784)),  # bands of 470,400 B: 4 KiB-aligned, padding between
-          "dense": make_tensor((64, 256)),  # bands of 16 KiB, packed without padding
+          "dense": make_tensor((64, 256)),  # 2 bands of 32 KiB, packed without padding
           "bf16": make_tensor((3000, 784), torch.bfloat16),
           "three_d": make_tensor((300, 512, 2)),
           "transposed": make_tensor((512, 700)).t(),  # bands of a non-contiguous tensor
