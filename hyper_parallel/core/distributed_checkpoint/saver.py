@@ -175,7 +175,7 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
     for d in reversed(bands.shape[1:]):
         contiguous.insert(0, n)
         n *= d
-    dest = torch.frombuffer(buf, dtype=torch.uint8)[:span - span % size].view(bands.dtype)
+    dest = torch.frombuffer(buf, dtype=torch.uint8).view(bands.dtype)  # span: whole elements (pitch is)
     dest.as_strided(bands.shape, (pitch // size, *contiguous)).copy_(bands)
     step = _crc_step(items[0])
     for k in range(len(items)):
