@@ -346,7 +346,7 @@ def worth_sharing(everyone: list[Needs]) -> bool:
     total = sum(len(n.ids) for n in everyone)
     if not total or total > MAX_SHARED_IDS:
         return False
-    ids = np.concatenate([n.ids for n in everyone])
-    return len(np.unique(ids)) < len(ids)
+    ids = np.sort(np.concatenate([n.ids for n in everyone]))  # np.unique would import numpy.ma: ~20 ms
+    return bool((ids[1:] == ids[:-1]).any())
 
 

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from hyper_parallel.core.distributed_checkpoint import FileSystemReader, RankFailedError, load, save, shared_reads
-from hyper_parallel.core.distributed_checkpoint.shared_reads import Needs, assign
+from hyper_parallel.core.distributed_checkpoint.shared_reads import Needs, assign, worth_sharing
 
 
 class CountingReader(FileSystemReader):
@@ -34,6 +34,17 @@ class MemoryReader(CountingReader):
     """The same files, presented as kept in memory (as on tmpfs)."""
 
     memory_backed = True
+
+
+def test_sharing_is_worth_it_only_when_two_ranks_need_one_slab(monkeypatch):
+    def needs(*ids):
+        return Needs(np.array(ids, dtype=np.int64), np.full(len(ids), 8, dtype=np.int64))
+
+    assert worth_sharing([needs(5, 1), needs(9, 5)])
+    assert not worth_sharing([needs(5, 1), needs(9, 2)])
+    assert not worth_sharing([needs(), needs()])
+    monkeypatch.setattr(shared_reads, "MAX_SHARED_IDS", 3)
+    assert not worth_sharing([needs(5, 1), needs(9, 5)])  # too much bookkeeping: each reads alone
 
 
 def test_assignment_gives_each_shared_chunk_one_reader_balanced_and_batched():
