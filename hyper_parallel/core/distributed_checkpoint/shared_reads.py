@@ -16,7 +16,11 @@ least loaded so far, so the reads stay balanced — and then, in rounds bounded 
 3. receivers copy what landed in buffers into their targets.
 
 Targets that only one rank has are read by that rank directly, as without sharing. Storage
-then serves each replicated byte once; the process group carries the copies.
+then serves each replicated byte once; the process group carries the copies. Targets under
+``SHARE_MIN_BYTES`` (norms, biases, an optimizer's 0-d steps) are read by every rank that
+wants them: each shared slab costs a message per holder and bookkeeping on every rank, and
+an FSDP2 + AdamW load spent ~30 ms (5%) sharing 148 steps of 8 bytes; the bytes they add
+stay far below 1% of a model even at 64 replicas.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .planner import LoadPlan, ReadItem
 from .storage import StorageReader
 
 DEFAULT_BATCH_BYTES = 256 << 20
+SHARE_MIN_BYTES = 64 << 10  # smaller targets are read by each rank that wants them
 MAX_SHARED_IDS = 1 << 22  # beyond this many needs over all ranks, the exchange costs more than it saves
 
 
@@ -142,9 +147,12 @@ def _nbytes(slab: Slab, meta: md.Metadata) -> int:
 
 
 def needs_of(plan: LoadPlan, meta: md.Metadata) -> Needs:
-    """The slabs ``plan`` fills."""
+    """The slabs ``plan`` fills, of targets of at least ``SHARE_MIN_BYTES`` (the decision is
+    the same on every rank with the same target, so a key is shared whole or not at all)."""
     index = _key_index(meta)
-    slabs = [s for per_key in slabs_of(plan, meta).values() for s in per_key]
+    slabs = [s for key, per_key in slabs_of(plan, meta).items()
+             if per_key and _nbytes(Slab(key, per_key[0].target, per_key[0].target), meta) >= SHARE_MIN_BYTES
+             for s in per_key]
     return Needs(np.fromiter((slab_id(index, s) for s in slabs), np.int64, len(slabs)),
                  np.fromiter((_nbytes(s, meta) for s in slabs), np.int64, len(slabs)))
 

@@ -69,7 +69,10 @@ def test_assignment_gives_each_shared_chunk_one_reader_balanced_and_batched():
     assert assign(needs, batch_bytes=150).rounds == a.rounds  # the same on every rank
 
 
-def rank_hsdp(rank: int, ws: int, path: str, share: bool | None, batch: int | None, memory: bool = False) -> dict:
+def rank_hsdp(rank: int, ws: int, path: str, share: bool | None, batch: int | None, memory: bool = False,
+              share_min: int | None = 0) -> dict:
+    if share_min is not None:  # share the small targets too (through buffers where they need them)
+        shared_reads.SHARE_MIN_BYTES = share_min
     if batch:  # small rounds, and targets cut into several slabs (at checksum blocks)
         shared_reads.SLAB_BYTES = 1000
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -106,6 +109,19 @@ def test_hsdp_replicas_read_each_byte_once(tmp_path, batch):
     assert max(r["payload"] for r in shared) <= 0.5 * checkpoint  # the reads are spread over the ranks
 
 
+def test_small_targets_are_read_by_each_replica_and_large_ones_once(tmp_path):
+    """SHARE_MIN_BYTES (64 KiB): "b", "m" and "h" (under 10 KiB each) are read by all 4 ranks,
+    the 4 MiB "w" still once."""
+    path = str(tmp_path / "ckpt")
+    checkpoint = 16384 * 64 * 4 + 512 * 4 + 64 * 32 * 4 + 96 * 4
+    every = [r["payload"] for r in run_ranks(rank_hsdp, 4, path, True, None, False, 0)]
+    small = [r["payload"] for r in run_ranks(rank_hsdp, 4, path, True, None, False, None)]
+    assert sum(every) <= 1.05 * checkpoint and sum(small) <= 1.05 * checkpoint, (every, small)
+    assert sum(small) > sum(every)  # the small ones, read more than once
+    # "w" is still read once, spread over the ranks: a rank reads at most one of its 2 MiB shards
+    assert max(small) <= 16384 * 64 * 4 // 2 + (checkpoint - 16384 * 64 * 4), small
+
+
 def test_by_default_replicas_read_once_unless_the_files_are_in_memory(tmp_path):
     """broadcast_replicated_tensors=None: share reads, except where the files live in memory
     (the reader's memory_backed: reading again costs no more than receiving)."""
@@ -118,6 +134,7 @@ def test_by_default_replicas_read_once_unless_the_files_are_in_memory(tmp_path):
 
 
 def rank_corrupt(rank: int, ws: int, path: str) -> str:
+    shared_reads.SHARE_MIN_BYTES = 0  # share "b" (2 KiB)
     target = {"b": torch.zeros(512)}
     try:
         load(target, checkpoint_id=path, broadcast_replicated_tensors=True)
