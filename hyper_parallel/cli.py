@@ -445,7 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.fn(args)
     except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # the library speaks of its keyword argument; here it is a flag
+        print(f"error: {str(exc).replace('overwrite=True', '--overwrite')}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -112,6 +112,13 @@ def test_import_mindspore_errors_are_one_clear_line(tmp_path):
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "encrypted MindSpore" in out.stderr
 
 
+def test_cli_errors_name_the_flag_not_the_keyword(tmp_path):
+    full = os.path.join(MS_FIX, "tp2", "full.ckpt")
+    assert run("import-mindspore", full, str(tmp_path / "dcp")).returncode == 0
+    out = run("import-mindspore", full, str(tmp_path / "dcp"))
+    assert out.returncode == 2 and "--overwrite" in out.stderr and "overwrite=True" not in out.stderr
+
+
 def test_ls_lists_the_steps_of_a_manager_directory_committed_or_not(tmp_path):
     from hyper_parallel.core.distributed_checkpoint import CheckpointManager
 

@@ -493,14 +493,35 @@ _SRC_PLATFORMS = {"huggingface": "huggingface", "hf": "huggingface", "safetensor
                   "torch": "torch", "pytorch": "torch", "pt": "torch", "mindspore": "mindspore", "ms": "mindspore"}
 
 
+def _one_of(ours: object, theirs: object, name: str, alias: str) -> str:
+    """An argument given under our name or HyperParallel's (not both, not neither)."""
+    if (ours is None) == (theirs is None):
+        raise TypeError(f"convert_full_checkpoint_to_dcp() needs exactly one of {name}= and {alias}=")
+    return os.fspath(ours if ours is not None else theirs)
+
+
+def _looks_like_mindspore(path: str) -> bool:
+    """A ``.ckpt`` file, or one starting like MindSpore's protobuf (field 1 or 2, length-delimited)."""
+    if path.endswith(".ckpt"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            first = f.read(1)
+    except OSError:
+        return False
+    return first in (b"\x0a", b"\x12")
+
+
 def convert_full_checkpoint_to_dcp(
-    src: str | os.PathLike,
-    dst_path: str | os.PathLike,
-    *,
+    src: str | os.PathLike | None = None,
+    dst_path: str | os.PathLike | None = None,
     src_platform: str | None = None,
+    *,
     prefix: str = "",
     allow_pickle: bool = False,
     overwrite: bool = False,
+    src_ckpt: str | os.PathLike | None = None,
+    dst_dir: str | os.PathLike | None = None,
 ) -> md.Metadata:
     """Convert a full checkpoint (HF safetensors dir/file, a torch ``.pt``/``.bin``, or MindSpore's) to DCP.
 
@@ -518,6 +539,8 @@ def convert_full_checkpoint_to_dcp(
             distributed checkpoints). None (default) tells safetensors from torch files by
             the path.
         prefix: prepended to every key (e.g. ``"model."``).
+        src_ckpt, dst_dir: HyperParallel's names for ``src`` and ``dst_path`` (its code
+            calls ``convert_full_checkpoint_to_dcp(src_ckpt=..., dst_dir=..., src_platform=...)``).
 
     Raises:
         ValueError: an unknown ``src_platform``, or one that does not fit ``src``.
@@ -527,7 +550,8 @@ def convert_full_checkpoint_to_dcp(
         convert_full_checkpoint_to_dcp("/hf/llama", "/ckpt/llama", src_platform="huggingface")
         convert_full_checkpoint_to_dcp("lenet.ckpt", "/ckpt/lenet", src_platform="mindspore")
     """
-    src = os.fspath(src)
+    src = _one_of(src, src_ckpt, "src", "src_ckpt")
+    dst_path = _one_of(dst_path, dst_dir, "dst_path", "dst_dir")
     is_st = os.path.isdir(src) or src.endswith(".safetensors")
     if src_platform is not None:
         kind = _SRC_PLATFORMS.get(str(src_platform).lower())
@@ -571,6 +595,10 @@ def convert_full_checkpoint_to_dcp(
     try:
         sd = torch.load(src, map_location="cpu", weights_only=not allow_pickle, mmap=True)
     except Exception as exc:  # torch raises UnpicklingError subclasses for non-weights files
+        if src_platform is None and _looks_like_mindspore(src):
+            raise CheckpointError(
+                f"{src!r} is not a torch file; it looks like a MindSpore checkpoint: pass "
+                "src_platform='mindspore'") from None
         if allow_pickle:
             raise
         raise UnsupportedValueError(

@@ -123,7 +123,8 @@ def _bytes_tensor(value: bytes | bytearray) -> torch.Tensor:
 
 def _numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
     try:
-        return torch.from_numpy(np.ascontiguousarray(arr))
+        # np.ascontiguousarray makes a 0-d array 1-d; keep the shape
+        return torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
     except TypeError:
         raise UnsupportedValueError(
             f"{key!r}: numpy dtype {arr.dtype} cannot be stored as a tensor"

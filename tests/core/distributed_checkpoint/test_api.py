@@ -101,6 +101,15 @@ def test_numpy_target_is_filled_in_place(tmp_path):
     assert target["a"] is arr and arr.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_a_0d_numpy_array_keeps_its_shape(tmp_path):
+    save({"s": np.array(2.5), "i": np.array(7, dtype=np.int32)}, str(tmp_path))
+    out = load(path=str(tmp_path))
+    assert out["s"].shape == () and out["s"] == 2.5 and out["i"].shape == () and out["i"].dtype == np.int32
+    target = {"s": np.array(0.0)}
+    load(target, str(tmp_path))
+    assert target["s"].shape == () and target["s"] == 2.5
+
+
 def test_pickle_needs_opt_in_on_save_and_again_on_load(tmp_path):
     sd = {"obj": {1, 2, 3}}
     with pytest.raises(UnsupportedValueError, match="'obj'.*allow_pickle=True"):

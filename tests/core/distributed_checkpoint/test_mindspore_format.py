@@ -131,6 +131,18 @@ def test_convert_full_checkpoint_to_dcp_reads_mindspore_with_src_platform(tmp_pa
         convert_full_checkpoint_to_dcp(os.path.join(FIX, "full.ckpt"), tmp_path / "b", src_platform="jax")
 
 
+def test_convert_full_checkpoint_to_dcp_takes_hyperparallel_call_forms(tmp_path):
+    full = os.path.join(FIX, "full.ckpt")
+    convert_full_checkpoint_to_dcp(src_ckpt=full, dst_dir=str(tmp_path / "a"), src_platform="mindspore")
+    convert_full_checkpoint_to_dcp(full, str(tmp_path / "b"), "mindspore")  # the platform by position
+    for d in ("a", "b"):
+        assert_as_mindspore_reads(load(path=str(tmp_path / d)), "full.ckpt")
+    with pytest.raises(CheckpointError, match="src_platform='mindspore'"):  # not advice to unpickle
+        convert_full_checkpoint_to_dcp(full, str(tmp_path / "c"))
+    with pytest.raises(TypeError, match="src_ckpt"):
+        convert_full_checkpoint_to_dcp(full, str(tmp_path / "d"), src_ckpt=full)
+
+
 # ---------------------------------------------------------------------------- damaged files
 
 
