@@ -184,16 +184,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not infos:
         print(f"no step directories in {args.path}")
         return 0
+    # an incremental step's files may live in a step that never committed: those are not debris
+    needed = {r for i in infos if i.state == "committed" for r in i.references}
+    kept = [i for i in infos if i.state != "committed" and i.step in needed]
     headers = ["step", "state", "files", "size", "metrics", "references"]
-    table = [[str(i.step) + (" (latest)" if i.step == latest else ""), i.state, str(i.files), _human(i.bytes),
+    table = [[str(i.step) + (" (latest)" if i.step == latest else ""),
+              i.state + (" (files in use)" if i in kept else ""), str(i.files), _human(i.bytes),
               ", ".join(f"{k}={_metric_text(v)}" for k, v in (i.metrics or {}).items()) or "-",
               ", ".join(map(str, i.references)) or "-"] for i in infos]
     widths = [max(len(h), *(len(t[c]) for t in table)) for c, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
     for t in table:
         print("  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip())
-    others = len(infos) - len(committed)
+    others = len(infos) - len(committed) - len(kept)
     print(f"\n{len(committed)} committed step(s), total {_human(sum(i.bytes for i in infos))}"
+          + (f"; {len(kept)} not committed whose files committed steps use (do not delete them)"
+             if kept else "")
           + (f"; {others} not committed (a save in flight, or debris the next manager start sweeps)"
              if others else ""))
     for i in infos:

@@ -112,6 +112,18 @@ def test_import_mindspore_errors_are_one_clear_line(tmp_path):
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "encrypted MindSpore" in out.stderr
 
 
+def test_ls_does_not_call_files_a_committed_step_uses_debris(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import CheckpointManager
+
+    d = str(tmp_path / "run")
+    with CheckpointManager(d, incremental=True, keep_latest=1) as mgr:  # step 2 reuses step 1's "w"
+        mgr.save(1, {"w": torch.ones(100), "v": torch.zeros(10)})
+        mgr.save(2, {"w": torch.ones(100), "v": torch.ones(10)})
+    out = run("ls", d)
+    assert out.returncode == 0, out.stderr
+    assert "files in use" in out.stdout and "do not delete" in out.stdout and "debris" not in out.stdout
+
+
 def test_cli_errors_name_the_flag_not_the_keyword(tmp_path):
     full = os.path.join(MS_FIX, "tp2", "full.ckpt")
     assert run("import-mindspore", full, str(tmp_path / "dcp")).returncode == 0
