@@ -501,9 +501,9 @@ def _one_of(ours: object, theirs: object, name: str, alias: str) -> str:
 
 
 def _looks_like_mindspore(path: str) -> bool:
-    """A ``.ckpt`` file, or one starting like MindSpore's protobuf (field 1 or 2, length-delimited)."""
-    if path.endswith(".ckpt"):
-        return True
+    """A file starting like MindSpore's protobuf (field 1 or 2, length-delimited). Not by its
+    ``.ckpt`` suffix: Lightning's torch checkpoints have it too (torch files start with a zip
+    header or a pickle opcode)."""
     try:
         with open(path, "rb") as f:
             first = f.read(1)

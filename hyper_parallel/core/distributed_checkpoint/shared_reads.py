@@ -150,11 +150,14 @@ def needs_of(plan: LoadPlan, meta: md.Metadata) -> Needs:
     """The slabs ``plan`` fills, of targets of at least ``SHARE_MIN_BYTES`` (the decision is
     the same on every rank with the same target, so a key is shared whole or not at all)."""
     index = _key_index(meta)
-    slabs = [s for key, per_key in slabs_of(plan, meta).items()
-             if per_key and _nbytes(Slab(key, per_key[0].target, per_key[0].target), meta) >= SHARE_MIN_BYTES
-             for s in per_key]
+    slabs, sizes = [], []
+    for per_key in slabs_of(plan, meta).values():
+        nbytes = [_nbytes(s, meta) for s in per_key]
+        if sum(nbytes) >= SHARE_MIN_BYTES:  # a key's slabs tile its target
+            slabs += per_key
+            sizes += nbytes
     return Needs(np.fromiter((slab_id(index, s) for s in slabs), np.int64, len(slabs)),
-                 np.fromiter((_nbytes(s, meta) for s in slabs), np.int64, len(slabs)))
+                 np.array(sizes, dtype=np.int64))
 
 
 def assign(needs: list[Needs], batch_bytes: int = DEFAULT_BATCH_BYTES) -> Assignment:

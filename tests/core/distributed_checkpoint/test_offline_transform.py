@@ -167,6 +167,10 @@ def test_torch_files_need_opt_in_for_pickles(tmp_path):
     with pytest.raises(UnsupportedValueError, match="allow_pickle"):
         convert_full_checkpoint_to_dcp(str(tmp_path / "pickled.pt"), str(tmp_path / "c2"))
     convert_full_checkpoint_to_dcp(str(tmp_path / "pickled.pt"), str(tmp_path / "c2"), allow_pickle=True)
+    # a torch file named .ckpt (Lightning's) is still a torch file, not "MindSpore"
+    torch.save({"w": make_tensor((2,)), "when": datetime.date(2020, 1, 2)}, tmp_path / "lightning.ckpt")
+    with pytest.raises(UnsupportedValueError, match="allow_pickle"):
+        convert_full_checkpoint_to_dcp(str(tmp_path / "lightning.ckpt"), str(tmp_path / "c3"))
     assert load(path=str(tmp_path / "c2"), allow_pickle=True)["when"] == datetime.date(2020, 1, 2)
 
 
