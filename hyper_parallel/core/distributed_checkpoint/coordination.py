@@ -6,16 +6,26 @@ naming the failing ranks and causes, instead of leaving the others blocked in th
 collective. The exchanges run on a gloo group (the caller's, when it is gloo; otherwise one
 made once per process group) so they need no accelerator and never share a communicator
 with training collectives.
+
+Objects travel pickled in uint8 tensors (peers of one job trust each other; nothing read
+from a checkpoint is unpickled). Every exchange returns only after gloo's worker threads have
+let go of its tensors: a worker dropping the last C++ reference to a tensor made in Python
+must take the GIL, and if that happens while the interpreter is finalizing, the process
+aborts ("terminate called without an active exception") - a script whose last act is a
+save would crash at exit now and then.
 """
 
 from __future__ import annotations
 
+import pickle
+import time
 import traceback
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError, LostContactError, RankFailedError
@@ -107,9 +117,7 @@ class Coordinator:
     def _all_gather(self, phase: str, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        self._collective(phase, lambda: dist.all_gather_object(out, obj, group=self.group))
-        return out
+        return self._collective(phase, lambda: _all_gather_object(obj, self.world_size, self.group))
 
     def statuses(self, phase: str, fn: Callable[[], T]) -> tuple[list[tuple[str, Any]], BaseException | None]:
         """Run ``fn`` here and learn every rank's outcome, without raising for failures.
@@ -168,10 +176,10 @@ class Coordinator:
             if own is not None:
                 raise own
             return [payload]
-        gathered: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        gathered: list[Any] | None = None
         try:
-            self._collective(phase, lambda: dist.gather_object(
-                (status, payload), gathered, dst=self._global(self.coordinator_rank), group=self.group))
+            gathered = self._collective(phase, lambda: _gather_object(
+                (status, payload), self.world_size, self._global(self.coordinator_rank), self.group))
             # The coordinator learned every status; share only the failures with everyone.
             verdict = None
             if self.is_coordinator:
@@ -195,9 +203,7 @@ class Coordinator:
         """Group rank ``src``'s ``obj`` on every rank."""
         if not self.distributed:
             return obj
-        box = [obj]
-        self._collective(phase, lambda: dist.broadcast_object_list(box, src=self._global(src), group=self.group))
-        return box[0]
+        return self._collective(phase, lambda: _broadcast_object(obj, self.rank == src, self._global(src), self.group))
 
     @property
     def group_ranks(self) -> list[int]:
@@ -211,6 +217,83 @@ class Coordinator:
 
     def _name(self, group_rank: int) -> int:
         return self._global(group_rank) if self.distributed else group_rank
+
+
+# ----------------------------------------------------------------------------- object collectives
+
+
+def _settle(tensors: list[torch.Tensor], limit_s: float = 5.0) -> None:
+    """Wait until no C++ holder but our own Python object references each of ``tensors``.
+
+    A collective's ``wait()`` returns when the data arrived, a moment before gloo's worker
+    thread drops its work (and with it the tensors). Sleeping releases the GIL, which that
+    drop may need. Bounded: a holder that never lets go costs ``limit_s``, not a hang.
+    """
+    deadline = time.monotonic() + limit_s
+    for t in tensors:
+        while t._use_count() > 1 and time.monotonic() < deadline:
+            time.sleep(1e-4)
+
+
+def _to_bytes_tensor(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def _from_bytes_tensor(t: torch.Tensor, size: int) -> Any:
+    return pickle.loads(t[:size].numpy().tobytes())
+
+
+def _sizes(mine: int, world_size: int, group: Any) -> list[int]:
+    local = torch.tensor([mine], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, local, group=group)
+    _settle([local, *sizes])
+    return [int(s.item()) for s in sizes]
+
+
+def _padded(t: torch.Tensor, size: int) -> torch.Tensor:
+    if t.numel() == size:
+        return t
+    out = torch.zeros(size, dtype=torch.uint8)
+    out[: t.numel()] = t
+    return out
+
+
+def _all_gather_object(obj: Any, world_size: int, group: Any) -> list[Any]:
+    mine = _to_bytes_tensor(obj)
+    sizes = _sizes(mine.numel(), world_size, group)
+    width = max(sizes)
+    mine = _padded(mine, width)
+    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(outs, mine, group=group)
+    _settle([mine, *outs])
+    return [_from_bytes_tensor(o, n) for o, n in zip(outs, sizes, strict=True)]
+
+
+def _gather_object(obj: Any, world_size: int, dst: int, group: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on global rank ``dst`` (None elsewhere)."""
+    mine = _to_bytes_tensor(obj)
+    sizes = _sizes(mine.numel(), world_size, group)
+    width = max(sizes)
+    mine = _padded(mine, width)
+    here = dist.get_rank() == dst
+    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world_size)] if here else None
+    dist.gather(mine, outs, dst=dst, group=group)
+    _settle([mine, *(outs or [])])
+    return [_from_bytes_tensor(o, n) for o, n in zip(outs, sizes, strict=True)] if outs is not None else None
+
+
+def _broadcast_object(obj: Any, is_src: bool, src: int, group: Any) -> Any:
+    """Global rank ``src``'s ``obj`` on every rank of ``group``."""
+    payload = _to_bytes_tensor(obj) if is_src else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    _settle([size])
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src=src, group=group)
+    _settle([payload])
+    return obj if is_src else _from_bytes_tensor(payload, payload.numel())
 
 
 def _describe(exc: BaseException) -> str:

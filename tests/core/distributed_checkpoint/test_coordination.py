@@ -81,3 +81,43 @@ def rank_interrupted(rank: int, ws: int, path: str) -> str:
 def test_a_keyboard_interrupt_on_one_rank_reaches_every_rank(tmp_path):
     assert run_ranks(rank_interrupted, 2, str(tmp_path / "c"), timeout_s=60) == ["RankFailedError",
                                                                                   "KeyboardInterrupt"]
+
+
+def rank_exchanges_objects(rank: int, ws: int) -> tuple:
+    from hyper_parallel.core.distributed_checkpoint.coordination import Coordinator
+
+    coord = Coordinator()
+    mine = {"rank": rank, "blob": bytes(range(256)) * (1 + 4000 * rank)}  # ~1 MB on rank 1, 256 B on rank 0
+    everyone = coord.exchange("x", lambda: mine)
+    gathered = coord.gather_to_coordinator("g", lambda: [rank] * (rank + 1))
+    from_one = coord.broadcast_from(1, mine if rank == 1 else None)
+    return ([e["rank"] for e in everyone], [len(e["blob"]) for e in everyone], gathered, from_one["rank"],
+            len(from_one["blob"]))
+
+
+def test_objects_of_different_sizes_reach_every_rank():
+    out = run_ranks(rank_exchanges_objects, 2, timeout_s=90)
+    big = 256 * 4001
+    assert out[0] == ([0, 1], [256, big], [[0], [1, 1]], 1, big)
+    assert out[1] == ([0, 1], [256, big], None, 1, big)
+
+
+def rank_settles_a_collective(rank: int, ws: int) -> list[int]:
+    import torch.distributed as dist
+
+    from hyper_parallel.core.distributed_checkpoint.coordination import _settle
+
+    counts = []
+    for _ in range(20):
+        t = torch.zeros(1024)
+        dist.broadcast(t, src=0)
+        _settle([t])
+        # gloo's worker thread let go: dropping the tensor now needs no other thread's GIL
+        counts.append(t._use_count())
+    return counts
+
+
+def test_a_collective_returns_after_gloo_let_go_of_its_tensors():
+    # A worker dropping a Python-made tensor takes the GIL; at interpreter exit that aborts
+    # the process, so exchanges wait for the workers before returning.
+    assert run_ranks(rank_settles_a_collective, 2, timeout_s=90) == [[1] * 20] * 2
