@@ -38,6 +38,7 @@ from .box import Box
 from .chunks import ChunkRef, overlapping
 from .data_file import FileIndex, UncheckedIndex, check_index, tensor_bytes
 from .errors import CorruptCheckpointError
+from .host_copy import copy_into
 from .planner import LoadPlan, ReadItem
 from .storage import StorageReader
 from .streams import StreamFence
@@ -146,7 +147,8 @@ def _apply(seg: _Segment, data: memoryview, verify: bool) -> None:
     inner = seg.inner
     lo, hi = max(seg.row_lo, inner.offsets[0]), min(seg.row_hi, inner.offsets[0] + inner.sizes[0])
     cols = tuple(slice(o, o + n) for o, n in zip(inner.offsets[1:], inner.sizes[1:], strict=True))
-    seg.dest[lo - inner.offsets[0]:hi - inner.offsets[0]].copy_(block[(slice(lo - seg.row_lo, hi - seg.row_lo), *cols)])
+    copy_into(seg.dest[lo - inner.offsets[0]:hi - inner.offsets[0]],
+              block[(slice(lo - seg.row_lo, hi - seg.row_lo), *cols)])
 
 
 def _run_range(segs: list[_Segment], file_size: int, align: int) -> tuple[int, int]:
@@ -341,7 +343,7 @@ def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: Sto
         if full_rows:
             block = block[(slice(None),) * (d + 1) + tuple(
                 slice(o, o + m) for o, m in zip(inner.offsets[d + 1:], inner.sizes[d + 1:], strict=True))]
-        dest_view[s0:s1].copy_(block) if d else dest_view.copy_(block)
+        copy_into(dest_view[s0:s1], block) if d else copy_into(dest_view, block)
     return read
 
 

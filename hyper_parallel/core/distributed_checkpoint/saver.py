@@ -32,6 +32,7 @@ from . import metadata as md
 from .box import Box
 from .data_file import BLOCK_BYTES, ContentHash, Item, block_rows, encode_index, plan_file, tensor_bytes
 from .grid import Grid
+from .host_copy import copy_into
 from .planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from .storage import StorageWriter
 from .streams import StreamFence
@@ -116,7 +117,7 @@ def _tensor_slices(t: torch.Tensor) -> Iterator[memoryview]:
     for r0 in range(0, t.shape[0], rows):
         slab = t[r0:r0 + rows]
         buf = direct_io.POOL.get(slab.numel() * slab.element_size())
-        torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(slab.shape).copy_(slab)
+        copy_into(torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(slab.shape), slab)
         yield buf
 
 
@@ -176,7 +177,7 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
         contiguous.insert(0, n)
         n *= d
     dest = torch.frombuffer(buf, dtype=torch.uint8).view(bands.dtype)  # span: whole elements (pitch is)
-    dest.as_strided(bands.shape, (pitch // size, *contiguous)).copy_(bands)
+    copy_into(dest.as_strided(bands.shape, (pitch // size, *contiguous)), bands)
     step = _crc_step(items[0])
     for k in range(len(items)):
         if k and pitch > nbytes:
