@@ -107,3 +107,13 @@ def test_quick_scale_benchmark_reports_every_case(tmp_path):
     assert doc["planning"]["target"]["ranks"] == 8192 and doc["planning"]["target"]["extrapolated"]
     assert len(doc["targets"]) == 10 and all(t["met"] is not None for t in doc["targets"]), doc["targets"]
     assert not list(tmp_path.glob("hp-dcp-scale-*")), "the benchmark left its checkpoints behind"
+
+
+def test_warm_benchmark_checks_values_and_prints_both_libraries(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_warm.py"), "--size-mib", "4", "--layers", "2",
+           "--reps", "1", "--dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| save |" in proc.stdout and "| load |" in proc.stdout, proc.stdout
+    assert "values correct: ours True, torch DCP True" in proc.stdout, proc.stdout
+    assert os.listdir(tmp_path) == [], "the benchmark left its checkpoints behind"
