@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.autograd.graph import increment_version
 
 # numpy's view of a tensor's elements as same-sized integers (bit patterns, any dtype).
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -41,6 +42,7 @@ def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
         d, s = _as_numpy(dest), _as_numpy(src)
         if d is not None and s is not None:
             np.copyto(d, s, casting="no")
+            increment_version(dest)  # as copy_ would: autograd sees the tensor was written
             return
     with torch.no_grad():
         dest.copy_(src)

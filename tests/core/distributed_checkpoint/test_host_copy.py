@@ -54,3 +54,13 @@ def test_what_numpy_cannot_take_falls_back_to_torch():
     rows = torch.zeros(256, 256)
     copy_into(rows, src[:1].expand(256, 256))  # a zero stride: numpy takes it too
     assert torch.equal(rows, src[:1].expand(256, 256))
+
+
+def test_a_written_tensor_is_marked_written_for_autograd():
+    # copy_ bumps the version counter; a backward that saved the old values must notice
+    w = torch.nn.Parameter(torch.ones(256, 256))
+    loss = (w * w).sum()  # saves w for backward
+    copy_into(w.detach(), torch.full((256, 256), 2.0))
+    assert torch.equal(w.detach(), torch.full((256, 256), 2.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
