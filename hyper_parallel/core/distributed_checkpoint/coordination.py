@@ -259,11 +259,16 @@ def _padded(t: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
-def _all_gather_object(obj: Any, world_size: int, group: Any) -> list[Any]:
+def _padded_payload(obj: Any, world_size: int, group: Any) -> tuple[torch.Tensor, list[int], int]:
+    """``obj`` pickled and zero-padded to the widest rank's payload; every rank's size; the width."""
     mine = _to_bytes_tensor(obj)
     sizes = _sizes(mine.numel(), world_size, group)
     width = max(sizes)
-    mine = _padded(mine, width)
+    return _padded(mine, width), sizes, width
+
+
+def _all_gather_object(obj: Any, world_size: int, group: Any) -> list[Any]:
+    mine, sizes, width = _padded_payload(obj, world_size, group)
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world_size)]
     dist.all_gather(outs, mine, group=group)
     _settle([mine, *outs])
@@ -272,10 +277,7 @@ def _all_gather_object(obj: Any, world_size: int, group: Any) -> list[Any]:
 
 def _gather_object(obj: Any, world_size: int, dst: int, group: Any) -> list[Any] | None:
     """Every rank's ``obj`` on global rank ``dst`` (None elsewhere)."""
-    mine = _to_bytes_tensor(obj)
-    sizes = _sizes(mine.numel(), world_size, group)
-    width = max(sizes)
-    mine = _padded(mine, width)
+    mine, sizes, width = _padded_payload(obj, world_size, group)
     here = dist.get_rank() == dst
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world_size)] if here else None
     dist.gather(mine, outs, dst=dst, group=group)
