@@ -32,6 +32,10 @@ def test_quick_benchmark_reports_every_scenario(tmp_path):
         if name != "sync_save":
             assert all(entry["correct"].values()), f"{name}: wrong values loaded: {entry['correct']}"
     assert "ours_noverify" in res["scenarios"]["load_reshard_s0_s1"]["variants"]
+    for name in ("load_same", "load_reshard_s0_s1"):  # the paired read limit: same files, same reps
+        entry = res["scenarios"][name]
+        assert entry["paired_limit_GiBps"] > 0 and entry["ours_vs_paired"] > 0, entry
+        assert "paired limit" in (out / "latest.md").read_text()
     assert set(res["scenarios"]["reference"]["variants"]) == {
         "torch_save", "safetensors_save", "torch_load", "safetensors_load"}
     async_ = res["scenarios"]["async_save"]
