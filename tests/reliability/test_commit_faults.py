@@ -120,7 +120,8 @@ def test_an_undeletable_old_file_is_a_warning_and_the_new_checkpoint_stands(tmp_
     assert "could not be removed" in outcomes[0]
     expect_whole(path, 2)
     left = verify_checkpoint(path).unreferenced
-    assert left and all(n.startswith("data-r") for n in left)  # v1's files, reported...
+    # v1's file of rank 0, whose writer failed, reported; rank 1 removed the one it wrote
+    assert len(left) == 1 and left[0].startswith("data-r00000-"), left
     assert collect_garbage(FileSystemReader(path), FileSystemWriter(path)) == left  # ...and reclaimable
     expect_whole(path, 2)
     assert verify_checkpoint(path).unreferenced == []
@@ -145,10 +146,11 @@ def immutable(files: list[str]):
 def test_a_real_undeletable_old_file_chattr(tmp_path):
     path = str(tmp_path / "c")
     run_ranks(save_v1, 2, path)
-    v1_files = [os.path.join(path, f) for f in os.listdir(path) if f.startswith("data-")]
+    v1_files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.startswith("data-r00001-"))
     with immutable(v1_files[:1]):
         warned = run_ranks(save_v2, 2, path)
-        assert "could not be removed" in warned[0], warned
+        # each rank removes the replaced files it wrote: rank 1 meets the undeletable one
+        assert "could not be removed" in warned[1] and "could not be removed" not in warned[0], warned
         expect_whole(path, 2)  # v2 committed although v1's file could not be deleted
     assert verify_checkpoint(path).unreferenced == [os.path.basename(v1_files[0])]
 
@@ -180,3 +182,21 @@ def test_sigkill_of_the_coordinator_right_after_the_rename(tmp_path):
     # rank 1 cannot know whether the commit happened: it says so and keeps its files
     assert outcome(path, 1) == "CommitError committed=None"
     expect_whole(path, 2)  # promised: v2
+
+
+def save_step(rank: int, ws: int, path: str, step: int) -> None:
+    save(state(ws, step), path)
+
+
+def test_saving_over_a_checkpoint_of_more_ranks_removes_every_replaced_file(tmp_path):
+    # 4 ranks wrote v1; 2 ranks replace it: the files of ranks 2 and 3, whose writers are
+    # gone, are shared out among the ranks that remain
+    path = str(tmp_path / "c")
+    run_ranks(save_step, 4, path, 1)
+    v1 = {f for f in os.listdir(path) if f.startswith("data-")}
+    assert {f[:12] for f in v1} == {f"data-r0000{r}-" for r in range(4)}
+    run_ranks(save_step, 2, path, 2)
+    expect_whole(path, 2)
+    left = {f for f in os.listdir(path) if f.startswith("data-")}
+    assert not left & v1 and {f[:12] for f in left} == {"data-r00000-", "data-r00001-"}, left
+    assert verify_checkpoint(path).unreferenced == []

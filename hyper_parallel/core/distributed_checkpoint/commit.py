@@ -127,13 +127,20 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
         raise error if isinstance(error, CommitError) else CommitError(detail, None, save_id)
     if own is not None:  # committed; a rank interrupted meanwhile still raises its interruption
         raise own
-    try:  # every rank returns the committed metadata (the coordinator's, parsed)
-        payload = coord.broadcast(outcome.get("payload"), f"{phase} (metadata)")
+    # Every rank returns the committed metadata (the coordinator's, parsed) and removes its
+    # share of the replaced checkpoint's files: the files it wrote then, so on storage that
+    # only the writer sees they are still reachable, and the coordinator does not unlink N
+    # files alone while the job waits for it (~80 ms per 512 MiB file on ext4 here).
+    garbage = (replaced_files(outcome["previous"], outcome["meta"].file_names())
+               if coord.is_coordinator else None)
+    try:
+        payload, garbage = coord.broadcast((outcome.get("payload"), garbage), f"{phase} (metadata)")
     except LostContactError as lost:
         raise CommitError(f"{what} is committed (save id {save_id}), but contact with other ranks was lost "
                           f"right after: {lost}", True, save_id) from lost
+    remove_replaced(writer, [name for i, (name, rank) in enumerate(garbage)
+                             if (rank if 0 <= rank < coord.world_size else i) % coord.world_size == coord.rank])
     if coord.is_coordinator:
-        reclaim_replaced(writer, outcome["previous"], outcome["meta"].file_names())
         return outcome["meta"]
     return md.Metadata.from_json(payload)
 
@@ -181,23 +188,37 @@ def commit_metadata(writer: StorageWriter, meta: md.Metadata, name: str = md.MET
         return previous, payload
 
 
+def replaced_files(previous: bytes | None, keep: Iterable[str]) -> list[tuple[str, int]]:
+    """The data files of a replaced checkpoint (its ``.metadata`` bytes, ``previous``) that
+    the new one does not use (``keep``), each with the rank that wrote it (-1: unknown)."""
+    if previous is None:
+        return []
+    try:
+        old = md.Metadata.from_json(previous)
+    except Exception:  # not ours or corrupt: nothing we know to be garbage
+        return []
+    keep = set(keep)
+    names: dict[str, int] = {}
+    for f in old.files:
+        if not f.dir and f.name not in keep:
+            names.setdefault(f.name, f.rank)
+    return sorted(names.items())
+
+
 def reclaim_replaced(writer: StorageWriter, previous: bytes | None, keep: Iterable[str]) -> list[str]:
     """Remove the data files of the replaced checkpoint (best effort; never raises).
 
     ``keep`` are the files of the new checkpoint (never removed). Returns the names that
     could not be removed, after warning about them.
     """
-    if previous is None:
-        return []
-    try:
-        old = md.Metadata.from_json(previous).file_names()
-    except Exception:  # not ours or corrupt: nothing we know to be garbage
-        return []
-    keep = set(keep)
+    return remove_replaced(writer, [name for name, _ in replaced_files(previous, keep)])
+
+
+def remove_replaced(writer: StorageWriter, names: list[str]) -> list[str]:
+    """Remove ``names``, files of a replaced checkpoint (best effort: warns about, and
+    returns, the ones that could not be removed)."""
     left: list[tuple[str, str]] = []
-    for name in old:
-        if name in keep:
-            continue
+    for name in names:
         try:
             writer.remove([name])
         except Exception as exc:

@@ -110,8 +110,9 @@ class StorageWriter(abc.ABC):
     def remove(self, names: Iterable[str]) -> None:
         """Delete data files. Missing files are not an error; any other failure raises.
 
-        Called on the coordinator after a commit (files of the replaced checkpoint, best
-        effort) and on a rank whose save did not commit (its own new files).
+        Called on every rank after a commit (files of the replaced checkpoint, best effort:
+        each rank the ones it wrote then) and on a rank whose save did not commit (its own
+        new files).
         """
 
 
