@@ -15,10 +15,14 @@ A save goes through these points, on every rank of the group:
 4. **Verdict.** Every rank learns the coordinator's outcome in one exchange. Not committed:
    every rank removes its new files and raises :class:`RankFailedError`; the old checkpoint
    is whole. Committed: the save returns.
-5. **Reclaim** (coordinator, after the verdict). The files of the replaced checkpoint are
-   removed, best effort: a file that cannot be removed is a warning naming it, never an
-   error, and it stays as an unreferenced file that ``hyper-dcp gc`` (or the checkpoint
-   manager's sweep) reclaims later.
+5. **Reclaim** (every rank, after the verdict). The files of the replaced checkpoint are
+   removed: the coordinator lists them, each with the rank its record names (the rank that
+   wrote it, for a save), and sends the list with the committed metadata; each rank removes
+   the files recorded under its rank, and those of ranks beyond the group are shared out.
+   So no rank removes N files while the others wait for it; the save returns once every rank
+   has removed its share. Best effort: a file that cannot
+   be removed is a warning naming it, never an error, and it stays as an unreferenced file
+   that ``hyper-dcp gc`` (or the checkpoint manager's sweep) reclaims later.
 
 What a rank sees when a peer dies or hangs (the exchange fails with
 :class:`LostContactError`):
@@ -128,9 +132,10 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
     if own is not None:  # committed; a rank interrupted meanwhile still raises its interruption
         raise own
     # Every rank returns the committed metadata (the coordinator's, parsed) and removes its
-    # share of the replaced checkpoint's files: the files it wrote then, so on storage that
-    # only the writer sees they are still reachable, and the coordinator does not unlink N
-    # files alone while the job waits for it (~80 ms per 512 MiB file on ext4 here).
+    # share of the replaced checkpoint's files: those recorded under its rank (for a save,
+    # the ones it wrote, so on storage only their writer sees they are still reachable).
+    # The coordinator no longer unlinks N files alone while the job waits for it (~80 ms
+    # per 512 MiB file on ext4 here); a save returns once every rank removed its share.
     garbage = (replaced_files(outcome["previous"], outcome["meta"].file_names())
                if coord.is_coordinator else None)
     try:
@@ -138,8 +143,16 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
     except LostContactError as lost:
         raise CommitError(f"{what} is committed (save id {save_id}), but contact with other ranks was lost "
                           f"right after: {lost}", True, save_id) from lost
-    remove_replaced(writer, [name for i, (name, rank) in enumerate(garbage)
-                             if (rank if 0 <= rank < coord.world_size else i) % coord.world_size == coord.rank])
+    if garbage:  # (the same list on every rank) removed everywhere before any rank returns
+        mine = [name for i, (name, rank) in enumerate(garbage)
+                if (rank if 0 <= rank < coord.world_size else i) % coord.world_size == coord.rank]
+        try:
+            _, own = coord.statuses(f"{phase} (reclaim)", lambda: remove_replaced(writer, mine))
+        except LostContactError as lost:
+            raise CommitError(f"{what} is committed (save id {save_id}), but contact with other ranks was lost "
+                              f"while the replaced checkpoint's files were removed: {lost}", True, save_id) from lost
+        if own is not None:  # committed; an interruption during the removal is still raised
+            raise own
     if coord.is_coordinator:
         return outcome["meta"]
     return md.Metadata.from_json(payload)
@@ -155,7 +168,7 @@ def commit_metadata(writer: StorageWriter, meta: md.Metadata, name: str = md.MET
     point of no return.
 
     Returns the bytes of the metadata it replaced (None if there was none or it could not
-    be read), for :func:`reclaim_replaced` to use after the verdict, and the bytes committed.
+    be read), for :func:`replaced_files` to use after the verdict, and the bytes committed.
 
     Raises:
         NotCommittedError: the storage kept the previous ``.metadata`` (cause chained).

@@ -14,9 +14,9 @@ StorageWriter — the saver calls, in this order:
    ``.metadata`` hold these bytes atomically. Before this returns, readers see the old
    checkpoint (or none); after, the new one. It raises only if the new ``.metadata`` is
    not in place (see :mod:`.commit`: the commit is the point of no return).
-5. ``remove(names)`` on the coordinator after a commit (files of the replaced checkpoint,
-   best effort), or on a rank whose save did not commit (its own new files). Missing files
-   are not an error.
+5. ``remove(names)`` on every rank after a commit (its share of the replaced checkpoint's
+   files, best effort), or on a rank whose save did not commit (its own new files). Missing
+   files are not an error.
 
 StorageReader — the loader calls:
 
@@ -110,9 +110,9 @@ class StorageWriter(abc.ABC):
     def remove(self, names: Iterable[str]) -> None:
         """Delete data files. Missing files are not an error; any other failure raises.
 
-        Called on every rank after a commit (files of the replaced checkpoint, best effort:
-        each rank the ones it wrote then) and on a rank whose save did not commit (its own
-        new files).
+        Called on every rank after a commit (its share of the replaced checkpoint's files,
+        best effort: those recorded under its rank) and on a rank whose save did not commit
+        (its own new files).
         """
 
 

@@ -78,3 +78,23 @@ def test_a_flipped_byte_in_a_v1_data_file_is_still_detected(tmp_path):
         f.seek(size - 3)
         f.write(bytes([b[0] ^ 1]))
     assert not verify_checkpoint(dst).ok
+
+
+def rank_saves_over(rank: int, ws: int, path: str) -> list[str]:
+    mesh = init_device_mesh("cpu", (ws,))
+    from hyper_parallel.core.distributed_checkpoint import save
+
+    save({"w": make_dtensor(torch.arange(24.0).reshape(6, 4), mesh, [Shard(0)])}, path)
+    return sorted(os.listdir(path))
+
+
+def test_saving_over_a_v1_checkpoint_on_two_ranks_removes_its_files(tmp_path):
+    # v1 file records name no writer: the ranks share the old files out among them
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(V1, "ckpt"), path)
+    old = {f for f in os.listdir(path) if f.startswith("data-")}
+    listed = run_ranks(rank_saves_over, 2, path)
+    left = {f for f in listed[0] if f.startswith("data-")}
+    assert len(old) == 2 and not left & old and len(left) == 2, (old, left)
+    assert torch.equal(load(path=path)["w"], torch.arange(24.0).reshape(6, 4))
+    assert verify_checkpoint(path).unreferenced == []
