@@ -20,9 +20,9 @@ A save goes through these points, on every rank of the group:
    wrote it, for a save), and sends the list with the committed metadata; each rank removes
    the files recorded under its rank, and those of ranks beyond the group are shared out.
    So no rank removes N files while the others wait for it; the save returns once every rank
-   has removed its share. Best effort: a file that cannot
-   be removed is a warning naming it, never an error, and it stays as an unreferenced file
-   that ``hyper-dcp gc`` (or the checkpoint manager's sweep) reclaims later.
+   has removed its share. Best effort: a file that cannot be removed is a warning naming it,
+   never an error, and it stays as an unreferenced file that ``hyper-dcp gc`` (or the
+   checkpoint manager's sweep) reclaims later.
 
 What a rank sees when a peer dies or hangs (the exchange fails with
 :class:`LostContactError`):
@@ -230,6 +230,17 @@ def reclaim_replaced(writer: StorageWriter, previous: bytes | None, keep: Iterab
 def remove_replaced(writer: StorageWriter, names: list[str]) -> list[str]:
     """Remove ``names``, files of a replaced checkpoint (best effort: warns about, and
     returns, the ones that could not be removed)."""
+    return _remove(writer, names, "the new checkpoint is committed, but {n} data file(s) of the checkpoint it "
+                                  "replaced could not be removed")
+
+
+def remove_own_files(writer: StorageWriter, names: Iterable[str]) -> None:
+    """Remove this rank's files of a save that did not commit (best effort; warns)."""
+    _remove(writer, names, "the save did not commit and {n} of its data file(s) could not be removed")
+
+
+def _remove(writer: StorageWriter, names: Iterable[str], what: str) -> list[str]:
+    """Remove each of ``names``; warn once (``what``, with {n}) naming those that failed; return them."""
     left: list[tuple[str, str]] = []
     for name in names:
         try:
@@ -239,25 +250,9 @@ def remove_replaced(writer: StorageWriter, names: list[str]) -> list[str]:
     if left:
         shown = "; ".join(f"{n} ({why})" for n, why in left[:10])
         more = f" and {len(left) - 10} more" if len(left) > 10 else ""
-        warnings.warn(
-            f"the new checkpoint is committed, but {len(left)} data file(s) of the checkpoint it replaced "
-            f"could not be removed: {shown}{more}. They are unreferenced; `hyper-dcp gc PATH` removes them",
-            stacklevel=3)
+        warnings.warn(f"{what.format(n=len(left))}: {shown}{more}. They are unreferenced; `hyper-dcp gc PATH` "
+                      "removes them", stacklevel=4)
     return [n for n, _ in left]
-
-
-def remove_own_files(writer: StorageWriter, names: Iterable[str]) -> None:
-    """Remove this rank's files of a save that did not commit (best effort; warns)."""
-    failed = []
-    for name in names:
-        try:
-            writer.remove([name])
-        except Exception as exc:
-            failed.append(f"{name} ({exc})")
-    if failed:
-        warnings.warn(f"the save did not commit and {len(failed)} of its data file(s) could not be removed: "
-                      f"{'; '.join(failed[:10])}. They are unreferenced; `hyper-dcp gc PATH` removes them",
-                      stacklevel=3)
 
 
 _DEBRIS = re.compile(r"^(data-r\d+-\d+-[0-9a-f]+\.safetensors|\.metadata\.tmp-.*)$")
