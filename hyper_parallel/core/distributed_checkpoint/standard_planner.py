@@ -376,7 +376,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             if entry.kind == "object":
                 if _kind_of(target) in ("tensor", "ndarray", "bytes"):
                     raise self._mismatch(key, entry, target)
-                self._results[key] = entry.value
+                self._results[key] = _fill_plain(key, entry.value, target, self.missing_keys)
                 continue
             if entry.kind == "pickle" and not self.allow_pickle:
                 raise UnsupportedValueError(
@@ -683,6 +683,23 @@ def _numpy_tensor_view(arr: np.ndarray, key: str) -> torch.Tensor:
         return torch.from_numpy(arr)
     except TypeError:
         raise UnsupportedValueError(f"{key!r}: numpy dtype {arr.dtype} is not supported") from None
+
+
+def _fill_plain(key: str, saved: Any, target: Any, missing: list[str]) -> Any:
+    """The value a plain (JSON) entry loads as: the saved value, except that a target dict's
+    keys the saved dict lacks are missing keys (``key.sub``, nested alike) and keep the
+    target's values (what ``strict=False`` loads), as they would if the dict were flattened."""
+    if not isinstance(saved, dict) or not isinstance(target, dict):
+        return saved
+    out = dict(saved)
+    for k, v in target.items():
+        name = f"{key}.{k}"
+        if k in saved:
+            out[k] = _fill_plain(name, saved[k], v, missing)
+        else:
+            missing.append(name)
+            out[k] = v
+    return out
 
 
 def _kind_of(v: Any) -> str:

@@ -359,6 +359,24 @@ class _Hinting(FileSystemReader):
         return super().prefetch(ranges) if self.accept else False
 
 
+def test_a_plain_dict_stored_whole_still_reports_the_keys_the_target_adds(tmp_path):
+    # a dict of plain values is one entry; a target with more keys must not lose them silently
+    save({"w": torch.ones(2), "extra": {"a": 1, "b": {"x": 2}, 3: "three"}}, str(tmp_path))
+    target = {"w": torch.zeros(2), "extra": {"a": 0, "b": {"x": 0, "y": 9}, "c": 5, 3: ""}}
+    with pytest.raises(StateDictMismatchError) as info:
+        load(target, str(tmp_path))
+    assert "'extra.b.y', 'extra.c'" in str(info.value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(target, str(tmp_path), strict=False)
+    assert any("'extra.b.y', 'extra.c'" in str(w.message) for w in caught)
+    assert target["extra"] == {"a": 1, "b": {"x": 2, "y": 9}, "c": 5, 3: "three"}
+    # keys only the checkpoint holds are loaded: a dict that starts empty gets the saved one
+    fresh = {"w": torch.zeros(2), "extra": {}}
+    load(fresh, str(tmp_path))
+    assert fresh["extra"] == {"a": 1, "b": {"x": 2}, 3: "three"}
+
+
 @pytest.mark.parametrize("accept", [True, False])
 def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, accept):
     from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
