@@ -3,7 +3,8 @@
 A key is the dot-joined path to a leaf (``"model.layers.0.weight"``, ``"optim.state.3.exp_avg"``).
 Leaves are tensors, DTensors, numpy arrays, bytes, and any container holding none of those
 (kept whole as one value, e.g. an optimizer's ``param_groups``; on load, keys a target dict
-has and the saved one lacks are still missing keys). Containers that hold data are descended. Objects with ``state_dict()``/``load_state_dict()`` (Stateful) are expanded
+has and the saved one lacks are still missing keys). Containers that hold data are
+descended. Objects with ``state_dict()``/``load_state_dict()`` (Stateful) are expanded
 through their ``state_dict()`` on save, and given their filled state back on load.
 """
 
