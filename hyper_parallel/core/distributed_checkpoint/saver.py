@@ -18,7 +18,7 @@ The coordinator then merges every rank's file records into the checkpoint's meta
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +30,9 @@ import torch
 from . import direct_io
 from . import metadata as md
 from .box import Box
-from .data_file import BLOCK_BYTES, ContentHash, Item, block_rows, encode_index, plan_file, tensor_bytes
+from .data_file import ALIGN_MIN, BLOCK_BYTES, ContentHash, Item, block_rows, encode_index, plan_file, tensor_bytes
 from .grid import Grid
-from .host_copy import copy_into
+from .host_copy import copy_fed, copy_into
 from .planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from .storage import StorageWriter
 from .streams import StreamFence
@@ -113,11 +113,31 @@ def _tensor_slices(t: torch.Tensor) -> Iterator[memoryview]:
         for off in range(0, view.nbytes, SLICE_BYTES):
             yield view[off:off + SLICE_BYTES]
         return
+    yield from _copied_slices(t, None)
+
+
+def _copy_first(t: torch.Tensor, direct: bool) -> bool:
+    """Whether a host tensor is copied into aligned slices by the saver, checksummed as it is
+    copied: when it is not contiguous (it must be copied), or when an O_DIRECT writer would
+    otherwise copy it through a bounce buffer after the checksum had read it once already."""
+    if t.device.type != "cpu" or t.dim() == 0 or not t.numel():
+        return False
+    if not t.is_contiguous():
+        return True
+    return direct and t.numel() * t.element_size() >= ALIGN_MIN and t.data_ptr() % direct_io.ALIGN != 0
+
+
+def _copied_slices(t: torch.Tensor, consume: Callable[[memoryview], None] | None) -> Iterator[memoryview]:
+    """A tensor's row-major bytes copied into aligned slices of whole rows (at most
+    SLICE_BYTES unless one row is larger), each piece passed to ``consume`` as it is copied."""
     rows = max(1, SLICE_BYTES // max(1, t[0].numel() * t.element_size()))
     for r0 in range(0, t.shape[0], rows):
         slab = t[r0:r0 + rows]
         buf = direct_io.POOL.get(slab.numel() * slab.element_size())
-        copy_into(torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(slab.shape), slab)
+        if consume is None or not copy_fed(buf, slab, consume):
+            copy_into(torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(slab.shape), slab)
+            if consume is not None:
+                consume(buf)
         yield buf
 
 
@@ -171,19 +191,24 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
     nbytes = items[0].nbytes
     span = pitch * (len(items) - 1) + nbytes
     buf = direct_io.POOL.get(span)
-    size = bands.element_size()
-    contiguous, n = [], 1  # row-major strides of one band
-    for d in reversed(bands.shape[1:]):
-        contiguous.insert(0, n)
-        n *= d
-    dest = torch.frombuffer(buf, dtype=torch.uint8).view(bands.dtype)  # span: whole elements (pitch is)
-    copy_into(dest.as_strided(bands.shape, (pitch // size, *contiguous)), bands)
     step = _crc_step(items[0])
+    copied = False  # all bands copied at once (numpy cannot view them: torch copies)
     for k in range(len(items)):
         if k and pitch > nbytes:
             buf[k * pitch - (pitch - nbytes):k * pitch] = bytes(pitch - nbytes)
         sums = _Checksums(step)
-        sums.feed(buf[k * pitch:k * pitch + nbytes])
+        band = buf[k * pitch:k * pitch + nbytes]
+        if not copied and not copy_fed(band, bands[k], sums.feed):
+            size = bands.element_size()
+            contiguous, n = [], 1  # row-major strides of one band
+            for d in reversed(bands.shape[1:]):
+                contiguous.insert(0, n)
+                n *= d
+            dest = torch.frombuffer(buf, dtype=torch.uint8).view(bands.dtype)  # span: whole elements (pitch is)
+            copy_into(dest.as_strided(bands.shape, (pitch // size, *contiguous)), bands)
+            copied = True
+        if copied:
+            sums.feed(band)
         crcs.extend(sums.finish())
     return buf
 
@@ -262,6 +287,7 @@ def write_plan(
             else:
                 items.append(item)
     groups = _split_files(items, thread_count)
+    direct = getattr(writer, "uses_direct_io", None) is True  # decided by prepare()
 
     def write_group(index: int, witems: list[WriteItem]) -> tuple[md.FileRecord, dict, int]:
         name = data_file_name(rank, index, save_id)
@@ -285,11 +311,17 @@ def write_plan(
             sums = _Checksums(_crc_step(item))
             hashed = known.get((item.key, item.sub))  # hashed already, by the reuse check
             hasher = ContentHash() if hashes and hashed is None else None
-            got = 0
-            for data in _pieces(value):
+
+            def consume(data: memoryview) -> None:
                 sums.feed(data)
                 if hasher is not None:
                     hasher.feed(data)
+
+            fed = isinstance(value, torch.Tensor) and _copy_first(value, direct)
+            got = 0
+            for data in _copied_slices(value.detach(), consume) if fed else _pieces(value):
+                if not fed:
+                    consume(data)
                 got += data.nbytes
                 yield data
             value = data = None  # free this chunk before the next one is produced

@@ -64,3 +64,35 @@ def test_a_written_tensor_is_marked_written_for_autograd():
     assert torch.equal(w.detach(), torch.full((256, 256), 2.0))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("shape,view", [
+    ((300, 257), lambda t: t),  # contiguous: pieces of about FED_BYTES
+    ((512, 96), lambda t: t.view(512, 3, 32).permute(1, 0, 2)[1]),  # a column band
+    ((2000, 700), lambda t: t.t()),  # transposed: rows of 8000 bytes
+    ((3, 400_000), lambda t: t[:, 1:]),  # rows larger than a piece: one row at a time
+    ((1, 5), lambda t: t[0]),  # 1-D
+])
+def test_copy_fed_copies_and_hands_over_every_piece_in_order(shape, view):
+    from hyper_parallel.core.distributed_checkpoint.host_copy import FED_BYTES, copy_fed
+
+    src = view(_src(shape, torch.float32))
+    nbytes = src.numel() * 4
+    dest = memoryview(bytearray(nbytes))
+    pieces: list[bytes] = []
+    assert copy_fed(dest, src, lambda p: pieces.append(bytes(p)))
+    want = src.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert bytes(dest) == want and b"".join(pieces) == want
+    row = nbytes // src.shape[0]
+    assert all(len(p) <= max(FED_BYTES, row) for p in pieces)
+    assert len(pieces) == -(-nbytes // max(FED_BYTES // row * row, row))
+
+
+def test_copy_fed_declines_what_numpy_cannot_view():
+    from hyper_parallel.core.distributed_checkpoint.host_copy import copy_fed
+
+    dest = memoryview(bytearray(64 * 64 * 8))
+    called = []
+    assert not copy_fed(dest, torch.ones(64, 64, dtype=torch.complex64), called.append)
+    assert not copy_fed(memoryview(bytearray(8)), torch.ones(64, 64), called.append)  # wrong size
+    assert not called and bytes(dest) == bytes(len(dest))
