@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .coordination import Coordinator
+
 if TYPE_CHECKING:  # importing torch.distributed.checkpoint costs ~0.5 s; done on first use
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -212,13 +214,11 @@ def rng_state_dict(process_group: Any = None) -> dict[str, Any]:
 
         save({"rng": rng_state_dict()}, path)
     """
-    mine = _local_rng_state()
     _, world_size = _group_rank_and_size(process_group)
-    if world_size > 1:
-        states: list[Any] = [None] * world_size
-        dist.all_gather_object(states, mine, group=process_group)
+    if world_size > 1:  # our gloo exchange: any backend, a timeout, and a failing rank fails all
+        states = Coordinator(process_group).exchange("rng_state_dict", _local_rng_state)
     else:
-        states = [mine]
+        states = [_local_rng_state()]
     return {
         "format": RNG_FORMAT,
         "world_size": len(states),
