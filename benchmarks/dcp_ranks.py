@@ -646,9 +646,11 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
             wait()
             background_cpu = (time.process_time() - cpu0) - (time.thread_time() - own0)
             during = k / (t_seen - t_ret) if t_seen - t_ret > 0 and k else None
+            kept = during / idle if during and idle else None
             rec = {"blocking_s": t_ret - t0, "committed_s": (done_at[0] if done_at else t_seen) - t0,
-                   "idle_rate": idle, "during_rate": during,
-                   "kept": during / idle if during and idle else None, "background_cpu_s": background_cpu}
+                   "idle_rate": idle, "during_rate": during, "kept": kept, "background_cpu_s": background_cpu,
+                   # compute time this save cost the loop: the call, plus the share of the window it took
+                   "lost_s": (t_ret - t0) + (t_seen - t_ret) * (1 - kept) if kept is not None else None}
             b.barrier()
             return rec
 

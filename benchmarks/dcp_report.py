@@ -54,7 +54,7 @@ def merge_ranks(per_rank: list[dict]) -> dict[str, dict[str, list[dict]]]:
                 for k in ("blocking_s", "committed_s", "rank_s", "call_s", "state_dict_s"):
                     if k in rec:
                         m[k] = max(s[k] for s in same)
-                for k in ("kept", "background_cpu_s"):  # the mean over ranks
+                for k in ("kept", "background_cpu_s", "lost_s"):  # the mean over ranks
                     if k in rec:
                         vals = [s[k] for s in same if s.get(k) is not None]
                         m[k] = sum(vals) / len(vals) if vals else None
@@ -245,6 +245,7 @@ def _async(data: dict, limits: dict, sync_save: dict, local_bytes: list[int]) ->
             "blocking_s": _secs(reps, "blocking_s"), "committed_s": _secs(reps, "committed_s"),
             "kept": summary([r["kept"] for r in reps if r.get("kept") is not None]),
             "background_cpu_s": _secs(reps, "background_cpu_s"),
+            "lost_s": _secs(reps, "lost_s"),
         }
     entry["available"] = "ours" in entry["variants"]
     memcpy = limits.get("memcpy_reused", {}).get("seconds", {}).get("median")
@@ -556,22 +557,28 @@ def markdown(doc: dict) -> str:
                  f"memory: {_f(a.get('memcpy_reused_s'), 's', 3)}; our sync save: "
                  f"{_f(a.get('ours_sync_save_s'), 's', 3)}. Blocking = the call's time (max over ranks); "
                  "committed = call to commit; kept = matmul rate while the save is in flight / idle rate; "
-                 "background CPU = CPU time of the rank's other threads (the save's) from the call to commit.")
+                 "background CPU = CPU time of the rank's other threads (the save's) from the call to commit; "
+                 "compute lost = blocking + (1 - kept) x the time the save was in flight: the loop's time one "
+                 "checkpoint costs (a fast save that is dense in CPU keeps a smaller share of a shorter window).")
         L.append("")
-        L.append("| variant | blocking s | committed s | throughput kept | background CPU s per rank |")
-        L.append("|---|---|---|---|---|")
+        L.append("| variant | blocking s | committed s | throughput kept | background CPU s per rank "
+                 "| compute lost s per save |")
+        L.append("|---|---|---|---|---|---|")
         for variant, e in a["variants"].items():
             name = {"ours": "ours", "torch": "torch DCP", "ours_first": "ours, first call (allocates)",
                     "torch_first": "torch DCP, first call",
                     "ours_untiled": "ours, `planner.max_tiles = 1` (no column bands to copy)",
                     "ours_untiled_first": "ours, `max_tiles = 1`, first call"}.get(variant, variant)
             bg = e.get("background_cpu_s") or summary([])
+            lost = e.get("lost_s") or summary([])
             L.append(f"| {name} | {_cell(e['blocking_s'], 3)} | {_cell(e['committed_s'], 3)} | {_cell(e['kept'])} "
-                     f"| {_cell(bg, 3)} |")
+                     f"| {_cell(bg, 3)} | {_cell(lost, 3)} |")
         L.append("")
         L.append(f"ours/torch blocking {_x(a.get('blocking_vs_torch'))}; ours blocking/memcpy "
                  f"{_x(a.get('blocking_vs_memcpy'))}; ours committed/sync save {_x(a.get('committed_vs_sync'))} "
-                 f"(torch {_x(a.get('torch_committed_vs_sync'))}).")
+                 f"(torch {_x(a.get('torch_committed_vs_sync'))}); compute lost per save: ours "
+                 f"{_f(a['variants'].get('ours', {}).get('lost_s', {}).get('median'), 's', 3)}, torch DCP "
+                 f"{_f(a['variants'].get('torch', {}).get('lost_s', {}).get('median'), 's', 3)}.")
     if a.get("error"):
         L.append(f"**error**: {a['error']}")
     for note in doc.get("notes", []):

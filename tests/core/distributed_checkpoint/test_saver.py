@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_parallel.core.distributed_checkpoint import FileSystemWriter, load, save, verify_checkpoint
-from hyper_parallel.core.distributed_checkpoint import saver
+from hyper_parallel.core.distributed_checkpoint import FileSystemWriter, load, save, saver, verify_checkpoint
 
 
 def _state() -> dict[str, torch.Tensor]:
