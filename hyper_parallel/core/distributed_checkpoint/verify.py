@@ -164,7 +164,10 @@ def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
                progress: Callable[[int], None] | None) -> None:
     size_of = {k: md.itemsize(e.dtype) for k, e in meta.entries.items() if e.kind != "object"}
     key_of = {key_id(k): k for k in size_of}
-    expected: dict[str, dict[tuple[str, int], Box]] = {}  # file path -> chunks it must hold
+    expected: dict[str, dict[tuple[str, int], Box]] = {}  # file path -> chunks it may hold
+    # each chunk, and the (file, chunk id) pairs of which one must hold it: a writer rank with
+    # several files (thread_count > 1) holds a chunk in one of them, which the index tells
+    needs: list[tuple[str, Box, list[tuple[str, int]]]] = []
     for key, entry in meta.entries.items():
         if entry.kind == "object":
             continue
@@ -180,17 +183,26 @@ def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
             store = entry.store
             for i in range(len(store)):
                 box = Box(tuple(store.offsets[i].tolist()), tuple(store.sizes[i].tolist()))
-                expected.setdefault(meta.files[int(store.file[i])].path, {})[(key, store.sub(i))] = box
+                path, sub = meta.files[int(store.file[i])].path, store.sub(i)
+                expected.setdefault(path, {})[(key, sub)] = box
+                needs.append((key, box, [(path, sub)]))
             continue
         for ref in refs:
-            holders = ref.candidates() if _all_copies(entry) else ref.candidates()[:1]
-            if not holders:
+            ranks: dict[tuple[str, int], list[tuple[str, int]]] = {}  # a holder rank's files, in order
+            for f, sub in ref.candidates():
+                ranks.setdefault((f.dir, f.rank), []).append((f.path, sub))
+            if not ranks:
                 report.problems.append(f"{key!r}: chunk {ref.box} has no data file listed for its writer")
-            for f, sub in holders:
-                expected.setdefault(f.path, {})[(key, sub)] = ref.box
+            for group in list(ranks.values())[:None if _all_copies(entry) else 1]:
+                for path, sub in group:
+                    expected.setdefault(path, {})[(key, sub)] = ref.box
+                needs.append((key, ref.box, group))
     report.unreferenced = unreferenced_files(reader, meta.file_names())
     report.files = len(meta.files)
+    found_in: set[tuple[str, str, int]] = set()  # (file, key, chunk id) found in the file's index
+    unreadable: set[str] = set()  # files already reported, whose chunks are not reported again
     for f in meta.files:
+        unreadable.add(f.path)
         try:
             size = reader.file_size(f.path)
             if size != f.size:
@@ -204,8 +216,8 @@ def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
         except (CheckpointError, OSError) as exc:
             report.problems.append(str(exc))
             continue
+        unreadable.discard(f.path)
         want = expected.get(f.path, {})
-        found = set()
         named: set[str] = set()
         for j in range(len(index)):
             key = key_of.get(int(index.ids[j]))
@@ -216,7 +228,7 @@ def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
                     report.problems.append(f"{f.path}: index row {j} (key id {int(index.ids[j]):#x}, chunk "
                                            f"{sub}) is no chunk the metadata places in this file")
                 continue
-            found.add((key, sub))
+            found_in.add((f.path, key, sub))
             nbytes = box.numel * size_of[key]
             chunk = index.find(key, sub, box.sizes, nbytes)
             report.chunks += 1
@@ -233,8 +245,6 @@ def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
                                            f"expected {want_info}")
             _check_crcs(reader, f.path, key, box, chunk.start, nbytes, chunk.block_rows, chunk.crc32c, report,
                         progress)
-        for key, sub in sorted(set(want) - found):
-            report.problems.append(f"{f.path}: chunk {want[(key, sub)]} of {key!r} is missing from the file")
         if header is not None and not f.dir:
             extra = sorted(k for k in header if k not in named and k not in ("__base__", "__metadata__", INDEX_NAME)
                            and not _PAD.match(k))
@@ -246,6 +256,14 @@ def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
                 report.problems.append(f"{f.path}: safetensors header's __metadata__ is {info!r:.100}")
             _check_coverage_of_buffer(f.path, header, f.index_offset - header["__base__"],
                                       f.size - f.index_offset, report.problems)
+    for key, box, group in needs:
+        if any((path, key, sub) in found_in for path, sub in group) or any(p in unreadable for p, _ in group):
+            continue
+        if len(group) == 1:
+            report.problems.append(f"{group[0][0]}: chunk {box} of {key!r} is missing from the file")
+        else:
+            report.problems.append(f"chunk {box} of {key!r} is missing from every file of its writer "
+                                   f"({', '.join(p for p, _ in group)})")
 
 
 _PAD = re.compile(r"^__pad\d+$")
