@@ -650,7 +650,7 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
             rec = {"blocking_s": t_ret - t0, "committed_s": (done_at[0] if done_at else t_seen) - t0,
                    "idle_rate": idle, "during_rate": during, "kept": kept, "background_cpu_s": background_cpu,
                    # compute time this save cost the loop: the call, plus the share of the window it took
-                   "lost_s": (t_ret - t0) + (t_seen - t_ret) * (1 - kept) if kept is not None else None}
+                   "lost_s": (t_ret - t0) + (t_seen - t_ret) * (1 - kept) if kept is not None else t_seen - t0}
             b.barrier()
             return rec
 

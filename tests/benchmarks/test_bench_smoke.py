@@ -5,6 +5,7 @@ the right values in place, never a timing.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,9 +43,8 @@ def test_quick_benchmark_reports_every_scenario(tmp_path):
     assert "error" not in async_, async_.get("error")
     assert "torch" in async_["variants"]
     assert async_["available"] == ("ours" in async_["variants"])
-    for e in async_["variants"].values():  # compute lost per save: about the call plus a share of the window
-        lost, committed = e["lost_s"]["median"], e["committed_s"]["median"]
-        assert lost is not None and lost <= committed + 0.5  # kept > 1 (noise) can make it negative
+    for e in async_["variants"].values():  # compute lost per save: the call plus a share of the window
+        assert e["lost_s"]["median"] is not None and math.isfinite(e["lost_s"]["median"])
     assert "compute lost s per save" in (out / "latest.md").read_text()
     assert res["offline"].get("available") or res["offline"].get("note")
     assert [p["ranks"] for p in res["planning"]["points"] if not p["extrapolated"]] == [16, 32]

@@ -52,6 +52,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    if t.is_conj() or t.is_neg():  # lazy conjugate/negative views: their values, not their bits
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     flat = t.reshape(-1)

@@ -55,8 +55,8 @@ def copy_fed(dest: memoryview, src: torch.Tensor, consume: Callable[[memoryview]
     """Copy CPU tensor ``src`` (any strides) into ``dest`` as row-major bytes, a piece of
     about FED_BYTES at a time, calling ``consume`` on each piece of ``dest`` just after it is
     copied. A checksum consumed this way reads the piece from the cache, not a second pass
-    over memory (on a bandwidth-bound host that pass cost a third of a save's copy+checksum
-    time). Returns False, having done nothing, where numpy cannot view ``src``.
+    over memory (here: checksumming 8 MiB slices and then copying them took 45-61 ms per
+    256 MiB, fused 29-31 ms). Returns False, having done nothing, where numpy cannot view ``src``.
     """
     s = _as_numpy(src)
     if s is None or dest.nbytes != s.nbytes:

@@ -3,11 +3,14 @@
 Each data file is laid out by :func:`.data_file.plan_file` before a byte is written (so the
 safetensors header, padding and index positions are known), then streamed in order:
 header, payloads, index, in slices of at most ``SLICE_BYTES``. Contiguous host tensors go
-from their memory to storage with no intermediate copy; others (column bands, strided
+from their memory to storage with no intermediate copy, unless an O_DIRECT writer would
+have to copy them anyway (their memory is not page-aligned); others (column bands, strided
 views, accelerator tensors) are copied slab by slab into reused 4 KiB-aligned buffers,
-never into fresh memory. The crc32c of each slice is computed just before the slice is
-handed to storage, so checksumming the next slice overlaps with the storage writing this
-one (the filesystem writer writes on a thread of its own). A resolver may produce a chunk
+never into fresh memory. What the saver copies on the host it checksums as it copies, a
+piece at a time while the piece is in cache (:func:`.host_copy.copy_fed`); other slices are
+checksummed just before they are handed to storage. Either way checksumming the next slice
+overlaps with the storage writing this one (the filesystem writer writes on a thread of
+its own). A resolver may produce a chunk
 as several row slabs (an iterable of tensors), which bounds the memory of offline tools;
 checksums run across slab boundaries.
 
@@ -17,6 +20,7 @@ The coordinator then merges every rank's file records into the checkpoint's meta
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -128,9 +132,17 @@ def _copy_first(t: torch.Tensor, direct: bool) -> bool:
 
 
 def _copied_slices(t: torch.Tensor, consume: Callable[[memoryview], None] | None) -> Iterator[memoryview]:
-    """A tensor's row-major bytes copied into aligned slices of whole rows (at most
-    SLICE_BYTES unless one row is larger), each piece passed to ``consume`` as it is copied."""
-    rows = max(1, SLICE_BYTES // max(1, t[0].numel() * t.element_size()))
+    """A tensor's row-major bytes copied into aligned slices, each piece passed to ``consume``
+    as it is copied. A contiguous tensor is cut into SLICE_BYTES slices; a strided one into
+    slabs of whole rows (at most SLICE_BYTES unless one row is larger), a multiple of 4 KiB
+    where rows allow, so an O_DIRECT writer takes every slab but the last as it is."""
+    if t.is_contiguous():
+        t = t.reshape(-1)
+    row = max(1, t[0].numel() * t.element_size())
+    rows = max(1, SLICE_BYTES // row)
+    whole = direct_io.ALIGN // math.gcd(row, direct_io.ALIGN)  # rows that make a multiple of ALIGN
+    if rows >= whole:
+        rows -= rows % whole
     for r0 in range(0, t.shape[0], rows):
         slab = t[r0:r0 + rows]
         buf = direct_io.POOL.get(slab.numel() * slab.element_size())

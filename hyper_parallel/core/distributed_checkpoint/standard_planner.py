@@ -687,8 +687,9 @@ def _numpy_tensor_view(arr: np.ndarray, key: str) -> torch.Tensor:
 
 def _fill_plain(key: str, saved: Any, target: Any, missing: list[str]) -> Any:
     """The value a plain (JSON) entry loads as: the saved value, except that a target dict's
-    keys the saved dict lacks are missing keys (``key.sub``, nested alike) and keep the
-    target's values (what ``strict=False`` loads), as they would if the dict were flattened."""
+    keys the saved dict lacks are missing keys (``key.sub``, nested alike), as flattened keys
+    would be, and keep the target's values (what ``strict=False`` loads). Keys only the saved
+    dict has load with it (``strict="all"`` does not look inside a plain value)."""
     if not isinstance(saved, dict) or not isinstance(target, dict):
         return saved
     out = dict(saved)
