@@ -55,7 +55,8 @@ from torch.distributed.tensor import DTensor
 
 from . import metadata as md
 from .api import _mesh_group, save
-from .errors import CheckpointError
+from .coordination import group_timeout, is_broken
+from .errors import CheckpointError, LostContactError
 from .flatten import FlatStateDict, flatten
 from .planner import SavePlanner
 from .storage import StorageWriter
@@ -424,7 +425,7 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
         self._in_flight: deque[_Job] = deque()
         self._unreported: list[tuple[str | None, BaseException]] = []
-        self._groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        self._groups: dict[tuple[tuple[int, ...], timedelta | None], tuple[Any, Any]] = {}
         self._threads_pid: int | None = None
         self._write_queue: queue.Queue[_Job | None] = queue.Queue()
         self._stage_queue: queue.Queue[_Job | None] = queue.Queue()
@@ -582,22 +583,29 @@ class AsyncCheckpointer:
             raise AsyncSaveError(f"the async save to {where!r} failed{more}: {error}") from error
 
     def _dedicated_group(self, process_group: Any, timeout: timedelta | float | None) -> Any:
-        """The gloo group with ``process_group``'s ranks that background saves use (made once)."""
+        """The gloo group with ``process_group``'s ranks and ``timeout`` that background saves
+        use (made once per ranks and timeout; made again after an exchange failed on it)."""
         ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
         world = dist.group.WORLD
-        cached = self._groups.get(ranks)
-        if cached is not None and cached[0] is world:
-            return cached[1]
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
-        timeout = timeout or _group_timeout(process_group or world)
-        if len(ranks) == dist.get_world_size():
-            group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
-        else:  # created by its members alone
-            from ...platform import member_group
+        cached = self._groups.get((ranks, timeout))
+        if cached is not None and cached[0] is world and not is_broken(cached[1]):
+            return cached[1]
+        made_timeout = timeout or group_timeout(process_group or world)
+        try:
+            if len(ranks) == dist.get_world_size():
+                group = dist.new_group(list(ranks), timeout=made_timeout, backend="gloo")
+            else:  # created by its members alone
+                from ...platform import member_group
 
-            group = member_group(ranks, backend="gloo", timeout=timeout)
-        self._groups[ranks] = (world, group)
+                group = member_group(ranks, backend="gloo", timeout=made_timeout)
+        except RuntimeError as exc:  # a rank that did not call async_save, or not in time
+            raise LostContactError(
+                f"async_save: setting up its gloo group with ranks {list(ranks)[:16]} failed on rank "
+                f"{dist.get_rank()} ({exc}). A rank did not call async_save, or was later than the "
+                f"timeout ({made_timeout})") from exc
+        self._groups[(ranks, timeout)] = (world, group)
         return group
 
     def _prepare(self, job: _Job, state_dict: dict[str, Any]) -> None:
@@ -764,14 +772,6 @@ def _record_event(device: torch.device) -> Any:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
-
-
-def _group_timeout(group: Any) -> timedelta | None:
-    """The timeout of ``group``'s CPU backend, so the dedicated group fails as fast (or None)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # not exposed by this backend/torch version: torch's default applies
-        return None
 
 
 def _worker_loop(jobs: queue.Queue, method: str) -> None:

@@ -33,6 +33,22 @@ from .errors import CheckpointError, LostContactError, RankFailedError
 T = TypeVar("T")
 
 _GLOO_GROUPS: dict[Any, Any] = {}
+# Groups a collective failed on (a timeout, a lost peer): gloo cannot use them again. Held by
+# id with the group itself, so an id is never reused while it is listed.
+_BROKEN: dict[int, Any] = {}
+
+
+def is_broken(group: Any) -> bool:
+    """Whether a checkpoint exchange failed on ``group`` (it must be replaced before reuse)."""
+    return group is not None and _BROKEN.get(id(group)) is group
+
+
+def group_timeout(group: Any) -> timedelta | None:
+    """The timeout of ``group``'s CPU backend (None where this torch does not expose it)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        return None
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
@@ -92,6 +108,8 @@ class Coordinator:
         if self.distributed:
             self.global_rank = dist.get_rank()
             self.group, self.group_token = self._collective("setup", lambda: _gloo_group(process_group, timeout))
+            if timeout is None and self.group is process_group:  # a caller's gloo group: its own timeout
+                self.timeout = group_timeout(process_group) or DEFAULT_TIMEOUT
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
         else:
@@ -104,15 +122,24 @@ class Coordinator:
         try:
             return op()
         except RuntimeError as exc:
-            # A dead or stuck peer; gloo groups are unusable after this, so forget ours.
+            # A dead or stuck peer; gloo groups are unusable after this, so forget ours, and
+            # mark it for those holding it (a manager, the async checkpointer) to replace.
+            group = getattr(self, "group", None)
             for k, cached in list(_GLOO_GROUPS.items()):
-                if cached[2] is getattr(self, "group", None):
+                if cached[2] is group:
                     del _GLOO_GROUPS[k]
+            if group is not None:
+                _BROKEN[id(group)] = group
             raise LostContactError(
                 f"checkpoint {phase}: lost contact with the other ranks on rank {self.global_rank} "
                 f"({exc}). A rank crashed, did not call save/load, or stalled longer than the "
                 f"timeout ({self.timeout})"
             ) from exc
+
+    @property
+    def broken(self) -> bool:
+        """Whether an exchange on this coordinator's group failed (see :func:`is_broken`)."""
+        return self.distributed and is_broken(self.group)
 
     def _all_gather(self, phase: str, obj: Any) -> list[Any]:
         if not self.distributed:

@@ -523,9 +523,17 @@ class CheckpointManager:
         if self._closed:
             raise RuntimeError(f"the CheckpointManager of {self.directory!r} is closed")
 
+    def _coordinator(self) -> Coordinator:
+        """The manager's coordinator, made again (a collective) if an exchange on its group
+        failed: gloo cannot use a group after a timeout or a lost peer, and a job that catches
+        a failed save and trains on must still checkpoint later. Called where every rank is."""
+        if self._coord.broken:
+            self._coord = Coordinator(self.process_group, False, 0, self.timeout)
+        return self._coord
+
     def _on_coordinator(self, phase: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the coordinator; every rank gets its result, or every rank raises."""
-        coord = self._coord
+        coord = self._coordinator()
         return coord.exchange(phase, lambda: fn() if coord.is_coordinator else None)[coord.coordinator_rank]
 
     def _start(self) -> None:
@@ -610,7 +618,7 @@ class CheckpointManager:
                     self._deleter.wait_for(step_dir_name(step))  # type: ignore[union-attr]
             return step
 
-        steps = self._coord.exchange(f"manager {what} (step {step})", check)
+        steps = self._coordinator().exchange(f"manager {what} (step {step})", check)
         if len(set(steps)) > 1:
             raise ValueError(f"CheckpointManager.{what}: the ranks passed different steps {steps} (by rank); "
                              "every rank must call it with the same step")
@@ -665,7 +673,7 @@ class CheckpointManager:
                 plan["cleanup"] = True
             return error, (committed is not None, steps)
 
-        results = self._coord.exchange(f"manager (settling the save of step {pending.step})", bookkeeping)
+        results = self._coordinator().exchange(f"manager (settling the save of step {pending.step})", bookkeeping)
         committed, self._steps = results[self._coord.coordinator_rank][1]
         if self._deleter is not None:
             for s, keep in plan.get("delete", []):

@@ -599,3 +599,33 @@ def test_large_staged_tensors_are_written_with_o_direct_from_staging_memory(tmp_
     assert (300 * 301 * 4) // 4096 * 4096 in [n for _, n in views], views
     out = load(path=path)
     assert_same(out, sd)
+
+
+def per_call_timeouts(rank: int, ws: int, root: str) -> list:
+    from hyper_parallel.core.distributed_checkpoint import LostContactError, async_save
+
+    sd = {"x": torch.ones(4)}
+    async_save(sd, checkpoint_id=os.path.join(root, "first"), timeout=2).result(timeout=60)
+    out = []
+    for name, timeout, late in (("late", 2, 5), ("reports", 2, 0), ("after", 2, 0), ("patient", 30, 3)):
+        dist.barrier()
+        if rank == 1:
+            time.sleep(late)
+        try:
+            async_save(sd, checkpoint_id=os.path.join(root, name), timeout=timeout).result(timeout=60)
+            out.append("ok")
+        except (LostContactError, RankFailedError) as exc:
+            out.append(f"lost {exc}")
+        except AsyncSaveError as exc:  # an earlier failure, reported by the next call
+            out.append(f"reported {exc}")
+    return out
+
+
+def test_each_async_save_keeps_its_own_timeout_and_a_timeout_does_not_poison_later_saves(tmp_path):
+    # the group of the first call (2 s) fails in the background when rank 1 is 5 s late; it is
+    # made again for the next save; a call with its own timeout gets a group with it
+    for result in run_ranks(per_call_timeouts, 2, str(tmp_path), timeout_s=120):
+        assert result[0].startswith("lost") and "0:00:02" in result[0], result
+        assert result[1].startswith("reported"), result  # once, by the next call, as documented
+        assert result[2] == "ok", result
+        assert result[3] == "ok", result  # 3 s late, within its own 30 s
