@@ -207,7 +207,7 @@ def save(
     local: list[SavePlan] = []
     cached: dict[str, list[SavePlan]] = {}
 
-    def plan_locally() -> tuple[str, str, list[str] | None]:
+    def plan_locally() -> tuple[str, str, list[str] | None, str | None]:
         nonlocal writer
         if writer is None:
             writer = _default_writer(where, sync_files)
@@ -222,9 +222,10 @@ def save(
         writer.prepare()
         cached.update(_cached_plans(scope))
         digest = planner.structure_digest(local[0]) if hasattr(planner, "structure_digest") else plan_digest(local[0])
-        return digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None
+        return digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None, _location(where, writer)
 
     summaries = coord.exchange("save (planning)", plan_locally)
+    _check_one_location([s[3] for s in summaries], coord)
     save_id = summaries[coord.coordinator_rank][1]
     global_plans = _agree_on_plan(coord, planner, local[0], summaries, scope, cached)
     mine = global_plans[coord.rank]
@@ -253,6 +254,30 @@ def save(
         done = mine_written[0]
         incremental.committed(mine.entries, done.digests, done.known_reused, meta)
     return meta
+
+
+def _location(where: str | None, writer: Any) -> str | None:
+    """Where a rank's save goes, comparable across ranks: an absolute local path or a URL
+    (None for a writer that does not say)."""
+    place = where if where is not None else getattr(writer, "url", None) or getattr(writer, "path", None)
+    if not isinstance(place, (str, os.PathLike)):
+        return None
+    place = os.fspath(place)
+    return place if _is_url(place) else os.path.normpath(os.path.abspath(place.removeprefix("file://")))
+
+
+def _check_one_location(places: list[str | None], coord: Coordinator) -> None:
+    """Every rank of a collective save must write the same checkpoint: ranks naming different
+    directories would commit metadata naming files that lie elsewhere (checked on every rank
+    from the same exchange, so every rank raises alike)."""
+    if None in places or len(set(places)) <= 1:
+        return
+    shown = ", ".join(f"rank {coord._name(r)} {p!r}" for r, p in enumerate(places[:8]))
+    raise ValueError(
+        f"save: the ranks saving together name different checkpoints ({shown}"
+        f"{' ...' if len(places) > 8 else ''}). One collective save writes one checkpoint, which every "
+        "rank must name alike; to save parts apart, save each with a process_group of its own ranks, "
+        "or use_collectives=False for rank-local checkpoints")
 
 
 def _distributed() -> bool:
@@ -335,7 +360,7 @@ def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter |
 
 
 def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
-                   summaries: list[tuple[str, str, list[str] | None]], scope: tuple | None,
+                   summaries: list[tuple[str, str, list[str] | None, str | None]], scope: tuple | None,
                    cached: dict[str, list[SavePlan]]) -> list[SavePlan]:
     """The global plan of this save. A cached plan is used only when EVERY rank has it for
     this exact set of local plans; a miss anywhere is a miss everywhere (else ranks would
@@ -346,9 +371,9 @@ def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
     grows with tensors and distinct structures, not with ranks x chunks. Other planners
     get every rank's full local plan, as the SavePlanner protocol says.
     """
-    digests = [d for d, _, _ in summaries]
+    digests = [s[0] for s in summaries]
     fingerprint = hashlib.sha256("|".join(digests).encode()).hexdigest()
-    if all(have is not None and fingerprint in have for _, _, have in summaries):
+    if all(s[2] is not None and fingerprint in s[2] for s in summaries):
         return cached[fingerprint]
     if hasattr(planner, "structure_digest"):
         first: dict[str, int] = {}

@@ -4,7 +4,9 @@ One async save, on every rank of the group, in this order:
 
 1. If ``max_in_flight`` saves are already running (1 by default), wait for the oldest. If an
    earlier save failed and no ``async_save``/``wait()`` has reported it yet, raise
-   :class:`AsyncSaveError` now (its cause is the original error) and start nothing.
+   :class:`AsyncSaveError` now (its cause is the original error) and start nothing, even
+   if ``result()`` raised it already: every rank must take the same path, and a job may
+   call ``result()`` on some ranks only. (Process exit warns only of failures nobody saw.)
 2. On first use with a group: create a dedicated gloo group with the same ranks (collective,
    synchronous, once). Every background exchange of the save runs on it, so it never
    interleaves with training collectives on the default group.
@@ -305,6 +307,7 @@ class AsyncSaveResponse:
         self._staged = threading.Event()
         self._finished = threading.Event()
         self._callback_thread: int | None = None
+        self._observed = False  # result()/exception() handed its outcome to the caller
 
     def _wait_finished(self, timeout: Any) -> None:
         # Inside the callback the save is over; waiting for the callback itself would deadlock.
@@ -345,6 +348,7 @@ class AsyncSaveResponse:
             TimeoutError: not finished within ``timeout`` seconds.
         """
         self._wait_finished(timeout)
+        self._observed = True
         return self.persist_completion.result()
 
     def get_result(self, timeout: Any = _BOUNDED) -> md.Metadata | None:
@@ -354,6 +358,7 @@ class AsyncSaveResponse:
     def exception(self, timeout: Any = _BOUNDED) -> BaseException | None:
         """The save's error, or None if it committed (waits like :meth:`result`)."""
         self._wait_finished(timeout)
+        self._observed = True
         return self.persist_completion.exception()
 
     def __repr__(self) -> str:
@@ -424,7 +429,7 @@ class AsyncCheckpointer:
         self._pool = _BufferPool(max_cached_structures, self.stats)
         self._lock = threading.Lock()
         self._in_flight: deque[_Job] = deque()
-        self._unreported: list[tuple[str | None, BaseException]] = []
+        self._unreported: list[tuple[AsyncSaveResponse, BaseException]] = []
         self._groups: dict[tuple[tuple[int, ...], timedelta | None], tuple[Any, Any]] = {}
         self._threads_pid: int | None = None
         self._write_queue: queue.Queue[_Job | None] = queue.Queue()
@@ -578,7 +583,7 @@ class AsyncCheckpointer:
         with self._lock:
             failures, self._unreported = self._unreported, []
         if failures:
-            where, error = failures[0]
+            where, error = failures[0][0].checkpoint_id, failures[0][1]
             more = f" ({len(failures) - 1} later async save(s) failed too)" if len(failures) > 1 else ""
             raise AsyncSaveError(f"the async save to {where!r} failed{more}: {error}") from error
 
@@ -718,7 +723,7 @@ class AsyncCheckpointer:
         with self._lock:
             self._in_flight.remove(job)
             if error is not None:
-                self._unreported.append((response.checkpoint_id, error))
+                self._unreported.append((response, error))
         response.total_s = time.perf_counter() - job.started
         if error is None:
             response.persist_completion.set_result(meta)
@@ -749,9 +754,10 @@ class AsyncCheckpointer:
                 "previous checkpoint or none", stacklevel=1)
         with self._lock:
             failures, self._unreported = self._unreported, []
-        for where, error in failures:
-            warnings.warn(f"process exit: the async save to {where!r} failed and nobody waited for it: "
-                          f"{error}", stacklevel=1)
+        for response, error in failures:
+            if not response._observed:  # result()/exception() already told the caller
+                warnings.warn(f"process exit: the async save to {response.checkpoint_id!r} failed and nobody "
+                              f"waited for it: {error}", stacklevel=1)
 
 
 def _call_back(callback: Callable[..., Any], response: AsyncSaveResponse) -> None:

@@ -629,3 +629,19 @@ def test_each_async_save_keeps_its_own_timeout_and_a_timeout_does_not_poison_lat
         assert result[1].startswith("reported"), result  # once, by the next call, as documented
         assert result[2] == "ok", result
         assert result[3] == "ok", result  # 3 s late, within its own 30 s
+
+
+@pytest.mark.parametrize("observe", [True, False])
+def test_process_exit_warns_only_of_failures_nobody_saw(tmp_path, observe):
+    script = textwrap.dedent(f"""
+        import torch
+        from hyper_parallel.core.distributed_checkpoint import async_save
+        class Opaque: pass
+        resp = async_save({{"x": torch.ones(2), "o": Opaque()}}, checkpoint_id={str(tmp_path / "bad")!r}, no_dist=True)
+        resp.wait_staged()
+        if {observe}:
+            assert resp.exception() is not None
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ("nobody waited for it" in proc.stderr) is not observe, proc.stderr

@@ -295,3 +295,19 @@ def rank_alone(rank: int, ws: int, path: str) -> str:
 
 def test_saving_a_shard_alone_is_refused_a_replica_is_fine(tmp_path):
     assert run_ranks(rank_alone, 2, str(tmp_path / "c")) == ["ok", "ok"]
+
+
+def two_places(rank: int, ws: int, root: str) -> str:
+    try:
+        save({"w": torch.full((1000,), float(rank))}, checkpoint_id=os.path.join(root, f"stage{rank}"))
+    except ValueError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_ranks_saving_together_must_name_one_checkpoint(tmp_path):
+    # rank 0 committing metadata that names rank 1's file in another directory would leave a
+    # checkpoint that looks complete and cannot load: every rank refuses, nothing is committed
+    for msg in run_ranks(two_places, 2, str(tmp_path)):
+        assert "name different checkpoints" in msg and "stage0" in msg and "stage1" in msg, msg
+    assert not any(os.path.exists(tmp_path / f"stage{r}" / ".metadata") for r in range(2))
