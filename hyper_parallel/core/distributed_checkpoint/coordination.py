@@ -161,11 +161,18 @@ class Coordinator:
             own = exc
             status = ("error", _describe(exc))
         try:
-            return self._all_gather(phase, status), own
+            gathered = self._all_gather(phase, (*status, phase.split(" ", 1)[0]))
         except LostContactError as lost:
             if own is not None and not isinstance(own, Exception):
                 raise own from lost  # KeyboardInterrupt/SystemExit stay what they are
             raise lost from own
+        calls = [call for _, _, call in gathered]
+        if len(set(calls)) > 1:  # e.g. rank 0 in save, rank 1 in load: their payloads do not match
+            shown = ", ".join(f"rank {self._name(r)} in {c!r}" for r, c in enumerate(calls[:8]))
+            raise CheckpointError(
+                f"checkpoint {phase}: the ranks of one group are in different calls ({shown}); every rank "
+                "must make the same save/load call, in the same order") from own
+        return [(kind, payload) for kind, payload, _ in gathered], own
 
     def exchange(self, phase: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` here, share its result with every rank, or fail everywhere.

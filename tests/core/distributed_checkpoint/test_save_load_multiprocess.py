@@ -311,3 +311,21 @@ def test_ranks_saving_together_must_name_one_checkpoint(tmp_path):
     for msg in run_ranks(two_places, 2, str(tmp_path)):
         assert "name different checkpoints" in msg and "stage0" in msg and "stage1" in msg, msg
     assert not any(os.path.exists(tmp_path / f"stage{r}" / ".metadata") for r in range(2))
+
+
+def save_or_load(rank: int, ws: int, root: str) -> str:
+    from hyper_parallel.core.distributed_checkpoint import CheckpointError
+
+    try:
+        if rank == 0:
+            save({"w": torch.ones(8)}, root)
+        else:
+            load({"w": torch.zeros(8)}, root)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_in_different_calls_get_one_clear_error(tmp_path):
+    for msg in run_ranks(save_or_load, 2, str(tmp_path / "ck")):
+        assert "different calls" in msg and "rank 0 in 'save'" in msg and "rank 1 in 'load'" in msg, msg
