@@ -16,6 +16,7 @@ import threading
 import uuid
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -245,7 +246,7 @@ def save(
         meta = commit_and_agree(
             coord, writer, "save (commit)",
             lambda: build_metadata(mine.entries, results, save_id, coord.world_size, user_metadata or {}),
-            own_files, what, save_id)
+            own_files, what, save_id, guard=_part_guard(coord, set(mine.entries), where))
     except BaseException:
         if incremental is not None:
             incremental.reset()  # not committed, or not known to be: the next save writes everything
@@ -278,6 +279,32 @@ def _check_one_location(places: list[str | None], coord: Coordinator) -> None:
         f"{' ...' if len(places) > 8 else ''}). One collective save writes one checkpoint, which every "
         "rank must name alike; to save parts apart, save each with a process_group of its own ranks, "
         "or use_collectives=False for rank-local checkpoints")
+
+
+def _part_guard(coord: Coordinator, keys: set[str], where: str | None) -> Callable[[bytes | None], None] | None:
+    """For a save by some ranks of the world only: refuse to replace a checkpoint that shares
+    none of its keys. That is another part of the model (a pipeline stage on a mesh of its
+    own, saving into the same directory through its own group), not an older save of this
+    one, and replacing it would lose that part while every rank reports success."""
+    if not coord.distributed or not _distributed() or coord.world_size >= dist.get_world_size():
+        return None
+
+    def guard(previous: bytes | None) -> None:
+        if previous is None:
+            return
+        try:
+            old = set(md.Metadata.from_json(previous).entries)
+        except Exception:  # unreadable: the commit replaces it, as any save does
+            return
+        if old and keys and not old & keys:
+            raise CheckpointError(
+                f"{where or 'storage'} holds a checkpoint with none of this save's keys (it has e.g. "
+                f"{sorted(old)[0]!r}, this save {sorted(keys)[0]!r}), and this save runs on ranks "
+                f"{coord.group_ranks[:8]} of {dist.get_world_size()} only: it would replace that checkpoint, "
+                "not add to it. Parts of one model (pipeline stages on meshes of their own) save into one "
+                "checkpoint through one group: pass process_group=dist.group.WORLD (or a group of every "
+                "part's ranks); or save each part to a directory of its own")
+    return guard
 
 
 def _distributed() -> bool:

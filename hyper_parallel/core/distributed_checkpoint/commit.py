@@ -85,10 +85,12 @@ def write_and_report(coord: Coordinator, writer: StorageWriter, phase: str, writ
 
 
 def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make_meta: Callable[[], md.Metadata],
-                     own_files: list[str], what: str, save_id: str) -> md.Metadata:
+                     own_files: list[str], what: str, save_id: str,
+                     guard: Callable[[bytes | None], None] | None = None) -> md.Metadata:
     """Steps 3-5: the coordinator commits ``make_meta()``; every rank learns the verdict and
     gets the committed Metadata (the coordinator broadcasts it); raises as the module
-    docstring says.
+    docstring says. ``guard`` (see :func:`commit_metadata`) may refuse to replace what the
+    storage holds.
     """
     outcome: dict[str, Any] = {}
 
@@ -97,7 +99,7 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
             return None
         try:
             meta = make_meta()
-            outcome["previous"], outcome["payload"] = commit_metadata(writer, meta)
+            outcome["previous"], outcome["payload"] = commit_metadata(writer, meta, guard=guard)
             outcome["meta"] = meta
             return ("committed", None)
         except CommitError as exc:
@@ -162,10 +164,11 @@ class NotCommittedError(Exception):
     """Internal: the coordinator's commit failed and ``.metadata`` is unchanged."""
 
 
-def commit_metadata(writer: StorageWriter, meta: md.Metadata, name: str = md.METADATA_FILE
-                    ) -> tuple[bytes | None, bytes]:
+def commit_metadata(writer: StorageWriter, meta: md.Metadata, name: str = md.METADATA_FILE,
+                    guard: Callable[[bytes | None], None] | None = None) -> tuple[bytes | None, bytes]:
     """Put ``meta`` in place as the checkpoint's ``.metadata`` (or fragment ``name``); the
-    point of no return.
+    point of no return. ``guard`` is called with the bytes of the metadata about to be
+    replaced (None: none) and may raise to refuse: then nothing is committed.
 
     Returns the bytes of the metadata it replaced (None if there was none or it could not
     be read), for :func:`replaced_files` to use after the verdict, and the bytes committed.
@@ -182,6 +185,8 @@ def commit_metadata(writer: StorageWriter, meta: md.Metadata, name: str = md.MET
         warnings.warn(f"could not read the checkpoint being replaced ({exc}); its data files will "
                       "not be removed after the commit", stacklevel=3)
         previous = None
+    if guard is not None:
+        guard(previous)
     payload = meta.to_json()
     try:
         writer.commit(payload, **other)

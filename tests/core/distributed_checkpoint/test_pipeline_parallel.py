@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -445,3 +446,36 @@ def test_the_pipeline_parallel_example_runs(tmp_path, monkeypatch, capsys):
 
     pipeline_parallel.main(str(tmp_path))
     assert "4. offline_transform renamed" in capsys.readouterr().out
+
+
+def stages_on_meshes_of_their_own(rank: int, ws: int, root: str, world: bool) -> str:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.core.distributed_checkpoint import CheckpointError, save
+
+    pp = rank // 2
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), rank_list=(2 * pp, 2 * pp + 1))
+    w = distribute_tensor(torch.full((4, 4), float(pp + 1)), mesh, [Shard(0)], src_data_rank=None)
+    if not world:
+        time.sleep(1.5 * pp)  # stage 1 saves after stage 0 committed (commits racing within a few ms both win)
+    try:
+        save({f"layers.{pp}.weight": w}, root, process_group=dist.group.WORLD if world else None)
+    except CheckpointError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_stages_on_meshes_of_their_own_never_silently_replace_each_other(tmp_path):
+    # each stage's save runs on its mesh's ranks alone; the later of the two must not replace
+    # the other's checkpoint (one stage's keys) while reporting success
+    out = run_ranks(stages_on_meshes_of_their_own, 4, str(tmp_path / "ck"), False, timeout_s=120)
+    assert out[:2] == ["ok", "ok"], out
+    assert all("none of this save's keys" in msg and "process_group=dist.group.WORLD" in msg for msg in out[2:]), out
+    assert list(load(path=str(tmp_path / "ck"), no_dist=True)) == ["layers.0.weight"]  # stage 0's, whole
+    # through one group, both stages land in one checkpoint
+    assert run_ranks(stages_on_meshes_of_their_own, 4, str(tmp_path / "one"), True, timeout_s=120) == ["ok"] * 4
+    both = load(path=str(tmp_path / "one"), no_dist=True)
+    assert sorted(both) == ["layers.0.weight", "layers.1.weight"]
+    assert torch.equal(both["layers.1.weight"], torch.full((4, 4), 2.0))
