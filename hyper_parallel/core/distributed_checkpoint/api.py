@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
 import os
 import threading
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import crc32c
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -208,7 +210,7 @@ def save(
     local: list[SavePlan] = []
     cached: dict[str, list[SavePlan]] = {}
 
-    def plan_locally() -> tuple[str, str, list[str] | None, str | None]:
+    def plan_locally() -> tuple[str, str, list[str] | None, str | None, dict[str, int] | None]:
         nonlocal writer
         if writer is None:
             writer = _default_writer(where, sync_files)
@@ -223,10 +225,14 @@ def save(
         writer.prepare()
         cached.update(_cached_plans(scope))
         digest = planner.structure_digest(local[0]) if hasattr(planner, "structure_digest") else plan_digest(local[0])
-        return digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None, _location(where, writer)
+        plain = _plain_digests(planner, local[0]) if coord.world_size > 1 else None
+        return (digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None, _location(where, writer),
+                plain)
 
     summaries = coord.exchange("save (planning)", plan_locally)
     _check_one_location([s[3] for s in summaries], coord)
+    if coord.is_coordinator and coord.world_size > 1:
+        _warn_divergent_plain([s[4] for s in summaries], coord)
     save_id = summaries[coord.coordinator_rank][1]
     global_plans = _agree_on_plan(coord, planner, local[0], summaries, scope, cached)
     mine = global_plans[coord.rank]
@@ -279,6 +285,33 @@ def _check_one_location(places: list[str | None], coord: Coordinator) -> None:
         f"{' ...' if len(places) > 8 else ''}). One collective save writes one checkpoint, which every "
         "rank must name alike; to save parts apart, save each with a process_group of its own ranks, "
         "or use_collectives=False for rank-local checkpoints")
+
+
+def _plain_digests(planner: SavePlanner, plan: SavePlan) -> dict[str, int]:
+    """A crc32c of each plain (JSON) value this rank saves: the checkpoint keeps one rank's
+    value per key, so ranks holding different ones are worth a warning."""
+    out = {}
+    for key in plan.objects:
+        value = planner.resolve_data(WriteItem(key, Box((), ()), 0))
+        if md.is_json_value(value):
+            out[key] = crc32c.crc32c(json.dumps(md.encode_value(value), sort_keys=True).encode())
+    return out
+
+
+def _warn_divergent_plain(digests: list[dict[str, int] | None], coord: Coordinator) -> None:
+    """Warn (once, on the coordinator) of plain values that differ between ranks."""
+    seen: dict[str, dict[int, list[int]]] = {}
+    for r, mine in enumerate(digests):
+        for key, d in (mine or {}).items():
+            seen.setdefault(key, {}).setdefault(d, []).append(coord._name(r))
+    differ = {k: v for k, v in seen.items() if len(v) > 1}
+    if differ:
+        shown = "; ".join(f"{k!r}: {' vs '.join(str(rs[:4]) for rs in v.values())}"
+                          for k, v in list(differ.items())[:5])
+        warnings.warn(
+            f"save: ranks hold different values under the same plain key(s) ({shown}; ranks grouped by "
+            "value); the checkpoint keeps one rank's value per key, and every rank loads that one. Give "
+            "per-rank values keys of their own (e.g. f'dataloader.rank{rank}')", stacklevel=3)
 
 
 def _part_guard(coord: Coordinator, keys: set[str], where: str | None) -> Callable[[bytes | None], None] | None:
@@ -387,7 +420,7 @@ def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter |
 
 
 def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
-                   summaries: list[tuple[str, str, list[str] | None, str | None]], scope: tuple | None,
+                   summaries: list[tuple], scope: tuple | None,
                    cached: dict[str, list[SavePlan]]) -> list[SavePlan]:
     """The global plan of this save. A cached plan is used only when EVERY rank has it for
     this exact set of local plans; a miss anywhere is a miss everywhere (else ranks would

@@ -329,3 +329,21 @@ def save_or_load(rank: int, ws: int, root: str) -> str:
 def test_ranks_in_different_calls_get_one_clear_error(tmp_path):
     for msg in run_ranks(save_or_load, 2, str(tmp_path / "ck")):
         assert "different calls" in msg and "rank 0 in 'save'" in msg and "rank 1 in 'load'" in msg, msg
+
+
+def plain_values(rank: int, ws: int, root: str) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save({"w": torch.ones(2), "step": 7, "loader": {"offset": 100 * rank}}, os.path.join(root, "a"))
+        save({"w": torch.ones(2), "step": 7, "loader": {"offset": 5}}, os.path.join(root, "b"))
+    return [str(w.message) for w in caught if "plain key" in str(w.message)]
+
+
+def test_plain_values_that_differ_between_ranks_are_named_in_a_warning(tmp_path):
+    # the checkpoint keeps one rank's value per key: a per-rank value under a shared key
+    # would come back as rank 0's on every rank
+    on_coordinator, elsewhere = run_ranks(plain_values, 2, str(tmp_path))
+    assert len(on_coordinator) == 1 and "'loader': [0] vs [1]" in on_coordinator[0], on_coordinator
+    assert "'step'" not in on_coordinator[0] and elsewhere == []
