@@ -16,11 +16,13 @@ that need distributed checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import struct
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -586,12 +588,19 @@ def convert_full_checkpoint_to_dcp(
                     if nbytes:
                         items.append(WriteItem(key, Box.full(shape), nbytes))
 
+        handles: dict[str, Any] = {}  # one open file each: safe_open parses the whole header
+        lock = threading.Lock()
+
         def produce(item: WriteItem) -> torch.Tensor:
             path, name = where[item.key]
-            with safe_open(path, framework="pt") as f:
+            with lock:
+                f = handles.get(path)
+                if f is None:
+                    f = handles[path] = stack.enter_context(safe_open(path, framework="pt"))
                 return f.get_tensor(name)
 
-        return write_streaming(dst_path, entries, [items], produce, overwrite=overwrite)
+        with contextlib.ExitStack() as stack:
+            return write_streaming(dst_path, entries, [items], produce, overwrite=overwrite)
     try:
         sd = torch.load(src, map_location="cpu", weights_only=not allow_pickle, mmap=True)
     except Exception as exc:  # torch raises UnpicklingError subclasses for non-weights files
