@@ -315,10 +315,10 @@ def _warn_divergent_plain(digests: list[dict[str, int] | None], coord: Coordinat
 
 
 def _part_guard(coord: Coordinator, keys: set[str], where: str | None) -> Callable[[bytes | None], None] | None:
-    """For a save by some ranks of the world only: refuse to replace a checkpoint that shares
-    none of its keys. That is another part of the model (a pipeline stage on a mesh of its
-    own, saving into the same directory through its own group), not an older save of this
-    one, and replacing it would lose that part while every rank reports success."""
+    """For a save by some ranks of the world only: refuse to replace a checkpoint holding
+    tensors this save does not. That is another part of the model (a pipeline stage on a
+    mesh of its own, saving into the same directory through its own group) or a whole model
+    this part belongs to; replacing it would lose the rest while every rank reports success."""
     if not coord.distributed or not _distributed() or coord.world_size >= dist.get_world_size():
         return None
 
@@ -326,17 +326,18 @@ def _part_guard(coord: Coordinator, keys: set[str], where: str | None) -> Callab
         if previous is None:
             return
         try:
-            old = set(md.Metadata.from_json(previous).entries)
+            old = md.Metadata.from_json(previous).entries
         except Exception:  # unreadable: the commit replaces it, as any save does
             return
-        if old and keys and not old & keys:
+        lost = sorted(k for k, e in old.items() if e.kind != "object" and k not in keys)
+        if lost:
             raise CheckpointError(
-                f"{where or 'storage'} holds a checkpoint with none of this save's keys (it has e.g. "
-                f"{sorted(old)[0]!r}, this save {sorted(keys)[0]!r}), and this save runs on ranks "
-                f"{coord.group_ranks[:8]} of {dist.get_world_size()} only: it would replace that checkpoint, "
-                "not add to it. Parts of one model (pipeline stages on meshes of their own) save into one "
-                "checkpoint through one group: pass process_group=dist.group.WORLD (or a group of every "
-                "part's ranks); or save each part to a directory of its own")
+                f"{where or 'storage'} holds a checkpoint with tensors this save does not have ({len(lost)}, e.g. "
+                f"{lost[0]!r}), and this save runs on ranks {coord.group_ranks[:8]} of {dist.get_world_size()} "
+                "only: replacing that checkpoint would lose them. Parts of one model (pipeline stages on "
+                "meshes of their own) save into one checkpoint through one group: pass "
+                "process_group=dist.group.WORLD (or a group of every part's ranks); or save each part to a "
+                "directory of its own")
     return guard
 
 

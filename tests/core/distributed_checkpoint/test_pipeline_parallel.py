@@ -461,7 +461,8 @@ def stages_on_meshes_of_their_own(rank: int, ws: int, root: str, world: bool) ->
     if not world:
         time.sleep(1.5 * pp)  # stage 1 saves after stage 0 committed (commits racing within a few ms both win)
     try:
-        save({f"layers.{pp}.weight": w}, root, process_group=dist.group.WORLD if world else None)
+        save({f"layers.{pp}.weight": w, "optim": {"param_groups": [{"lr": 0.1}]}}, root,  # a plain key both share
+             process_group=dist.group.WORLD if world else None)
     except CheckpointError as exc:
         return str(exc)
     return "ok"
@@ -472,10 +473,15 @@ def test_stages_on_meshes_of_their_own_never_silently_replace_each_other(tmp_pat
     # the other's checkpoint (one stage's keys) while reporting success
     out = run_ranks(stages_on_meshes_of_their_own, 4, str(tmp_path / "ck"), False, timeout_s=120)
     assert out[:2] == ["ok", "ok"], out
-    assert all("none of this save's keys" in msg and "process_group=dist.group.WORLD" in msg for msg in out[2:]), out
-    assert list(load(path=str(tmp_path / "ck"), no_dist=True)) == ["layers.0.weight"]  # stage 0's, whole
+    assert all("tensors this save does not have" in msg and "process_group=dist.group.WORLD" in msg
+               for msg in out[2:]), out
+    assert sorted(load(path=str(tmp_path / "ck"), no_dist=True)) == ["layers.0.weight", "optim"]  # stage 0's
     # through one group, both stages land in one checkpoint
     assert run_ranks(stages_on_meshes_of_their_own, 4, str(tmp_path / "one"), True, timeout_s=120) == ["ok"] * 4
     both = load(path=str(tmp_path / "one"), no_dist=True)
-    assert sorted(both) == ["layers.0.weight", "layers.1.weight"]
+    assert sorted(both) == ["layers.0.weight", "layers.1.weight", "optim"]
     assert torch.equal(both["layers.1.weight"], torch.full((4, 4), 2.0))
+    # saving over that whole checkpoint stage by stage fails on both stages and keeps it whole
+    out = run_ranks(stages_on_meshes_of_their_own, 4, str(tmp_path / "one"), False, timeout_s=120)
+    assert all("tensors this save does not have" in msg for msg in out), out
+    assert sorted(load(path=str(tmp_path / "one"), no_dist=True)) == sorted(both)
