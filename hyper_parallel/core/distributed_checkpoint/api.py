@@ -37,7 +37,7 @@ from .commit import (
 )
 from .coordination import Coordinator
 from .errors import CheckpointError, CommitError, NotACheckpointError, StateDictMismatchError, UnsupportedValueError
-from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .filesystem_storage import FileSystemWriter
 from .flatten import FlatStateDict, flatten, unflatten
 from .fragments import fragment_name, fragment_of, read_checkpoint_metadata, read_fragment, table_sub_ids
 from .incremental import IncrementalState
@@ -46,7 +46,7 @@ from .planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
 from .saver import build_metadata, data_file_names, write_plan
 from .shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
 from .standard_planner import StandardPlanner, plan_digest
-from .storage import StorageReader, StorageWriter
+from .storage import StorageReader, StorageWriter, reader_for
 
 PathLike = str | os.PathLike
 
@@ -79,11 +79,7 @@ def _default_writer(path: str, sync_files: bool) -> StorageWriter:
 
 
 def _default_reader(path: str) -> StorageReader:
-    if _is_url(path):
-        from .fsspec_storage import FsspecReader
-
-        return FsspecReader(path)
-    return FileSystemReader(path.removeprefix("file://"))
+    return reader_for(path)
 
 
 def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int, timeout: Any) -> Coordinator:

@@ -35,12 +35,12 @@ from .chunks import largest_chunk_bytes
 from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import CheckpointError, UnsupportedValueError
-from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .filesystem_storage import FileSystemWriter
 from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
 from .loader import read_box, read_metadata
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
-from .storage import StorageReader
+from .storage import StorageReader, reader_for
 from .topology_mapper import MapperLike
 
 HF_INDEX = "model.safetensors.index.json"
@@ -63,7 +63,7 @@ def parse_size(size: int | str) -> int:
 
 
 def _reader(path: str | os.PathLike | StorageReader) -> StorageReader:
-    return path if isinstance(path, StorageReader) else FileSystemReader(path)
+    return path if isinstance(path, StorageReader) else reader_for(path)
 
 
 def _read_metadata(reader: StorageReader) -> md.Metadata:
@@ -229,7 +229,7 @@ def offline_transform(
     if os.path.abspath(os.fspath(src_path)) == os.path.abspath(os.fspath(dst_path)):
         raise ValueError("dst_path must differ from src_path")
     _check_destination(dst_path, overwrite)
-    reader = FileSystemReader(src_path)
+    reader = reader_for(src_path)
     meta = _read_metadata(reader)
     if src_layout is not None:
         _check_src_layout(meta, src_layout)

@@ -46,7 +46,7 @@ from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .data_file import tensor_bytes
 from .errors import CorruptCheckpointError
-from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .filesystem_storage import FileSystemWriter
 from .flatten import renamed_path
 from .fragments import read_checkpoint_metadata
 from .grid import Grid
@@ -54,7 +54,7 @@ from .layout import Layout, TensorLayout, match_layout, placement_to_name
 from .loader import read_box
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, write_plan
-from .storage import StorageReader, StorageWriter
+from .storage import StorageReader, StorageWriter, reader_for
 from .topology_mapper import MapperLike, as_topology_mapper, rename_keys
 
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
@@ -475,7 +475,7 @@ def reshard(
     if storage_reader is None:
         if src_path is None:
             raise ValueError("say where the source is: src_path or storage_reader")
-        storage_reader = FileSystemReader(os.fspath(src_path))
+        storage_reader = reader_for(src_path)
     if storage_writer is None:
         if dst_path is None:
             raise ValueError("say where to write: dst_path or storage_writer")

@@ -172,3 +172,24 @@ class StorageReader(abc.ABC):
 def checkpoint_path(path: str | os.PathLike) -> str:
     """Normalise a ``path``/``checkpoint_id`` argument to a string."""
     return os.fspath(path)
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint location is an fsspec URL (``s3://``, ``memory://``, ...); a
+    ``file://`` URL is a local path."""
+    path = os.fspath(path)
+    return "://" in path and not path.startswith("file://")
+
+
+def reader_for(path: str | os.PathLike) -> StorageReader:
+    """The reader of a checkpoint at ``path``: an :class:`~.fsspec_storage.FsspecReader` for
+    an fsspec URL, a :class:`~.filesystem_storage.FileSystemReader` for anything else (what
+    ``load``, the offline tools and ``verify_checkpoint`` accept alike)."""
+    path = os.fspath(path)
+    if is_url(path):
+        from .fsspec_storage import FsspecReader
+
+        return FsspecReader(path)
+    from .filesystem_storage import FileSystemReader
+
+    return FileSystemReader(path.removeprefix("file://"))

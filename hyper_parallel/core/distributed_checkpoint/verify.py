@@ -28,9 +28,8 @@ from .chunks import all_chunks, covered
 from .commit import unreferenced_files
 from .data_file import INDEX_NAME, FileIndex, check_index, key_id
 from .errors import CheckpointError
-from .filesystem_storage import FileSystemReader
 from .fragments import read_checkpoint_metadata
-from .storage import StorageReader
+from .storage import StorageReader, reader_for
 
 
 @dataclass
@@ -103,7 +102,7 @@ def verify_checkpoint(
         report = verify_checkpoint("/ckpt/step100")
         assert report.ok, report.problems
     """
-    reader = storage_reader or FileSystemReader(path)
+    reader = storage_reader or reader_for(path)
     report = VerifyReport(str(path or getattr(reader, "path", getattr(reader, "url", ""))))
     try:
         meta = md.Metadata.from_json(read_checkpoint_metadata(reader, report.path))

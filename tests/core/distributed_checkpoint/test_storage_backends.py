@@ -63,3 +63,24 @@ def test_missing_checkpoint_and_missing_data_file_on_every_backend(backend):
     writer.remove(meta.file_names())
     with pytest.raises(CorruptCheckpointError, match="missing"):
         load(storage_reader=new_reader())
+
+
+def test_the_offline_tools_read_the_urls_load_reads(tmp_path):
+    # save/load took fsspec URLs; verify, reshard, offline_transform and export_torch_dcp
+    # called every URL "not a checkpoint"
+    from hyper_parallel.core.distributed_checkpoint import export_torch_dcp, offline_transform, verify_checkpoint
+    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+
+    sd = {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4)}
+    src = f"memory://offline-tools-{tmp_path.name}/ck"
+    save(sd, src, no_dist=True)
+    for url in (src, f"file://{tmp_path / 'local'}"):
+        if url.startswith("file://"):
+            save(sd, url, no_dist=True)
+        name = url.rsplit("/", 1)[-1]
+        assert verify_checkpoint(url).ok
+        reshard(url, str(tmp_path / f"rs-{name}"), dst_mesh={"dp": 2})
+        offline_transform(url, str(tmp_path / f"ot-{name}"), dst_layout={"dp": 2})
+        export_torch_dcp(url, str(tmp_path / f"tdcp-{name}"))
+        for out in (f"rs-{name}", f"ot-{name}"):
+            assert torch.equal(load(path=str(tmp_path / out))["w"], sd["w"])
