@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import math
 import os
 import threading
@@ -198,7 +197,9 @@ def save(
     if not use_collectives and not no_dist and _distributed():
         return _save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
                                 thread_count, sync_files, user_metadata)
+    scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
     process_group = process_group if process_group is not None or no_dist else _mesh_group(state_dict)
+    scoped = scoped and process_group is not None
     coord = _coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
     planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
     scope = _cache_scope(planner, coord)
@@ -206,7 +207,7 @@ def save(
     local: list[SavePlan] = []
     cached: dict[str, list[SavePlan]] = {}
 
-    def plan_locally() -> tuple[str, str, list[str] | None, str | None, dict[str, int] | None]:
+    def plan_locally() -> tuple[str, str, list[str] | None, str | None, Any]:
         nonlocal writer
         if writer is None:
             writer = _default_writer(where, sync_files)
@@ -221,8 +222,9 @@ def save(
         writer.prepare()
         cached.update(_cached_plans(scope))
         digest = planner.structure_digest(local[0]) if hasattr(planner, "structure_digest") else plan_digest(local[0])
-        plain = _plain_digests(planner, local[0]) if coord.world_size > 1 else None
-        return (digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None, _location(where, writer),
+        plain = (_plain_digests(planner, local[0], coord.world_size <= PLAIN_DETAIL_RANKS)
+                 if coord.world_size > 1 else None)
+        return (digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None, _location(where),
                 plain)
 
     summaries = coord.exchange("save (planning)", plan_locally)
@@ -248,7 +250,7 @@ def save(
         meta = commit_and_agree(
             coord, writer, "save (commit)",
             lambda: build_metadata(mine.entries, results, save_id, coord.world_size, user_metadata or {}),
-            own_files, what, save_id, guard=_part_guard(coord, set(mine.entries), where))
+            own_files, what, save_id, guard=_part_guard(coord, set(mine.entries), where) if scoped else None)
     except BaseException:
         if incremental is not None:
             incremental.reset()  # not committed, or not known to be: the next save writes everything
@@ -259,20 +261,23 @@ def save(
     return meta
 
 
-def _location(where: str | None, writer: Any) -> str | None:
-    """Where a rank's save goes, comparable across ranks: an absolute local path or a URL
-    (None for a writer that does not say)."""
-    place = where if where is not None else getattr(writer, "url", None) or getattr(writer, "path", None)
-    if not isinstance(place, (str, os.PathLike)):
+def _location(where: str | None) -> str | None:
+    """Where a rank's save goes, comparable across ranks: the ``path``/``checkpoint_id`` it
+    was given as an absolute local path with symlinks resolved, or a URL without a trailing
+    slash (None when only a storage writer was given: its location is its own business)."""
+    if where is None:
         return None
-    place = os.fspath(place)
-    return place if _is_url(place) else os.path.normpath(os.path.abspath(place.removeprefix("file://")))
+    if _is_url(where):
+        return where.rstrip("/")
+    return os.path.realpath(where.removeprefix("file://"))
 
 
 def _check_one_location(places: list[str | None], coord: Coordinator) -> None:
     """Every rank of a collective save must write the same checkpoint: ranks naming different
-    directories would commit metadata naming files that lie elsewhere (checked on every rank
-    from the same exchange, so every rank raises alike)."""
+    directories would commit metadata naming files that lie elsewhere, or leave a rank's
+    directory without the checkpoint it believes it saved (checked on every rank from the
+    same exchange, so every rank raises alike). Symlinked names of one directory agree;
+    names of one shared directory under different mount points do not: name it alike."""
     if None in places or len(set(places)) <= 1:
         return
     shown = ", ".join(f"rank {coord._name(r)} {p!r}" for r, p in enumerate(places[:8]))
@@ -283,38 +288,60 @@ def _check_one_location(places: list[str | None], coord: Coordinator) -> None:
         "or use_collectives=False for rank-local checkpoints")
 
 
-def _plain_digests(planner: SavePlanner, plan: SavePlan) -> dict[str, int]:
-    """A crc32c of each plain (JSON) value this rank saves: the checkpoint keeps one rank's
-    value per key, so ranks holding different ones are worth a warning."""
-    out = {}
+PLAIN_DETAIL_RANKS = 64  # up to this many ranks, the divergence warning names the keys
+
+
+def _canonical(v: Any) -> Any:
+    """A plain value with its dicts in a fixed order (equal dicts built in another order match)."""
+    if isinstance(v, dict):
+        return ["$dict", sorted(([repr(k), _canonical(x)] for k, x in v.items()), key=lambda kv: kv[0])]
+    if isinstance(v, (list, tuple)):
+        return [type(v).__name__, [_canonical(x) for x in v]]
+    return repr(v)
+
+
+def _plain_digests(planner: SavePlanner, plan: SavePlan, per_key: bool) -> tuple[int, dict[str, int] | None]:
+    """A crc32c of this rank's plain (JSON) values, and, for small groups, one per key: the
+    checkpoint keeps one rank's value per key, so ranks holding different ones are worth a
+    warning. Large groups send one number per rank (the exchange reaches every rank)."""
+    each = {}
     for key in plan.objects:
         value = planner.resolve_data(WriteItem(key, Box((), ()), 0))
         if md.is_json_value(value):
-            out[key] = crc32c.crc32c(json.dumps(md.encode_value(value), sort_keys=True).encode())
-    return out
+            each[key] = crc32c.crc32c(repr(_canonical(value)).encode())
+    total = crc32c.crc32c(repr(sorted(each.items())).encode())
+    return total, each if per_key else None
 
 
-def _warn_divergent_plain(digests: list[dict[str, int] | None], coord: Coordinator) -> None:
+def _warn_divergent_plain(digests: list[tuple[int, dict[str, int] | None]], coord: Coordinator) -> None:
     """Warn (once, on the coordinator) of plain values that differ between ranks."""
+    if len({total for total, _ in digests}) <= 1:
+        return
     seen: dict[str, dict[int, list[int]]] = {}
-    for r, mine in enumerate(digests):
+    for r, (_, mine) in enumerate(digests):
         for key, d in (mine or {}).items():
             seen.setdefault(key, {}).setdefault(d, []).append(coord._name(r))
     differ = {k: v for k, v in seen.items() if len(v) > 1}
     if differ:
         shown = "; ".join(f"{k!r}: {' vs '.join(str(rs[:4]) for rs in v.values())}"
-                          for k, v in list(differ.items())[:5])
-        warnings.warn(
-            f"save: ranks hold different values under the same plain key(s) ({shown}; ranks grouped by "
-            "value); the checkpoint keeps one rank's value per key, and every rank loads that one. Give "
-            "per-rank values keys of their own (e.g. f'dataloader.rank{rank}')", stacklevel=3)
+                          for k, v in list(differ.items())[:5]) + "; ranks grouped by value"
+    else:  # a large group sent one digest per rank; or the ranks hold different keys
+        groups: dict[int, list[int]] = {}
+        for r, (total, _) in enumerate(digests):
+            groups.setdefault(total, []).append(coord._name(r))
+        shown = "ranks " + " vs ".join(str(rs[:4]) for rs in list(groups.values())[:4])
+    warnings.warn(
+        f"save: ranks hold different plain values under the same key(s) ({shown}); the checkpoint "
+        "keeps one rank's value per key, and every rank loads that one. Give per-rank values keys of "
+        "their own (e.g. f'dataloader.rank{rank}')", stacklevel=3)
 
 
 def _part_guard(coord: Coordinator, keys: set[str], where: str | None) -> Callable[[bytes | None], None] | None:
-    """For a save by some ranks of the world only: refuse to replace a checkpoint holding
-    tensors this save does not. That is another part of the model (a pipeline stage on a
-    mesh of its own, saving into the same directory through its own group) or a whole model
-    this part belongs to; replacing it would lose the rest while every rank reports success."""
+    """For a save whose group a mesh over some ranks chose (no ``process_group`` given):
+    refuse to replace a checkpoint holding tensors this save does not. That is another part
+    of the model (a pipeline stage on a mesh of its own, saving into the same directory
+    through its own group) or a whole model this part belongs to; replacing it would lose the
+    rest while every rank reports success. A caller's explicit subgroup is trusted."""
     if not coord.distributed or not _distributed() or coord.world_size >= dist.get_world_size():
         return None
 

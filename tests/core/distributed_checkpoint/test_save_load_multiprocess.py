@@ -297,9 +297,10 @@ def test_saving_a_shard_alone_is_refused_a_replica_is_fine(tmp_path):
     assert run_ranks(rank_alone, 2, str(tmp_path / "c")) == ["ok", "ok"]
 
 
-def two_places(rank: int, ws: int, root: str) -> str:
+def two_places(rank: int, ws: int, root: str, linked: bool) -> str:
+    name = ("real" if rank == 0 else "link") if linked else f"stage{rank}"
     try:
-        save({"w": torch.full((1000,), float(rank))}, checkpoint_id=os.path.join(root, f"stage{rank}"))
+        save({"w": torch.full((1000,), float(rank))}, checkpoint_id=os.path.join(root, name))
     except ValueError as exc:
         return str(exc)
     return "saved"
@@ -308,9 +309,14 @@ def two_places(rank: int, ws: int, root: str) -> str:
 def test_ranks_saving_together_must_name_one_checkpoint(tmp_path):
     # rank 0 committing metadata that names rank 1's file in another directory would leave a
     # checkpoint that looks complete and cannot load: every rank refuses, nothing is committed
-    for msg in run_ranks(two_places, 2, str(tmp_path)):
+    for msg in run_ranks(two_places, 2, str(tmp_path), False):
         assert "name different checkpoints" in msg and "stage0" in msg and "stage1" in msg, msg
     assert not any(os.path.exists(tmp_path / f"stage{r}" / ".metadata") for r in range(2))
+    # two names of one directory (a symlink) are one checkpoint
+    os.makedirs(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    assert run_ranks(two_places, 2, str(tmp_path), True) == ["saved", "saved"]
+    assert load(path=str(tmp_path / "link"))["w"].shape == (1000,)
 
 
 def save_or_load(rank: int, ws: int, root: str) -> str:
@@ -338,7 +344,7 @@ def plain_values(rank: int, ws: int, root: str) -> list[str]:
         warnings.simplefilter("always")
         save({"w": torch.ones(2), "step": 7, "loader": {"offset": 100 * rank}}, os.path.join(root, "a"))
         save({"w": torch.ones(2), "step": 7, "loader": {"offset": 5}}, os.path.join(root, "b"))
-    return [str(w.message) for w in caught if "plain key" in str(w.message)]
+    return [str(w.message) for w in caught if "plain values" in str(w.message)]
 
 
 def test_plain_values_that_differ_between_ranks_are_named_in_a_warning(tmp_path):
