@@ -18,7 +18,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import torch.distributed as dist
@@ -45,7 +45,7 @@ from .planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
 from .saver import build_metadata, data_file_names, write_plan
 from .shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
 from .standard_planner import StandardPlanner, plan_digest
-from .storage import StorageReader, StorageWriter, reader_for
+from .storage import StorageReader, StorageWriter, is_url, reader_for
 
 PathLike = str | os.PathLike
 
@@ -65,12 +65,8 @@ def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage
     return None if chosen is None else os.fspath(chosen)
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
 def _default_writer(path: str, sync_files: bool) -> StorageWriter:
-    if _is_url(path):
+    if is_url(path):
         from .fsspec_storage import FsspecWriter
 
         return FsspecWriter(path)
@@ -207,7 +203,7 @@ def save(
     local: list[SavePlan] = []
     cached: dict[str, list[SavePlan]] = {}
 
-    def plan_locally() -> tuple[str, str, list[str] | None, str | None, Any]:
+    def plan_locally() -> _Summary:
         nonlocal writer
         if writer is None:
             writer = _default_writer(where, sync_files)
@@ -224,14 +220,14 @@ def save(
         digest = planner.structure_digest(local[0]) if hasattr(planner, "structure_digest") else plan_digest(local[0])
         plain = (_plain_digests(planner, local[0], coord.world_size <= PLAIN_DETAIL_RANKS)
                  if coord.world_size > 1 else None)
-        return (digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None, _location(where),
-                plain)
+        return _Summary(digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None,
+                        _location(where), plain)
 
     summaries = coord.exchange("save (planning)", plan_locally)
-    _check_one_location([s[3] for s in summaries], coord)
+    _check_one_location([s.place for s in summaries], coord)
     if coord.is_coordinator and coord.world_size > 1:
-        _warn_divergent_plain([s[4] for s in summaries], coord)
-    save_id = summaries[coord.coordinator_rank][1]
+        _warn_divergent_plain([s.plain for s in summaries], coord)
+    save_id = summaries[coord.coordinator_rank].save_id
     global_plans = _agree_on_plan(coord, planner, local[0], summaries, scope, cached)
     mine = global_plans[coord.rank]
     own_files = data_file_names(coord.rank, save_id, thread_count)
@@ -261,13 +257,23 @@ def save(
     return meta
 
 
+class _Summary(NamedTuple):
+    """What a rank tells the others in a save's planning exchange."""
+
+    digest: str  # of its structure (StandardPlanner) or its whole local plan
+    save_id: str  # the coordinator's is used
+    cached: list[str] | None  # fingerprints of the global plans it has cached
+    place: str | None  # where it saves (:func:`_location`)
+    plain: tuple[int, dict[str, int] | None] | None  # :func:`_plain_digests`
+
+
 def _location(where: str | None) -> str | None:
     """Where a rank's save goes, comparable across ranks: the ``path``/``checkpoint_id`` it
     was given as an absolute local path with symlinks resolved, or a URL without a trailing
     slash (None when only a storage writer was given: its location is its own business)."""
     if where is None:
         return None
-    if _is_url(where):
+    if is_url(where):
         return where.rstrip("/")
     return os.path.realpath(where.removeprefix("file://"))
 
@@ -336,15 +342,12 @@ def _warn_divergent_plain(digests: list[tuple[int, dict[str, int] | None]], coor
         "their own (e.g. f'dataloader.rank{rank}')", stacklevel=3)
 
 
-def _part_guard(coord: Coordinator, keys: set[str], where: str | None) -> Callable[[bytes | None], None] | None:
+def _part_guard(coord: Coordinator, keys: set[str], where: str | None) -> Callable[[bytes | None], None]:
     """For a save whose group a mesh over some ranks chose (no ``process_group`` given):
     refuse to replace a checkpoint holding tensors this save does not. That is another part
     of the model (a pipeline stage on a mesh of its own, saving into the same directory
     through its own group) or a whole model this part belongs to; replacing it would lose the
     rest while every rank reports success. A caller's explicit subgroup is trusted."""
-    if not coord.distributed or not _distributed() or coord.world_size >= dist.get_world_size():
-        return None
-
     def guard(previous: bytes | None) -> None:
         if previous is None:
             return
@@ -444,7 +447,7 @@ def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter |
 
 
 def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
-                   summaries: list[tuple], scope: tuple | None,
+                   summaries: list[_Summary], scope: tuple | None,
                    cached: dict[str, list[SavePlan]]) -> list[SavePlan]:
     """The global plan of this save. A cached plan is used only when EVERY rank has it for
     this exact set of local plans; a miss anywhere is a miss everywhere (else ranks would
@@ -455,9 +458,9 @@ def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
     grows with tensors and distinct structures, not with ranks x chunks. Other planners
     get every rank's full local plan, as the SavePlanner protocol says.
     """
-    digests = [s[0] for s in summaries]
+    digests = [s.digest for s in summaries]
     fingerprint = hashlib.sha256("|".join(digests).encode()).hexdigest()
-    if all(s[2] is not None and fingerprint in s[2] for s in summaries):
+    if all(s.cached is not None and fingerprint in s.cached for s in summaries):
         return cached[fingerprint]
     if hasattr(planner, "structure_digest"):
         first: dict[str, int] = {}

@@ -204,22 +204,13 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
     span = pitch * (len(items) - 1) + nbytes
     buf = direct_io.POOL.get(span)
     step = _crc_step(items[0])
-    copied = False  # all bands copied at once (numpy cannot view them: torch copies)
     for k in range(len(items)):
         if k and pitch > nbytes:
             buf[k * pitch - (pitch - nbytes):k * pitch] = bytes(pitch - nbytes)
         sums = _Checksums(step)
         band = buf[k * pitch:k * pitch + nbytes]
-        if not copied and not copy_fed(band, bands[k], sums.feed):
-            size = bands.element_size()
-            contiguous, n = [], 1  # row-major strides of one band
-            for d in reversed(bands.shape[1:]):
-                contiguous.insert(0, n)
-                n *= d
-            dest = torch.frombuffer(buf, dtype=torch.uint8).view(bands.dtype)  # span: whole elements (pitch is)
-            copy_into(dest.as_strided(bands.shape, (pitch // size, *contiguous)), bands)
-            copied = True
-        if copied:
+        if not copy_fed(band, bands[k], sums.feed):  # numpy cannot view it: torch copies, then we sum
+            copy_into(torch.frombuffer(band, dtype=torch.uint8).view(bands.dtype).view(bands.shape[1:]), bands[k])
             sums.feed(band)
         crcs.extend(sums.finish())
     return buf

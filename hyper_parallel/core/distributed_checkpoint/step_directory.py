@@ -26,7 +26,7 @@ from typing import Any
 from . import metadata as md
 from .errors import CheckpointError, NotACheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
-from .storage import StorageReader, StorageWriter
+from .storage import StorageReader, StorageWriter, is_url
 
 __all__ = ["StepInfo", "list_steps", "step_dir_name", "references_of"]
 
@@ -251,13 +251,9 @@ class FsspecDirectory:
 Directory = LocalDirectory | FsspecDirectory
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
 def open_directory(directory: PathLike, storage_options: dict[str, Any] | None) -> Directory:
     path = os.fspath(directory)
-    if _is_url(path):
+    if is_url(path):
         return FsspecDirectory(path, dict(storage_options or {}))
     if storage_options:
         raise ValueError(f"storage_options apply to fsspec URLs (s3://...), not to the local path {path!r}")
