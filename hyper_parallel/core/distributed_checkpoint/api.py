@@ -136,6 +136,7 @@ def save(
     timeout: timedelta | float | None = None,
     user_metadata: dict[str, Any] | None = None,
     incremental: IncrementalState | None = None,
+    _mesh_scoped: bool = False,
 ) -> md.Metadata | None:
     """Save a (sharded) state dict; every rank of the group calls it with its own shards.
 
@@ -170,6 +171,8 @@ def save(
         incremental: the checkpoint manager's memory of the previous step (see
             :mod:`.incremental`): chunks whose bytes did not change are referenced in that
             step's files instead of written. ``CheckpointManager(incremental=True)`` passes it.
+        _mesh_scoped: internal (async save): ``process_group`` is the group a mesh over some
+            ranks chose, not the caller's, so the partial-world guard applies.
 
     Returns:
         The committed :class:`Metadata`, on every rank (a rank-local save: this rank's fragment).
@@ -195,7 +198,7 @@ def save(
                                 thread_count, sync_files, user_metadata)
     scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
     process_group = process_group if process_group is not None or no_dist else _mesh_group(state_dict)
-    scoped = scoped and process_group is not None
+    scoped = (scoped and process_group is not None) or (_mesh_scoped and not no_dist)
     coord = _coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
     planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
     scope = _cache_scope(planner, coord)

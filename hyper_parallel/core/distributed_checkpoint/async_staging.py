@@ -481,15 +481,18 @@ class AsyncCheckpointer:
 
         self._make_room()
         distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
+        mesh_scoped = False
         if distributed and process_group is None:
             process_group = _mesh_group(state_dict)  # DTensors on one mesh over some ranks: those ranks
+            mesh_scoped = process_group is not None  # so the save guards the parts it lacks (api._part_guard)
         group = self._dedicated_group(process_group, timeout) if distributed else None
 
         response = AsyncSaveResponse(where, staging, callback, self.wait_timeout_s)
         save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
                            use_collectives=use_collectives, coordinator_rank=coordinator_rank,
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,
-                           user_metadata=user_metadata, incremental=incremental)  # the timeout went into the group
+                           user_metadata=user_metadata, incremental=incremental,  # the timeout went into the group
+                           _mesh_scoped=mesh_scoped)
         job = _Job(self, response, save_kwargs, group, started)
         try:
             self._prepare(job, state_dict)

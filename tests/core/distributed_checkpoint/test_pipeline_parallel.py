@@ -448,21 +448,24 @@ def test_the_pipeline_parallel_example_runs(tmp_path, monkeypatch, capsys):
     assert "4. offline_transform renamed" in capsys.readouterr().out
 
 
-def stages_on_meshes_of_their_own(rank: int, ws: int, root: str, world: bool) -> str:
+def stages_on_meshes_of_their_own(rank: int, ws: int, root: str, world: bool, use_async: bool = False) -> str:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from hyper_parallel import init_device_mesh
-    from hyper_parallel.core.distributed_checkpoint import CheckpointError, save
+    from hyper_parallel.core.distributed_checkpoint import CheckpointError, async_save, save
 
     pp = rank // 2
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), rank_list=(2 * pp, 2 * pp + 1))
     w = distribute_tensor(torch.full((4, 4), float(pp + 1)), mesh, [Shard(0)], src_data_rank=None)
     if not world:
         time.sleep(1.5 * pp)  # stage 1 saves after stage 0 committed (commits racing within a few ms both win)
+    sd = {f"layers.{pp}.weight": w, "optim": {"param_groups": [{"lr": 0.1}]}}  # a plain key both share
     try:
-        save({f"layers.{pp}.weight": w, "optim": {"param_groups": [{"lr": 0.1}]}}, root,  # a plain key both share
-             process_group=dist.group.WORLD if world else None)
+        if use_async:  # the background save runs on a dedicated group: the guard must still apply
+            async_save(sd, root, process_group=dist.group.WORLD if world else None).result()
+        else:
+            save(sd, root, process_group=dist.group.WORLD if world else None)
     except CheckpointError as exc:
         return str(exc)
     return "ok"
@@ -485,3 +488,10 @@ def test_stages_on_meshes_of_their_own_never_silently_replace_each_other(tmp_pat
     out = run_ranks(stages_on_meshes_of_their_own, 4, str(tmp_path / "one"), False, timeout_s=120)
     assert all("tensors this save does not have" in msg for msg in out), out
     assert sorted(load(path=str(tmp_path / "one"), no_dist=True)) == sorted(both)
+
+
+def test_async_saves_of_stages_on_meshes_of_their_own_never_silently_replace_each_other(tmp_path):
+    out = run_ranks(stages_on_meshes_of_their_own, 4, str(tmp_path / "ck"), False, True, timeout_s=120)
+    assert out[:2] == ["ok", "ok"], out
+    assert all("tensors this save does not have" in msg for msg in out[2:]), out
+    assert sorted(load(path=str(tmp_path / "ck"), no_dist=True)) == ["layers.0.weight", "optim"]
