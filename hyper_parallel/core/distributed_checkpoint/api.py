@@ -36,7 +36,6 @@ from .commit import (
 )
 from .coordination import Coordinator
 from .errors import CheckpointError, CommitError, NotACheckpointError, StateDictMismatchError, UnsupportedValueError
-from .filesystem_storage import FileSystemWriter
 from .flatten import FlatStateDict, flatten, unflatten
 from .fragments import fragment_name, fragment_of, read_checkpoint_metadata, read_fragment, table_sub_ids
 from .incremental import IncrementalState
@@ -45,7 +44,7 @@ from .planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
 from .saver import build_metadata, data_file_names, write_plan
 from .shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
 from .standard_planner import StandardPlanner, plan_digest
-from .storage import StorageReader, StorageWriter, is_url, reader_for
+from .storage import StorageReader, StorageWriter, location, reader_for, writer_for
 
 PathLike = str | os.PathLike
 
@@ -66,11 +65,7 @@ def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage
 
 
 def _default_writer(path: str, sync_files: bool) -> StorageWriter:
-    if is_url(path):
-        from .fsspec_storage import FsspecWriter
-
-        return FsspecWriter(path)
-    return FileSystemWriter(path.removeprefix("file://"), sync_files=sync_files)
+    return writer_for(path, sync_files)
 
 
 def _default_reader(path: str) -> StorageReader:
@@ -224,7 +219,7 @@ def save(
         plain = (_plain_digests(planner, local[0], coord.world_size <= PLAIN_DETAIL_RANKS)
                  if coord.world_size > 1 else None)
         return _Summary(digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None,
-                        _location(where), plain)
+                        location(where) if where is not None else None, plain)
 
     summaries = coord.exchange("save (planning)", plan_locally)
     _check_one_location([s.place for s in summaries], coord)
@@ -266,19 +261,8 @@ class _Summary(NamedTuple):
     digest: str  # of its structure (StandardPlanner) or its whole local plan
     save_id: str  # the coordinator's is used
     cached: list[str] | None  # fingerprints of the global plans it has cached
-    place: str | None  # where it saves (:func:`_location`)
+    place: str | None  # where it saves (:func:`.storage.location`)
     plain: tuple[int, dict[str, int] | None] | None  # :func:`_plain_digests`
-
-
-def _location(where: str | None) -> str | None:
-    """Where a rank's save goes, comparable across ranks: the ``path``/``checkpoint_id`` it
-    was given as an absolute local path with symlinks resolved, or a URL without a trailing
-    slash (None when only a storage writer was given: its location is its own business)."""
-    if where is None:
-        return None
-    if is_url(where):
-        return where.rstrip("/")
-    return os.path.realpath(where.removeprefix("file://"))
 
 
 def _check_one_location(places: list[str | None], coord: Coordinator) -> None:

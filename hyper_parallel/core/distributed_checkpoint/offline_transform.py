@@ -35,12 +35,11 @@ from .chunks import largest_chunk_bytes
 from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import CheckpointError, UnsupportedValueError
-from .filesystem_storage import FileSystemWriter
 from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
 from .loader import read_box, read_metadata
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
-from .storage import StorageReader, reader_for
+from .storage import StorageReader, StorageWriter, location, reader_for, writer_for
 from .topology_mapper import MapperLike
 
 HF_INDEX = "model.safetensors.index.json"
@@ -70,10 +69,18 @@ def _read_metadata(reader: StorageReader) -> md.Metadata:
     return read_metadata(reader)
 
 
-def _check_destination(dst: str | os.PathLike, overwrite: bool) -> None:
-    if os.path.exists(os.path.join(dst, md.METADATA_FILE)) and not overwrite:
+def _check_destination(dst: str | os.PathLike | StorageWriter, overwrite: bool) -> None:
+    """Refuse to replace a checkpoint at ``dst`` (a path, an fsspec URL or a writer) unless told to."""
+    writer = dst if isinstance(dst, StorageWriter) else writer_for(dst)
+    if not overwrite and writer.read_committed() is not None:
         raise CheckpointError(
-            f"{os.fspath(dst)!r} already holds a checkpoint; pass overwrite=True to replace it")
+            f"{_where(dst)!r} already holds a checkpoint; pass overwrite=True to replace it")
+
+
+def _where(dst: str | os.PathLike | StorageWriter) -> str:
+    if isinstance(dst, StorageWriter):
+        return str(getattr(dst, "url", None) or getattr(dst, "path", None) or type(dst).__name__)
+    return os.fspath(dst)
 
 
 class _Lazy:
@@ -100,8 +107,8 @@ def write_streaming(
 
     Object entries get their value from ``produce(WriteItem(key, Box((), ()), 0))``.
     """
-    _check_destination(dst, overwrite)
-    writer = FileSystemWriter(dst, sync_files=sync_files)
+    writer = writer_for(dst, sync_files)
+    _check_destination(writer, overwrite)
     writer.set_up(0, True)
     writer.prepare()
     save_id = uuid.uuid4().hex[:16]
@@ -121,7 +128,7 @@ def write_streaming(
     world = max([len(files), 1] + [math.prod(e.layout["mesh_shape"]) for e in entries.values() if e.layout])
     coord = Coordinator(None, no_dist=True)
     own = [n for r in range(len(numbered)) for n in data_file_names(r, save_id, 1)]
-    what = f"writing {os.fspath(dst)}"
+    what = f"writing {_where(dst)}"
 
     def write_all() -> list[WriteResult]:
         return [write_plan(SavePlan(specs, items, objects if rank == 0 else []), resolver, writer, rank, save_id)
@@ -226,7 +233,7 @@ def offline_transform(
 
     if dst_layout is None:
         raise ValueError("offline_transform needs dst_layout: a strategy, a layout file, a Layout or {'tp': 4}")
-    if os.path.abspath(os.fspath(src_path)) == os.path.abspath(os.fspath(dst_path)):
+    if location(src_path) == location(dst_path):
         raise ValueError("dst_path must differ from src_path")
     _check_destination(dst_path, overwrite)
     reader = reader_for(src_path)

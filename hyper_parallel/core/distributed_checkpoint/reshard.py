@@ -46,7 +46,6 @@ from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .data_file import tensor_bytes
 from .errors import CorruptCheckpointError
-from .filesystem_storage import FileSystemWriter
 from .flatten import renamed_path
 from .fragments import read_checkpoint_metadata
 from .grid import Grid
@@ -54,7 +53,7 @@ from .layout import Layout, TensorLayout, match_layout, placement_to_name
 from .loader import read_box
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, write_plan
-from .storage import StorageReader, StorageWriter, reader_for
+from .storage import StorageReader, StorageWriter, location, reader_for, writer_for
 from .topology_mapper import MapperLike, as_topology_mapper, rename_keys
 
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
@@ -479,10 +478,10 @@ def reshard(
     if storage_writer is None:
         if dst_path is None:
             raise ValueError("say where to write: dst_path or storage_writer")
-        if src_path is not None and os.path.realpath(os.fspath(src_path)) == os.path.realpath(os.fspath(dst_path)):
+        if src_path is not None and location(src_path) == location(dst_path):
             raise ValueError(f"dst_path {os.fspath(dst_path)!r} is the source checkpoint; write to a new path")
         # one file per destination rank: thousands of small files sync faster as one batch
-        storage_writer = FileSystemWriter(os.fspath(dst_path), sync_files=sync_files, defer_sync=True)
+        storage_writer = writer_for(dst_path, sync_files, defer_sync=True)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     coord = Coordinator(process_group, process_group is None, coordinator_rank, timeout)

@@ -181,6 +181,15 @@ def is_url(path: str | os.PathLike) -> bool:
     return "://" in path and not path.startswith("file://")
 
 
+def location(path: str | os.PathLike) -> str:
+    """A checkpoint location in a form two names of one place share: an absolute local path
+    with symlinks resolved, or a URL without a trailing slash."""
+    path = os.fspath(path)
+    if is_url(path):
+        return path.rstrip("/")
+    return os.path.realpath(path.removeprefix("file://"))
+
+
 def reader_for(path: str | os.PathLike) -> StorageReader:
     """The reader of a checkpoint at ``path``: an :class:`~.fsspec_storage.FsspecReader` for
     an fsspec URL, a :class:`~.filesystem_storage.FileSystemReader` for anything else (what
@@ -193,3 +202,18 @@ def reader_for(path: str | os.PathLike) -> StorageReader:
     from .filesystem_storage import FileSystemReader
 
     return FileSystemReader(path.removeprefix("file://"))
+
+
+def writer_for(path: str | os.PathLike, sync_files: bool = True, defer_sync: bool = False) -> StorageWriter:
+    """The writer of a checkpoint at ``path``, as :func:`reader_for` picks readers: an
+    :class:`~.fsspec_storage.FsspecWriter` for an fsspec URL (object stores have no fsync:
+    ``sync_files`` and ``defer_sync`` apply to local files only), else a
+    :class:`~.filesystem_storage.FileSystemWriter`."""
+    path = os.fspath(path)
+    if is_url(path):
+        from .fsspec_storage import FsspecWriter
+
+        return FsspecWriter(path)
+    from .filesystem_storage import FileSystemWriter
+
+    return FileSystemWriter(path.removeprefix("file://"), sync_files=sync_files, defer_sync=defer_sync)
