@@ -138,8 +138,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from .core.distributed_checkpoint.commit import collect_garbage
     from .core.distributed_checkpoint.filesystem_storage import FileSystemWriter
+    from .core.distributed_checkpoint.step_directory import files_other_steps_use
 
-    removed = collect_garbage(FileSystemReader(args.path), FileSystemWriter(args.path), dry_run=args.dry_run)
+    # a manager's step may hold files that later (incremental) steps read: those are not debris
+    removed = collect_garbage(FileSystemReader(args.path), FileSystemWriter(args.path), dry_run=args.dry_run,
+                              keep=files_other_steps_use(args.path))
     if args.json:
         print(json.dumps({"path": args.path, "dry_run": args.dry_run, "files": removed}, indent=1))
     else:

@@ -124,6 +124,31 @@ def test_ls_does_not_call_files_a_committed_step_uses_debris(tmp_path):
     assert "files in use" in out.stdout and "do not delete" in out.stdout and "debris" not in out.stdout
 
 
+def test_gc_of_a_retired_step_keeps_the_files_a_committed_step_reads(tmp_path):
+    # gc of the step ls says not to delete had removed the chunk committed step 2 reads from it
+    from hyper_parallel.core.distributed_checkpoint import CheckpointManager, load
+
+    d = str(tmp_path / "run")
+    with CheckpointManager(d, incremental=True, keep_latest=1) as mgr:  # step 2 reuses step 1's "w"
+        mgr.save(1, {"w": torch.ones(100), "v": torch.zeros(10)})
+        mgr.save(2, {"w": torch.ones(100), "v": torch.ones(10)})
+    step1 = os.path.join(d, "step_00000001")
+    kept = sorted(os.listdir(step1))
+    assert kept and ".metadata" not in kept
+    debris = "data-r00003-0-00ff.safetensors"
+    with open(os.path.join(step1, debris), "wb") as f:
+        f.write(b"x")
+    out = run("gc", step1)
+    assert out.returncode == 0, out.stderr
+    assert sorted(os.listdir(step1)) == kept and "removed 1 " in out.stdout  # only the debris went
+    assert torch.equal(load(path=os.path.join(d, "step_00000002"))["w"], torch.ones(100))
+    with open(os.path.join(d, "step_00000002", ".metadata"), "r+b") as f:  # unreadable: refuse, delete nothing
+        f.write(b"garbage")
+    out = run("gc", step1)
+    assert out.returncode != 0 and "other steps use" in (out.stderr + out.stdout)
+    assert sorted(os.listdir(step1)) == kept
+
+
 def test_cli_errors_name_the_flag_not_the_keyword(tmp_path):
     full = os.path.join(MS_FIX, "tp2", "full.ckpt")
     assert run("import-mindspore", full, str(tmp_path / "dcp")).returncode == 0

@@ -275,21 +275,23 @@ def unreferenced_files(reader: Any, referenced: list[str]) -> list[str]:
     return [n for n in names if n not in keep and _DEBRIS.match(n)]
 
 
-def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False) -> list[str]:
+def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False,
+                    keep: Iterable[str] = ()) -> list[str]:
     """Remove the debris of failed or replaced saves from a checkpoint directory.
 
     Debris is what this library writes that the committed ``.metadata`` (or, in a rank-local
     checkpoint, the rank fragments together) does not name (data files, temporary metadata);
     everything else is left alone. Fragments that are missing or disagree are an error, not a
     reason to delete. Do not run it while a save to the same path is in progress: that save's
-    files are not named by ``.metadata`` yet. Returns the names removed (or, with ``dry_run``,
-    that would be).
+    files are not named by ``.metadata`` yet. ``keep``: files other checkpoints name (later
+    incremental steps, :func:`.step_directory.files_other_steps_use`). Returns the names
+    removed (or, with ``dry_run``, that would be).
     """
     try:
         referenced = md.Metadata.from_json(read_checkpoint_metadata(reader)).file_names()
     except NotACheckpointError:
         referenced = []
-    garbage = unreferenced_files(reader, referenced)
+    garbage = unreferenced_files(reader, [*referenced, *keep])
     if not dry_run:
         for name in garbage:
             writer.remove([name])

@@ -28,7 +28,7 @@ from .errors import CheckpointError, NotACheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .storage import StorageReader, StorageWriter, is_url
 
-__all__ = ["StepInfo", "list_steps", "step_dir_name", "references_of"]
+__all__ = ["StepInfo", "files_other_steps_use", "list_steps", "step_dir_name", "references_of"]
 
 PathLike = str | os.PathLike
 OWNER_FILE = ".manager-owner.json"
@@ -357,6 +357,27 @@ def list_steps(directory: PathLike, *, storage_options: dict[str, Any] | None = 
         committed = [s.step for s in list_steps("/ckpt/run1") if s.state == "committed"]
     """
     return scan(open_directory(directory, storage_options))[0]
+
+
+def files_other_steps_use(path: PathLike) -> set[str]:
+    """Files of the step directory ``path`` that committed sibling steps name: an incremental
+    step reads its unchanged chunks from an earlier step's files (``../<step>/<file>``), and
+    the manager keeps those files when it retires that step. Empty when ``path`` is not a
+    step directory. A sibling whose ``.metadata`` does not parse might name some: that is an
+    error, not a guess.
+    """
+    path = os.fspath(path).rstrip("/").rstrip(os.sep)
+    name = path.rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
+    if step_of(name) is None:
+        return set()
+    parent = path[: len(path) - len(name)].rstrip("/") or "."
+    infos, _, parsed = scan(open_directory(parent, None))
+    unreadable = [i for i in infos if i.state == "unreadable"]
+    if unreadable:
+        raise CheckpointError(
+            f"cannot tell which files of {path!r} other steps use: {unreadable[0].error} "
+            f"({len(unreadable)} step(s) unreadable)")
+    return {f.name for meta in parsed.values() for f in meta.files if f.dir == name}
 
 
 # ----------------------------------------------------------------------------- background deletion
