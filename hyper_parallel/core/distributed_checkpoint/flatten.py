@@ -10,6 +10,7 @@ through their ``state_dict()`` on save, and given their filled state back on loa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -146,11 +147,22 @@ def flatten(state_dict: Any) -> Flat:
             for k, v in value.items():
                 walk_item(path, value, k, v)
             return
-        if isinstance(value, (list, tuple)) and _holds_data(value):
-            tag = "t" if isinstance(value, tuple) else "i"
+        if isinstance(value, list) and _holds_data(value):
             for i, v in enumerate(value):
-                item_setter = (lambda x, c=value, j=i: c.__setitem__(j, x)) if tag == "i" else None
-                walk(path + ((tag, i),), v, item_setter)
+                walk(path + (("i", i),), v, lambda x, c=value, j=i: c.__setitem__(j, x))
+            return
+        if isinstance(value, tuple) and _holds_data(value):
+            # a tuple cannot change: a new value of an item puts a new tuple where this one sat
+            items = list(value)
+
+            def item_setter(x: Any, j: int, items: list = items, like: tuple = value,
+                            up: Callable[[Any], None] | None = setter) -> None:
+                items[j] = x
+                if up is not None:
+                    up(like._make(items) if hasattr(like, "_make") else type(like)(items))
+
+            for i, v in enumerate(value):
+                walk(path + (("t", i),), v, functools.partial(item_setter, j=i) if setter is not None else None)
             return
         add(path, value, setter)
 

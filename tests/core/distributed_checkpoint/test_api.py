@@ -409,3 +409,22 @@ def test_a_single_file_a_load_needs_little_of_is_hinted_then_read(tmp_path):
     load(target, storage_reader=reader)
     assert_same(sd, target)
     assert len(reader.hints) == 1 and sorted(length for _, _, length in reader.hints[0]) == [128] * 3
+
+
+def test_plain_values_inside_tuples_load_in_place(tmp_path):
+    # a tuple holding a tensor kept the target's plain values (tuples cannot change: the
+    # load now puts a new tuple where the old one sat, around the same tensor objects)
+    import collections
+
+    Pair = collections.namedtuple("Pair", "weight count")
+    sd = {"t": (torch.ones(2), 3, "s", None), "nested": [(torch.ones(3), (7, torch.ones(1)))],
+          "named": Pair(torch.ones(4), 9)}
+    save(sd, str(tmp_path / "ck"), no_dist=True)
+    target = {"t": (torch.zeros(2), 0, "", 1), "nested": [(torch.zeros(3), (0, torch.zeros(1)))],
+              "named": Pair(torch.zeros(4), 0)}
+    tensors = [target["t"][0], target["nested"][0][1][1], target["named"].weight]
+    load(target, str(tmp_path / "ck"), no_dist=True)
+    assert_same(sd, target)
+    assert type(target["named"]) is Pair and type(target["nested"][0][1]) is tuple
+    assert target["t"][0] is tensors[0] and target["nested"][0][1][1] is tensors[1]  # loaded in place
+    assert target["named"].weight is tensors[2]
