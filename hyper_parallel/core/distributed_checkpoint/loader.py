@@ -138,17 +138,27 @@ def _apply(seg: _Segment, data: memoryview, verify: bool) -> None:
     row_bytes = chunk.length // chunk.rows
     if verify:
         _check_blocks(item, data, seg.block, row_bytes, chunk.file)
-    dtype = seg.dest.dtype
-    raw = torch.frombuffer(data, dtype=torch.uint8)
+    typed = _typed(data, seg.dest.dtype)
     if not chunk.sizes:
-        seg.dest.copy_(raw.view(dtype).reshape(()))
+        seg.dest.copy_(typed.reshape(()))
         return
-    block = raw.view(dtype).view((seg.row_hi - seg.row_lo, *chunk.sizes[1:]))
+    block = typed.view((seg.row_hi - seg.row_lo, *chunk.sizes[1:]))
     inner = seg.inner
     lo, hi = max(seg.row_lo, inner.offsets[0]), min(seg.row_hi, inner.offsets[0] + inner.sizes[0])
     cols = tuple(slice(o, o + n) for o, n in zip(inner.offsets[1:], inner.sizes[1:], strict=True))
     copy_into(seg.dest[lo - inner.offsets[0]:hi - inner.offsets[0]],
               block[(slice(lo - seg.row_lo, hi - seg.row_lo), *cols)])
+
+
+def _typed(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes read from a file as a flat tensor of ``dtype``. Densely packed payloads are
+    aligned in the file only to 8 bytes: a complex128 one may sit 8 bytes off the 16 its
+    element needs, and torch's copy of misaligned complex128 crashes, so such bytes are
+    copied into fresh (aligned) memory first."""
+    raw = torch.frombuffer(data, dtype=torch.uint8) if data.nbytes else torch.empty(0, dtype=torch.uint8)
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)
 
 
 def _run_range(segs: list[_Segment], file_size: int, align: int) -> tuple[int, int]:
@@ -339,7 +349,7 @@ def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: Sto
             reader.read_into(chunk.file, int(off), data[k * span:(k + 1) * span])
         read += data.nbytes
         shape = [s1 - s0, *read_shape[1:]] if d else read_shape
-        block = torch.frombuffer(data, dtype=torch.uint8).view(dest_view.dtype).reshape(shape)
+        block = _typed(data, dest_view.dtype).reshape(shape)
         if full_rows:
             block = block[(slice(None),) * (d + 1) + tuple(
                 slice(o, o + m) for o, m in zip(inner.offsets[d + 1:], inner.sizes[d + 1:], strict=True))]

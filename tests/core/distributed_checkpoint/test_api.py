@@ -428,3 +428,20 @@ def test_plain_values_inside_tuples_load_in_place(tmp_path):
     assert type(target["named"]) is Pair and type(target["nested"][0][1]) is tuple
     assert target["t"][0] is tensors[0] and target["nested"][0][1][1] is tensors[1]  # loaded in place
     assert target["named"].weight is tensors[2]
+
+
+@pytest.mark.parametrize("before", [(4,), (2,), (6,)])
+def test_a_complex128_payload_8_bytes_off_its_alignment_loads(tmp_path, before):
+    # small payloads are packed 8-aligned; a complex128 one 8 bytes off 16 crashed the process
+    # (torch's copy of misaligned complex<double>) on load and on offline reshard
+    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+
+    sd = {"a": torch.ones(before), "z": torch.tensor(2 + 3j, dtype=torch.complex128),
+          "zz": torch.arange(6, dtype=torch.float64).reshape(3, 2).to(torch.complex128) * (1 + 2j)}
+    save(sd, str(tmp_path / "ck"), no_dist=True)
+    assert_same(sd, load(path=str(tmp_path / "ck"), no_dist=True))
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    load(target, str(tmp_path / "ck"), no_dist=True)
+    assert_same(sd, target)
+    reshard(str(tmp_path / "ck"), str(tmp_path / "rs"), dst_mesh={"dp": 2})
+    assert_same(sd, load(path=str(tmp_path / "rs"), no_dist=True))
