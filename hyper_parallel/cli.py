@@ -34,8 +34,8 @@ from typing import Any
 from .core.distributed_checkpoint import metadata as md
 from .core.distributed_checkpoint.chunks import count as chunk_count
 from .core.distributed_checkpoint.errors import CheckpointError
-from .core.distributed_checkpoint.filesystem_storage import FileSystemReader
 from .core.distributed_checkpoint.loader import read_metadata
+from .core.distributed_checkpoint.storage import reader_for, writer_for
 from .core.distributed_checkpoint.verify import verify_checkpoint
 
 
@@ -69,7 +69,7 @@ def _layout_text(layout: dict | None) -> str:
 def _checkpoint_bytes(path: str) -> int:
     """Total data bytes of a checkpoint (0 when unreadable: the command will say why)."""
     try:
-        meta = read_metadata(FileSystemReader(path))
+        meta = read_metadata(reader_for(path))
     except (CheckpointError, OSError):
         return 0
     return sum(e.nbytes for e in meta.entries.values())
@@ -78,14 +78,14 @@ def _checkpoint_bytes(path: str) -> int:
 def _tensor_bytes(path: str) -> int:
     """Bytes of the tensors' global data (replicas once; 0 when unreadable)."""
     try:
-        meta = read_metadata(FileSystemReader(path))
+        meta = read_metadata(reader_for(path))
     except (CheckpointError, OSError):
         return 0
     return sum(md.itemsize(e.dtype) * math.prod(e.shape or ()) for e in meta.entries.values() if e.kind == "tensor")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    meta = read_metadata(FileSystemReader(args.path))
+    meta = read_metadata(reader_for(args.path))
     rows = []
     for key, e in meta.entries.items():
         rows.append({
@@ -137,11 +137,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from .core.distributed_checkpoint.commit import collect_garbage
-    from .core.distributed_checkpoint.filesystem_storage import FileSystemWriter
     from .core.distributed_checkpoint.step_directory import files_other_steps_use
 
+    reader = reader_for(args.path)
+    try:
+        reader.list_files()
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"{args.path!r} is not a directory: gc cleans a checkpoint directory") from None
     # a manager's step may hold files that later (incremental) steps read: those are not debris
-    removed = collect_garbage(FileSystemReader(args.path), FileSystemWriter(args.path), dry_run=args.dry_run,
+    removed = collect_garbage(reader, writer_for(args.path), dry_run=args.dry_run,
                               keep=files_other_steps_use(args.path))
     if args.json:
         print(json.dumps({"path": args.path, "dry_run": args.dry_run, "files": removed}, indent=1))

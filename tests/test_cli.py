@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -66,6 +67,36 @@ def test_verify_fails_on_a_missing_data_file(ckpt):
 def test_a_path_that_is_not_a_checkpoint_is_a_clear_error(tmp_path):
     out = run("inspect", str(tmp_path))
     assert out.returncode == 2 and "not a checkpoint" in out.stderr
+    # gc of a path that is no directory had reported "removed 0" and exit 0
+    (tmp_path / "f").write_text("x")
+    for path in (str(tmp_path / "no" / "such"), str(tmp_path / "f")):
+        out = run("gc", path)
+        assert out.returncode == 2 and "is not a directory" in out.stderr, out
+    # import of a missing or non-torch file had said it "holds arbitrary pickled objects"
+    (tmp_path / "text.pt").write_text("just text\n")
+    out = run("import-hf", str(tmp_path / "missing.pt"), str(tmp_path / "o"))
+    assert out.returncode == 2 and "no such file" in out.stderr and "pickle" not in out.stderr, out
+    out = run("import-hf", str(tmp_path / "text.pt"), str(tmp_path / "o"))
+    assert out.returncode == 2 and "not a checkpoint this tool reads" in out.stderr and "pickle" not in out.stderr
+    torch.save({"w": torch.ones(2), "opt": object.__new__(argparse.Namespace)}, str(tmp_path / "pickled.pt"))
+    out = run("import-hf", str(tmp_path / "pickled.pt"), str(tmp_path / "o"))
+    assert out.returncode == 2 and "allow_pickle" in out.stderr, out
+
+
+def test_inspect_and_gc_read_urls(s3_endpoint, monkeypatch):
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="cli-urls")
+    save({"w": torch.ones(4)}, "s3://cli-urls/ck")
+    s3.put_object(Bucket="cli-urls", Key="ck/data-r00000-0-0123456789abcdef.safetensors", Body=b"x")
+    out = run("inspect", "s3://cli-urls/ck")
+    assert out.returncode == 0 and "float32" in out.stdout, out
+    out = run("gc", "s3://cli-urls/ck")
+    assert out.returncode == 0 and "removed 1 " in out.stdout, out
+    names = [o["Key"] for o in s3.list_objects_v2(Bucket="cli-urls")["Contents"]]
+    assert "ck/data-r00000-0-0123456789abcdef.safetensors" not in names and "ck/.metadata" in names
 
 
 def test_transform_export_and_import_round_trip(ckpt, tmp_path):

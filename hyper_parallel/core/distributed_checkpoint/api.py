@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 import crc32c
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -600,6 +601,8 @@ def load(
             reader = _default_reader(where)
         reader.set_up(coord.rank, coord.is_coordinator)
         flat = flatten(state_dict) if state_dict is not None else None
+        if flat is not None:
+            _materialize_meta(flat)
         if rank_local:
             try:  # a whole checkpoint (or a foreign one, e.g. Hugging Face files) needs no fragment
                 raw.append(reader.read_metadata())
@@ -660,11 +663,35 @@ def load(
     if strict == "all":
         _check_all_asked_for(meta, [asked for _, asked in outcomes])
     if flat is None:
-        return unflatten({meta.entries[k].path: v for k, v in values.items()})
+        order = {k: i for i, k in enumerate(meta.entries)}  # as saved
+        return unflatten({meta.entries[k].path: values[k] for k in sorted(values, key=order.__getitem__)})
     # Putting values back can raise too (a Stateful's load_state_dict): in an exchange of its
     # own, after every rank has read, so no rank is left waiting and none applies half-read data.
     coord.exchange("load (applying)", lambda: _apply(flat, values, planner))
     return state_dict
+
+
+def _materialize_meta(flat: Any) -> None:
+    """Targets on the meta device (a model built under ``torch.device("meta")``) hold no memory
+    to load into: each is replaced in the target by an empty tensor of its shape and dtype
+    (a DTensor keeps its mesh and placements, on the mesh's device; a plain tensor goes to the
+    CPU), as torch DCP does. The loaded values go there; the caller puts them into the model
+    (``model.load_state_dict(sd, assign=True)``)."""
+    for key, leaf in flat.leaves.items():
+        value = leaf.value
+        if not isinstance(value, torch.Tensor) or value.device.type != "meta":
+            continue
+        if isinstance(value, DTensor):
+            local = torch.empty_like(value._local_tensor, device=value.device_mesh.device_type)
+            new: torch.Tensor = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                                   shape=value.shape, stride=value.stride())
+        else:
+            new = torch.empty_like(value, device="cpu")
+        if leaf.set is None:
+            raise UnsupportedValueError(f"{key!r}: the target is on the meta device and cannot be replaced "
+                                        "where it sits; materialize it first (model.to_empty(device=...))")
+        leaf.set(new)
+        leaf.value = new
 
 
 def _asked_for(meta: md.Metadata, planner: Any) -> bytes:

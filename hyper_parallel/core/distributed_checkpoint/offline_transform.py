@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import re
 import struct
 import threading
@@ -608,15 +609,20 @@ def convert_full_checkpoint_to_dcp(
 
         with contextlib.ExitStack() as stack:
             return write_streaming(dst_path, entries, [items], produce, overwrite=overwrite)
+    if not os.path.isfile(src):
+        raise CheckpointError(f"{src!r}: no such file or directory (expected HF safetensors, a torch "
+                              "file or a MindSpore checkpoint)")
     try:
         sd = torch.load(src, map_location="cpu", weights_only=not allow_pickle, mmap=True)
-    except Exception as exc:  # torch raises UnpicklingError subclasses for non-weights files
+    except Exception as exc:
         if src_platform is None and _looks_like_mindspore(src):
             raise CheckpointError(
                 f"{src!r} is not a torch file; it looks like a MindSpore checkpoint: pass "
                 "src_platform='mindspore'") from None
-        if allow_pickle:
-            raise
+        if allow_pickle or not isinstance(exc, pickle.UnpicklingError):  # weights_only refusals are these
+            raise CheckpointError(
+                f"{src!r} is not a checkpoint this tool reads (HF safetensors, a torch file or a MindSpore "
+                f"checkpoint): torch.load failed with {exc.__class__.__name__}: {str(exc)[:200]}") from None
         raise UnsupportedValueError(
             f"{src!r} cannot be loaded with weights_only=True ({exc.__class__.__name__}); it holds "
             "arbitrary pickled objects. Pass allow_pickle=True only if you trust the file") from None

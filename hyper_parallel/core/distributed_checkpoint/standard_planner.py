@@ -121,6 +121,33 @@ def _bytes_tensor(value: bytes | bytearray) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
 
 
+def _check_saveable(key: str, t: torch.Tensor) -> None:
+    """Refuse, naming the key, a tensor the format cannot hold (torch's own errors would not)."""
+    if t.is_nested or t.layout != torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        hint = "its components (t.unbind())" if t.is_nested else "it dense (t.to_dense())"
+        raise UnsupportedValueError(f"{key!r}: a {kind} tensor cannot be saved; save {hint}")
+    if t.device.type == "meta":
+        raise UnsupportedValueError(f"{key!r}: the tensor is on the meta device and holds no data; "
+                                    "materialize it (e.g. model.to_empty(device=...) and initialize it) first")
+    try:
+        md.dtype_name(t.dtype)
+    except md.MetadataError as exc:
+        raise UnsupportedValueError(f"{key!r}: {exc}") from None
+
+
+def _check_writable(key: str, t: torch.Tensor) -> None:
+    """Refuse, naming the key, a load target torch could not write in place."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise StateDictMismatchError(f"{key!r}: the target was made under torch.inference_mode() and cannot be "
+                                     "written outside it; load into a tensor made outside inference mode")
+    if t.layout != torch.strided or t.is_nested:
+        raise StateDictMismatchError(f"{key!r}: the target is a {t.layout} tensor; load into a dense tensor")
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+        raise StateDictMismatchError(f"{key!r}: several elements of the target share memory (an expand()ed "
+                                     "or broadcast view); load into a tensor of its own (t.clone())")
+
+
 def _numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
     try:
         # np.ascontiguousarray makes a 0-d array 1-d; keep the shape
@@ -255,6 +282,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         for key, value in self._values.items():
             path = self._path(key)
             if isinstance(value, DTensor):
+                _check_saveable(key, value._local_tensor)
                 box = dtensor_box(value, key)
                 dtype = md.dtype_name(value.dtype)
                 entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value, group_rank))
@@ -280,6 +308,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                     "saved with pickle; convert it to tensors/plain values, or pass "
                     "allow_pickle=True to save (and again to load) if you trust the checkpoint"
                 )
+            _check_saveable(key, tensor)
             shape = tuple(tensor.shape)
             entries[key] = EntrySpec(kind, path, md.dtype_name(tensor.dtype), shape)
             if tensor.numel():
@@ -406,6 +435,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         if tuple(target.shape) != shape or (target.dtype != dtype and not self.convert_dtype):
             raise self._mismatch(key, entry, target)
         local = target._local_tensor if isinstance(target, DTensor) else target
+        _check_writable(key, local)
         box = dtensor_box(target, key) if isinstance(target, DTensor) else Box.full(shape)
         if target.dtype != dtype and box is not None:
             # read into a temporary of the saved dtype; finish_load converts into the target

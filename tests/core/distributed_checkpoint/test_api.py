@@ -445,3 +445,39 @@ def test_a_complex128_payload_8_bytes_off_its_alignment_loads(tmp_path, before):
     assert_same(sd, target)
     reshard(str(tmp_path / "ck"), str(tmp_path / "rs"), dst_mesh={"dp": 2})
     assert_same(sd, load(path=str(tmp_path / "rs"), no_dist=True))
+
+
+def test_tensors_the_format_cannot_hold_are_refused_naming_the_key(tmp_path):
+    cases = {"meta": (torch.empty(3, device="meta"), "meta device"),
+             "sparse": (torch.eye(3).to_sparse(), "sparse_coo tensor"),
+             "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor")}
+    for name, (bad, what) in cases.items():
+        with pytest.raises(UnsupportedValueError, match=rf"'layer17\.bias'.*{what}"):
+            save({"layer0.weight": torch.ones(2), "layer17.bias": bad}, str(tmp_path / name), no_dist=True)
+        assert not os.path.exists(tmp_path / name / ".metadata")
+
+
+def test_meta_targets_are_materialized_and_unwritable_targets_named(tmp_path):
+    path = str(tmp_path / "ck")
+    sd = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.arange(3.0), "step": 4}
+    save(sd, path, no_dist=True)
+    # a model built on the meta device: the load replaces the targets (as torch DCP does)
+    target = {"w": torch.empty(2, 3, device="meta"), "b": torch.zeros(3), "step": 0}
+    load(target, path, no_dist=True)
+    assert target["w"].device.type == "cpu"
+    assert_same(sd, target)
+    # targets torch cannot write in place: a clear error naming the key, not torch's own
+    with pytest.raises(StateDictMismatchError, match=r"'b'.*share memory"):
+        load({"w": torch.zeros(2, 3), "b": torch.zeros(1).expand(3)}, path, no_dist=True)
+    with torch.inference_mode():
+        frozen = torch.zeros(3)
+    with pytest.raises(StateDictMismatchError, match=r"'b'.*inference_mode"):
+        load({"w": torch.zeros(2, 3), "b": frozen}, path, no_dist=True)
+
+
+def test_a_load_without_a_target_keeps_the_saved_key_order(tmp_path):
+    sd = {"z": torch.ones(1), "b": 3, "a": {"y": torch.ones(1), "x": 1, 5: torch.ones(1), 2: "s"},
+          "m": torch.ones(1), 0: 1}
+    save(sd, str(tmp_path / "ck"), no_dist=True)
+    out = load(path=str(tmp_path / "ck"), no_dist=True)
+    assert list(out) == list(sd) and list(out["a"]) == list(sd["a"])
