@@ -617,19 +617,29 @@ class LocalTier:
         lists = dirs.index(here) == self.rank
         target: dict[str, Any] = {}
 
-        def report() -> tuple:
+        def needs() -> Any:
             flat = flatten(state_dict)
             entries, values, fp = describe(flat, self._layouts)
             target.update(flat=flat, entries=entries, values=values)
-            return step, fp, self._holdings() if lists else [], _new_timeline()
+            return fp
 
-        # 2. What every directory holds and what every rank needs; each rank decides alike.
-        reports = self.coord.exchange("local tier recovery (what each node holds)", report)
-        lap("report")
-        if len({r[0] for r in reports}) > 1:
-            raise ValueError(f"CheckpointManager.load: the ranks asked for different steps {[r[0] for r in reports]} "
+        # 2. What every directory holds, then (only when some hold a step) what every rank
+        #    needs: flattening calls the Statefuls' state_dict(), and torch's get_state_dict
+        #    initializes an empty optimizer's state with a step, which a fresh start must not.
+        held = self.coord.exchange("local tier recovery (what each node holds)",
+                                   lambda: (step, self._holdings() if lists else [], _new_timeline()))
+        if len({r[0] for r in held}) > 1:
+            raise ValueError(f"CheckpointManager.load: the ranks asked for different steps {[r[0] for r in held]} "
                              "(by rank); every rank must pass the same step")
-        self.timeline = reports[self.coord.coordinator_rank][3]
+        self.timeline = held[self.coord.coordinator_rank][2]
+        if not any(h for _, h, _ in held):
+            lap("report")
+            self.last_recovery = Recovery("durable", None, seconds=time.perf_counter() - started,
+                                          attempts=0, phases=phases)
+            return None
+        fps = self.coord.exchange("local tier recovery (what each rank needs)", needs)
+        reports = [(s, fp, h, t) for (s, h, t), fp in zip(held, fps, strict=True)]
+        lap("report")
         excluded: set[tuple[Any, int, int, str]] = set()
         attempts = 0
         while True:

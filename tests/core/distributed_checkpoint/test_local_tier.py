@@ -533,3 +533,20 @@ def test_a_changed_layout_loads_the_durable_step(tmp_path):
     results = run_ranks(rank_reshard_falls_back_to_durable, 2, str(tmp_path / "run"), str(tmp_path / "shm"))
     for r in results:
         assert r == {"step": 2, "source": "durable", "ok": True, "value": 2}, r
+
+
+def fresh_start_with_a_local_tier(rank: int, ws: int, root: str) -> list:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(f"{root}/durable", save_interval_steps=100, local_dir=f"{root}/local{rank}",
+                           node_rank=rank) as mgr:
+        start = mgr.load({"app": TrainState(model, opt)})
+    return [start, dict(opt.state)]
+
+
+def test_a_fresh_start_with_a_local_tier_leaves_the_optimizer_untouched(tmp_path):
+    # recovery flattened the target to learn its layout, and torch's get_state_dict gives an
+    # empty AdamW a state with step 1: the job then trained differently from one without a tier
+    out = run_ranks(fresh_start_with_a_local_tier, 2, str(tmp_path), timeout_s=120)
+    assert out == [[None, {}], [None, {}]], out
