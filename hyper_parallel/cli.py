@@ -398,9 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(fn=cmd_ls)
 
-    def src_dst(p: argparse.ArgumentParser) -> None:
+    def src_dst(p: argparse.ArgumentParser, dst: str = "a new directory (see --overwrite)") -> None:
         p.add_argument("src")
-        p.add_argument("dst", help="a new directory (see --overwrite)")
+        p.add_argument("dst", help=dst)
         p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at DST")
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
 
@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", action="store_true", help="skip the crc checks of the MindSpore files")
     p.set_defaults(fn=cmd_import_mindspore)
     p = sub.add_parser("export-mindspore", help="export as one MindSpore .ckpt (or safetensors) file")
-    src_dst(p)
+    src_dst(p, "the file to write (.ckpt or .safetensors; see --overwrite)")
     p.add_argument("--format", choices=("ckpt", "safetensors"), default=None,
                    help="default: from DST's extension (.safetensors, else ckpt)")
     p.add_argument("--prefix", default="", help="export keys starting with it, without it (e.g. model.)")

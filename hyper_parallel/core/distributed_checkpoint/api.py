@@ -187,6 +187,9 @@ def save(
     where = _resolve_path(path, checkpoint_id, storage_writer)
     if state_dict is None:
         raise ValueError("save() needs a state_dict")
+    from .async_staging import place_of, wait_for_saves_to  # (it imports this module)
+
+    wait_for_saves_to(place_of(where, storage_writer))  # an earlier async save must not commit over this one
     if user_metadata is not None and not md.is_json_value(user_metadata):
         raise ValueError("user_metadata must hold only JSON-representable values")
     if not use_collectives and not no_dist and _distributed():

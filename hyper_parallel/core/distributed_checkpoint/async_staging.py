@@ -61,7 +61,7 @@ from .coordination import group_timeout, is_broken
 from .errors import CheckpointError, LostContactError
 from .flatten import FlatStateDict, flatten
 from .planner import SavePlanner
-from .storage import StorageWriter
+from .storage import StorageWriter, location
 
 __all__ = [
     "async_save",
@@ -383,6 +383,7 @@ class _Job:
     events: dict[torch.device, Any] = field(default_factory=dict)  # lazy: training-stream marks
     buffer: _StagingBuffer | None = None
     error: BaseException | None = None
+    place: str | None = None  # where it saves (:func:`place_of`)
 
 
 # ---------------------------------------------------------------------------- checkpointer
@@ -493,7 +494,7 @@ class AsyncCheckpointer:
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,
                            user_metadata=user_metadata, incremental=incremental,  # the timeout went into the group
                            _mesh_scoped=mesh_scoped)
-        job = _Job(self, response, save_kwargs, group, started)
+        job = _Job(self, response, save_kwargs, group, started, place=place_of(where, storage_writer))
         try:
             self._prepare(job, state_dict)
         except Exception as exc:  # reported on every rank by the background save
@@ -783,8 +784,32 @@ def _record_event(device: torch.device) -> Any:
     return event
 
 
+_BACKGROUND = threading.local()  # set in the worker threads: their saves are the ones others wait for
+
+
+def place_of(path: Any, storage_writer: Any) -> str | None:
+    """Where a save goes, comparable between saves (None when its writer does not say)."""
+    where = path if path is not None else getattr(storage_writer, "url", None) or getattr(storage_writer, "path", None)
+    return location(where) if isinstance(where, (str, os.PathLike)) else None
+
+
+def wait_for_saves_to(place: str | None) -> None:
+    """Wait until no async save of this process to ``place`` is in flight. A synchronous save
+    calls it first: an async save started earlier and committed later would replace the newer
+    checkpoint with older state while both report success. Its failure stays its own (raised
+    by its ``result()`` or the next ``async_save``)."""
+    if place is None or getattr(_BACKGROUND, "active", False):
+        return
+    for checkpointer in list(_CHECKPOINTERS):
+        with checkpointer._lock:
+            jobs = [j for j in checkpointer._in_flight if j.place == place]
+        for job in jobs:
+            job.response._finished.wait()
+
+
 def _worker_loop(jobs: queue.Queue, method: str) -> None:
     """Run ``job.owner.<method>(job)`` for each queued job, until a None arrives."""
+    _BACKGROUND.active = True
     while True:
         job = jobs.get()
         if job is None:

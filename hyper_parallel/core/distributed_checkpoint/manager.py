@@ -73,6 +73,7 @@ import socket
 import time
 import uuid
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -594,6 +595,8 @@ class CheckpointManager:
             "host": socket.gethostname(), "pid": pid, "started": process_start(pid), "token": self._token,
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
         OPEN_TOKENS.add(self._token)
+        # a manager dropped without close() (a notebook cell run again) no longer holds the directory
+        weakref.finalize(self, OPEN_TOKENS.discard, self._token)
 
     def _check_owner(self) -> None:
         raw = self._root.read_owner()

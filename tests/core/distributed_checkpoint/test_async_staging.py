@@ -556,8 +556,12 @@ def test_async_and_sync_saves_write_the_same_keys_for_tensorless_statefuls(tmp_p
 class SlowWriter(FileSystemWriter):
     """A storage that hangs for a while on every data file (a stuck NFS mount)."""
 
+    def __init__(self, path, delay: float = 4.0, **kwargs):
+        super().__init__(path, **kwargs)
+        self.delay = delay
+
     def write_file(self, name, parts):
-        time.sleep(4)
+        time.sleep(self.delay)
         return super().write_file(name, parts)
 
 
@@ -645,3 +649,17 @@ def test_process_exit_warns_only_of_failures_nobody_saw(tmp_path, observe):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert ("nobody waited for it" in proc.stderr) is not observe, proc.stderr
+
+
+def test_a_save_after_an_async_save_to_the_same_path_wins(tmp_path):
+    # the earlier async save committed after the later synchronous one, replacing it with older state
+    path = str(tmp_path / "ck")
+    sd = {"w": torch.ones(64, 64), "version": 1}
+    resp = async_save(sd, storage_writer=SlowWriter(path, delay=0.5))
+    sd["w"].fill_(2.0)
+    sd["version"] = 2
+    save(sd, path + "/")  # the same place, named differently
+    assert resp.done()
+    resp.result()
+    out = load(path=path)
+    assert out["version"] == 2 and torch.equal(out["w"], torch.full((64, 64), 2.0))

@@ -7,6 +7,7 @@ mid-deletion, S3) runs on real gloo ranks with real files.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -225,6 +226,13 @@ def test_one_writer_a_second_open_manager_is_refused_and_a_takeover_is_detected(
     with pytest.raises(CheckpointError, match="in use by another CheckpointManager"):
         CheckpointManager(d)
     first.close()
+    # a manager dropped without close() (a notebook cell run again) does not hold the directory
+    dropped = CheckpointManager(d)
+    dropped.save(1, plain(1))
+    del dropped
+    gc.collect()
+    with CheckpointManager(d) as again:
+        assert again.load(plain(0)) == 1
     # the owner file of a job that is gone (a dead pid) does not block a restart
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     with open(os.path.join(d, OWNER_FILE), "w") as f:
