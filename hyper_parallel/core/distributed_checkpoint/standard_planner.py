@@ -22,6 +22,7 @@ import heapq
 import math
 import pickle
 import threading
+import warnings
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -134,6 +135,15 @@ def _check_saveable(key: str, t: torch.Tensor) -> None:
         md.dtype_name(t.dtype)
     except md.MetadataError as exc:
         raise UnsupportedValueError(f"{key!r}: {exc}") from None
+
+
+def _kind(dtype: torch.dtype) -> int:
+    """0 bool, 1 integer, 2 floating point (float8 included), 3 complex: a lesser kind loses values."""
+    if dtype.is_complex:
+        return 3
+    if dtype.is_floating_point:
+        return 2
+    return 0 if dtype == torch.bool else 1
 
 
 def _check_writable(key: str, t: torch.Tensor) -> None:
@@ -387,6 +397,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._alloc_lock = threading.Lock()
         self._results: dict[str, Any] = {}
         self._convert: dict[str, torch.Tensor] = {}  # key -> target tensor filled from a temporary
+        self._lossy: list[str] = []  # conversions to a lesser kind of number (complex -> real, float -> int)
 
     def create_local_load_plan(self) -> LoadPlan:
         entries = self.metadata.entries
@@ -418,6 +429,11 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             targets[key] = box
             self._dest[key] = dest
             items.extend(self._reads(key, entry, box))
+        if self._lossy:
+            warnings.warn(f"load: {len(self._lossy)} target(s) have a lesser kind of dtype than the checkpoint "
+                          f"and lose part of each value in the conversion: {', '.join(self._lossy[:8])}"
+                          f"{' ...' if len(self._lossy) > 8 else ''}; StandardPlanner(convert_dtype=False) refuses "
+                          "instead", stacklevel=4)
         return LoadPlan(items, targets)
 
     def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, Any]:
@@ -437,6 +453,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         local = target._local_tensor if isinstance(target, DTensor) else target
         _check_writable(key, local)
         box = dtensor_box(target, key) if isinstance(target, DTensor) else Box.full(shape)
+        if target.dtype != dtype and _kind(target.dtype) < _kind(dtype):
+            self._lossy.append(f"{key!r} ({entry.dtype} -> {str(target.dtype).removeprefix('torch.')})")
         if target.dtype != dtype and box is not None:
             # read into a temporary of the saved dtype; finish_load converts into the target
             self._convert[key] = local

@@ -156,6 +156,14 @@ def test_a_target_of_another_dtype_is_converted_like_torch_dcp(tmp_path):
     load(target, str(tmp_path))
     assert target["model"]["w"] is w and w.dtype == torch.bfloat16  # filled in place, in its own dtype
     assert torch.equal(w, sd["model"]["w"].to(torch.bfloat16)) and torch.equal(b, sd["model"]["b"].double())
+    # a conversion to a lesser kind (float -> int, complex -> real) is done, and named in a warning
+    target = {"model": {"w": torch.zeros(6, 4, dtype=torch.int32), "b": torch.zeros(4)}, "step": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(target, str(tmp_path))
+    assert [str(x.message) for x in caught if "lesser kind" in str(x.message) and "'model.w' (float32 -> int32)"
+            in str(x.message)], [str(x.message) for x in caught]
+    assert torch.equal(target["model"]["w"], sd["model"]["w"].to(torch.int32))
 
 
 def test_strict_means_every_key_asked_for_exists_and_extra_checkpoint_keys_are_fine(tmp_path):
