@@ -678,10 +678,11 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
     paths = tmeta.planner_data if isinstance(tmeta.planner_data, dict) else {}
 
     def path_of(key: str) -> tuple[Any, ...]:
-        # torch records how it flattened nested dicts: {fqn: (part, part, ...)}
+        # torch records how it flattened nested containers: {fqn: (part, ...)}, dict keys as
+        # str and list indices as int (our paths write those ("i", n))
         p = paths.get(key)
-        if isinstance(p, tuple) and p and all(isinstance(x, str) for x in p):
-            return p
+        if isinstance(p, tuple) and p and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in p):
+            return tuple(("i", x) if isinstance(x, int) else x for x in p)
         return (key,)
 
     for key, m in tmeta.state_dict_metadata.items():

@@ -405,8 +405,10 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             wanted = {key: None for key in entries}
         else:
             wanted = self._targets
-            self.missing_keys = [k for k in wanted if k not in entries]
-            self.unexpected_keys = [k for k in entries if k not in wanted]
+            gathered = self._gather_split_plain(wanted, entries)
+            self.missing_keys = [k for k in wanted if k not in entries and k not in gathered]
+            taken = {k for keys in gathered.values() for k in keys}
+            self.unexpected_keys = [k for k in entries if k not in wanted and k not in taken]
         items: list[ReadItem] = []
         targets: dict[str, Box] = {}
         for key, target in wanted.items():
@@ -435,6 +437,37 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                           f"{' ...' if len(self._lossy) > 8 else ''}; StandardPlanner(convert_dtype=False) refuses "
                           "instead", stacklevel=4)
         return LoadPlan(items, targets)
+
+    def _gather_split_plain(self, wanted: dict[str, Any], entries: dict[str, md.Entry]) -> dict[str, list[str]]:
+        """Plain values the checkpoint holds split into keys of their own (torch DCP, and so
+        an imported torch checkpoint, stores ``{"extra": {"step": 1}}`` as ``extra.step`` and
+        ``param_groups`` item by item), asked for by a target that holds them whole: each is
+        put together from its parts into ``_results``. Returns {target key: the parts used}."""
+        asked = [k for k, t in wanted.items() if k not in entries and _kind_of(t) == "object"]
+        if not asked:
+            return {}
+        objects = [(k, e) for k, e in entries.items() if e.kind == "object" and len(e.path) > 1]
+        out: dict[str, list[str]] = {}
+        for key in asked:
+            base = tuple(_part_name(p) for p in self._paths.get(key, (key,)))
+            parts = [(k, e) for k, e in objects
+                     if len(e.path) > len(base) and tuple(_part_name(p) for p in e.path[:len(base)]) == base]
+            if not parts or any(k in wanted for k, _ in parts):
+                continue
+            tree: dict[str, Any] = {}
+            for _, e in parts:
+                node = tree
+                rest = [_part_name(p) for p in e.path[len(base):]]
+                for name in rest[:-1]:
+                    node = node.setdefault(name, {})
+                    if not isinstance(node, dict):
+                        break
+                else:
+                    node[rest[-1]] = e.value
+            value = _shaped_like(tree, wanted[key])
+            self._results[key] = _fill_plain(key, value, wanted[key], self.missing_keys)
+            out[key] = [k for k, _ in parts]
+        return out
 
     def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, Any]:
         shape, dtype = entry.shape, md.torch_dtype(entry.dtype)
@@ -731,6 +764,31 @@ def _numpy_tensor_view(arr: np.ndarray, key: str) -> torch.Tensor:
         return torch.from_numpy(arr)
     except TypeError:
         raise UnsupportedValueError(f"{key!r}: numpy dtype {arr.dtype} is not supported") from None
+
+
+def _part_name(part: Any) -> str:
+    """A path part as text: dict keys as they are, list/tuple indices and int keys as digits."""
+    return str(part[1]) if isinstance(part, tuple) else str(part)
+
+
+def _shaped_like(built: Any, target: Any) -> Any:
+    """A value put together from split keys ({name: ...} at every level), given the target's
+    containers: digit names become list (or tuple) items where the target has a sequence
+    there (or nothing, and the names are 0..n-1), and a target dict's int keys stay ints."""
+    if not isinstance(built, dict):
+        return built
+    digits = built and all(k.isdigit() for k in built) and sorted(map(int, built)) == list(range(len(built)))
+    if isinstance(target, (list, tuple)) or (target is None and digits):
+        if digits:
+            seq = [_shaped_like(built[str(i)], target[i] if target is not None and i < len(target) else None)
+                   for i in range(len(built))]
+            return tuple(seq) if isinstance(target, tuple) else seq
+        return {k: _shaped_like(v, None) for k, v in built.items()}
+    if isinstance(target, dict):
+        names = {str(k): k for k in target}
+        return {names.get(k, k): _shaped_like(v, target.get(names[k]) if k in names else None)
+                for k, v in built.items()}
+    return {k: _shaped_like(v, None) for k, v in built.items()}
 
 
 def _fill_plain(key: str, saved: Any, target: Any, missing: list[str]) -> Any:

@@ -154,6 +154,38 @@ def test_round_trip_through_import_torch_dcp_is_bit_exact(tmp_path):
     export_torch_dcp(str(tmp_path / "ours"), str(tmp_path / "torch"), max_chunk_bytes=200)
     import_torch_dcp(str(tmp_path / "torch"), str(tmp_path / "back"), trust=True)
     assert_same(sd, load(path=str(tmp_path / "back")))
+    target = {"model": {"w": torch.zeros(33, 17), "h": torch.zeros(8, dtype=torch.float16),
+                        "n": torch.zeros(4, 4, dtype=torch.int32)},
+              "step": 0, "name": "", "cfg": {"lr": 0.0, "betas": (0.0, 0.0), "sizes": []}}
+    load(target, str(tmp_path / "back"))  # "cfg" was stored split, key by key: put together again
+    assert_same(sd, target)
+
+
+def test_a_torch_training_checkpoint_imported_resumes_into_the_same_target(tmp_path):
+    # torch stores plain dicts and param_groups key by key; a target holding them whole was
+    # refused (strict) or silently kept its own step and learning rate (strict=False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.25, betas=(0.8, 0.9))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"step": 7, "a": {"b": [1, 2]}}}
+    tdcp.save(sd, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    import_torch_dcp(str(tmp_path / "torch"), str(tmp_path / "ours"), trust=True)
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    fresh(torch.ones(2, 4)).sum().backward()
+    fresh_opt.step()
+    target = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict(), "extra": {"step": 0, "a": {"b": []}}}
+    load(target, str(tmp_path / "ours"))
+    assert target["extra"] == {"step": 7, "a": {"b": [1, 2]}}
+    group = target["optim"]["param_groups"][0]
+    assert group["lr"] == 0.25 and tuple(group["betas"]) == (0.8, 0.9) and group["params"] == [0, 1]
+    for k, v in sd["optim"]["state"][0].items():
+        assert torch.equal(target["optim"]["state"][0][k], v), k
+    fresh_opt.load_state_dict(target["optim"])
+    assert fresh_opt.param_groups[0]["lr"] == 0.25
+    assert load(path=str(tmp_path / "ours"))["optim"]["param_groups"][0]["lr"] == 0.25  # a list, as saved
 
 
 def test_large_boxes_are_cut_into_chunks_of_at_most_max_chunk_bytes(tmp_path):
