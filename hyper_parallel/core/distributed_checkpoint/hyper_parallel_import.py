@@ -202,7 +202,7 @@ class HyperParallelCheckpoint:
     version: str
     tensors: dict[str, _Tensor]
     values: dict[str, _Value]
-    paths: dict[str, tuple[str, ...]]
+    paths: dict[str, tuple[Any, ...]]
 
 
 _RANK_LOCAL = (re.compile(r"^\.rank(\d+)_metadata$"), re.compile(r"^(\d+)\.metadata$"))
@@ -254,7 +254,7 @@ def _file_name(v: Any, where: str) -> str:
 
 
 def _parse(meta: HPMetadata, where: str, tensors: dict[str, _Tensor], values: dict[str, _Value],
-           paths: dict[str, tuple[str, ...]]) -> None:
+           paths: dict[str, tuple[Any, ...]]) -> None:
     """Validate one metadata document and merge what it describes into the three maps."""
     sdm, storage = meta.state_dict_metadata, meta.storage_data
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
@@ -266,9 +266,11 @@ def _parse(meta: HPMetadata, where: str, tensors: dict[str, _Tensor], values: di
         infos[index.ident()] = info
     if isinstance(meta.planner_data, dict):
         for key, p in meta.planner_data.items():
-            if isinstance(key, str) and isinstance(p, tuple) and p and all(isinstance(x, str) and x for x in p):
-                if ".".join(p) == key:
-                    paths[key] = p
+            # dict keys as str, list indices as int (as torch records them; ours are ("i", n))
+            if isinstance(key, str) and isinstance(p, tuple) and p and all(
+                    (isinstance(x, str) and x) or (type(x) is int and x >= 0) for x in p):
+                if ".".join(map(str, p)) == key:
+                    paths[key] = tuple(("i", x) if isinstance(x, int) else x for x in p)
     for key, entry in sdm.items():
         if not isinstance(key, str) or not key:
             raise MetadataError(f"{where}: key {key!r} is not a non-empty string")
@@ -357,7 +359,7 @@ def read_hyper_parallel_metadata(src: str | os.PathLike, *, trust: bool = False)
         raise NotADirectoryError(f"{src!r} is not a directory")
     tensors: dict[str, _Tensor] = {}
     values: dict[str, _Value] = {}
-    paths: dict[str, tuple[str, ...]] = {}
+    paths: dict[str, tuple[Any, ...]] = {}
     shared = os.path.join(src, md.METADATA_FILE)
     if os.path.isfile(shared):
         with open(shared, "rb") as f:

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import metadata as md
@@ -40,6 +41,7 @@ from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
 from .loader import read_box, read_metadata
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
+from .standard_planner import _bytes_tensor, _numpy_tensor
 from .storage import StorageReader, StorageWriter, location, reader_for, writer_for
 from .topology_mapper import MapperLike
 
@@ -707,8 +709,14 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
     values = load_keys(objects, {k: None for k in objects}) if objects else {}
     for key in objects:
         v = values[key]
+        kind = "tensor"
+        if isinstance(v, np.ndarray):  # stored as our own save stores them, no pickle needed to load
+            kind, v = "ndarray", _numpy_tensor(v, key)
+        elif isinstance(v, (bytes, bytearray)):
+            kind, v = "bytes", _bytes_tensor(v)
         if isinstance(v, torch.Tensor):
-            entries[key] = EntrySpec("tensor", path_of(key), md.dtype_name(v.dtype), tuple(v.shape))
+            values[key] = v
+            entries[key] = EntrySpec(kind, path_of(key), md.dtype_name(v.dtype), tuple(v.shape))
             if v.numel():
                 items.append(WriteItem(key, Box.full(tuple(v.shape)), v.numel() * v.element_size()))
         elif md.is_json_value(v):

@@ -149,14 +149,16 @@ def test_metadata_is_what_torch_dcp_save_writes_for_the_same_state_dict(tmp_path
 def test_round_trip_through_import_torch_dcp_is_bit_exact(tmp_path):
     sd = {"model": {"w": special_floats(make_tensor((33, 17))), "h": make_tensor((8,), torch.float16, 1),
                     "n": make_tensor((4, 4), torch.int32, 2)},
-          "step": 9, "name": "x", "cfg": {"lr": 0.5, "betas": (0.9, 0.95), "sizes": [1, 2, 3]}}
+          "step": 9, "name": "x", "cfg": {"lr": 0.5, "betas": (0.9, 0.95), "sizes": [1, 2, 3]},
+          "blob": b"\x00hi", "arr": np.arange(5, dtype=np.int16)}  # the import had refused these two
     save(sd, str(tmp_path / "ours"), no_dist=True)
     export_torch_dcp(str(tmp_path / "ours"), str(tmp_path / "torch"), max_chunk_bytes=200)
     import_torch_dcp(str(tmp_path / "torch"), str(tmp_path / "back"), trust=True)
     assert_same(sd, load(path=str(tmp_path / "back")))
     target = {"model": {"w": torch.zeros(33, 17), "h": torch.zeros(8, dtype=torch.float16),
                         "n": torch.zeros(4, 4, dtype=torch.int32)},
-              "step": 0, "name": "", "cfg": {"lr": 0.0, "betas": (0.0, 0.0), "sizes": []}}
+              "step": 0, "name": "", "cfg": {"lr": 0.0, "betas": (0.0, 0.0), "sizes": []},
+              "blob": b"", "arr": np.zeros(5, dtype=np.int16)}
     load(target, str(tmp_path / "back"))  # "cfg" was stored split, key by key: put together again
     assert_same(sd, target)
 
