@@ -669,6 +669,8 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
             f"{os.fspath(src_path)!r} is a torch.distributed.checkpoint checkpoint; its metadata is a "
             "Python pickle, and unpickling can execute code. Pass trust=True (CLI: --trust) only if you "
             "trust where it came from")
+    if location(src_path) == location(dst_path):
+        raise ValueError(f"dst_path {os.fspath(dst_path)!r} is the source checkpoint; write to a new path")
     import torch.distributed.checkpoint as tdcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 

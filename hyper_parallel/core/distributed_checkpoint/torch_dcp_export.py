@@ -68,7 +68,7 @@ from .flatten import unflatten
 from .layout import TensorLayout
 from .loader import read_box, read_metadata
 from .offline_transform import parse_size
-from .storage import StorageReader, reader_for
+from .storage import StorageReader, location, reader_for
 
 try:  # the version torch's FileSystemWriter stamps on its metadata ("1.0.0" in torch 2.13)
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _TORCH_DCP_VERSION
@@ -379,7 +379,7 @@ def export_torch_dcp(
     """
     dst = os.fspath(dst)
     reader = src if isinstance(src, StorageReader) else reader_for(src)
-    if not isinstance(src, StorageReader) and os.path.abspath(os.fspath(src)) == os.path.abspath(dst):
+    if not isinstance(src, StorageReader) and location(src) == location(dst):  # symlinks resolved
         raise CheckpointError(f"export_torch_dcp: dst {dst!r} is the source checkpoint; choose a new directory")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise CheckpointError(f"{dst!r} exists and is not a directory; a checkpoint is a directory")

@@ -291,3 +291,20 @@ def test_importing_many_tensors_loads_them_in_batches(tmp_path, monkeypatch):
     assert len(calls) <= 4, len(calls)
     out = load(path=str(tmp_path / "ours"))
     assert sorted(out) == sorted(sd) and all(torch.equal(out[k], v) for k, v in sd.items())
+
+
+def test_exporting_or_importing_onto_the_source_is_refused_even_through_a_symlink(tmp_path):
+    # the export compared abspath only (an alias replaced our checkpoint with torch's and lost
+    # the data); the import had no guard at all
+    sd = {"w": make_tensor((4, 4))}
+    save(sd, str(tmp_path / "ours"), no_dist=True)
+    os.symlink(tmp_path / "ours", tmp_path / "alias")
+    with pytest.raises(CheckpointError, match="is the source checkpoint"):
+        export_torch_dcp(str(tmp_path / "ours"), str(tmp_path / "alias"), overwrite=True)
+    assert_same(sd, load(path=str(tmp_path / "ours")))
+    tdcp.save(sd, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    with pytest.raises(ValueError, match="is the source checkpoint"):
+        import_torch_dcp(str(tmp_path / "torch"), str(tmp_path / "torch"), trust=True, overwrite=True)
+    out = {"w": torch.zeros(4, 4)}
+    tdcp.load(out, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    assert torch.equal(out["w"], sd["w"])
