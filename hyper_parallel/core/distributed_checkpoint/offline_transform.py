@@ -264,9 +264,11 @@ def offline_transform(
 # ---------------------------------------------------------------------------- full state dicts
 
 
-def dcp_to_full_state_dict(src_path: str | os.PathLike, *, verify: bool = True,
-                           allow_pickle: bool = False) -> dict[str, Any]:
+def dcp_to_full_state_dict(src_path: str | os.PathLike | None = None, *, verify: bool = True,
+                           allow_pickle: bool = False, src_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Load a whole checkpoint, whatever layout saved it, as full CPU tensors and plain values.
+
+    ``src_dir`` is HyperParallel's name for ``src_path``.
 
     Example::
 
@@ -275,13 +277,20 @@ def dcp_to_full_state_dict(src_path: str | os.PathLike, *, verify: bool = True,
     """
     from .api import load
 
+    src_path = _one_of(src_path, src_dir, "src_path", "src_dir", "dcp_to_full_state_dict")
     return load(path=src_path, no_dist=True, verify=verify, allow_pickle=allow_pickle)
 
 
-def full_state_dict_to_dcp_format(state_dict: dict[str, Any], dst_path: str | os.PathLike, *,
-                                  overwrite: bool = False, allow_pickle: bool = False) -> md.Metadata:
-    """Save an in-memory full state dict (plain tensors) as a checkpoint, in one process."""
+def full_state_dict_to_dcp_format(state_dict: dict[str, Any], dst_path: str | os.PathLike | None = None, *,
+                                  overwrite: bool = False, allow_pickle: bool = False,
+                                  dst_dir: str | os.PathLike | None = None) -> md.Metadata:
+    """Save an in-memory full state dict (plain tensors) as a checkpoint, in one process.
+
+    ``dst_dir`` is HyperParallel's name for ``dst_path``.
+    """
     from .api import save
+
+    dst_path = _one_of(dst_path, dst_dir, "dst_path", "dst_dir", "full_state_dict_to_dcp_format")
 
     _check_destination(dst_path, overwrite)
     meta = save(state_dict, dst_path, no_dist=True, allow_pickle=allow_pickle)
@@ -469,35 +478,69 @@ def _write_atomically(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _hf_files(src: str | os.PathLike) -> list[str]:
+def _hf_sources(src: str | os.PathLike) -> dict[str, set[str] | None]:
+    """The safetensors files of a Hugging Face checkpoint (a directory or one file), each with
+    the tensor names to take from it: those its index's ``weight_map`` assigns to it (a name
+    another shard also holds is read from the one the index names), or None (all) without an
+    index."""
     src = os.fspath(src)
     if os.path.isfile(src):
-        return [src]
+        return {src: None}
+    if not os.path.isdir(src):
+        raise CheckpointError(f"{src!r}: no such file or directory (expected Hugging Face safetensors)")
     index = os.path.join(src, HF_INDEX)
     if os.path.exists(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        names = sorted(set(weight_map.values()))
-        for n in names:
+        names: dict[str, set[str] | None] = {}
+        for tensor, n in sorted(weight_map.items(), key=lambda kv: (kv[1], kv[0])):
             md.validate_file_name(n, where=index)
-        return [os.path.join(src, n) for n in names]
+            names.setdefault(os.path.join(src, n), set()).add(tensor)  # type: ignore[union-attr]
+        return names
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{src!r} holds no safetensors files and no {HF_INDEX}")
-    return [os.path.join(src, f) for f in files]
+    return {os.path.join(src, f): None for f in files}
 
 
-def parse_checkpoint_from_huggingface(src: str | os.PathLike, *, prefix: str = "") -> dict[str, torch.Tensor]:
+def _hf_names(path: str, wanted: set[str] | None, keys: Iterable[str], seen: dict[str, str]) -> list[str]:
+    """The names to read from one file of :func:`_hf_sources`; a name two files hold without
+    an index saying which is an error naming both."""
+    keys = list(keys)
+    if wanted is not None and not wanted <= set(keys):
+        lost = sorted(wanted - set(keys))
+        raise CheckpointError(f"{HF_INDEX} places {lost[0]!r} ({len(lost)} tensor(s)) in {path!r}, which does not "
+                              "hold it")
+    out = []
+    for name in keys:
+        if wanted is not None and name not in wanted:
+            continue
+        if name in seen:
+            raise CheckpointError(f"tensor {name!r} is in both {seen[name]!r} and {path!r}, and no "
+                                  f"{HF_INDEX} says which holds it")
+        seen[name] = path
+        out.append(name)
+    return out
+
+
+def parse_checkpoint_from_huggingface(src: str | os.PathLike | None = None, *, prefix: str = "",
+                                      resume_from_checkpoint: str | os.PathLike | None = None
+                                      ) -> dict[str, torch.Tensor]:
     """Read a Hugging Face safetensors checkpoint (a directory or one file) into a state dict.
 
     Keys get ``prefix`` prepended (e.g. ``"model."`` to match ``{"model": model.state_dict()}``).
+    With an index, each tensor comes from the shard its ``weight_map`` names.
+    ``resume_from_checkpoint`` is HyperParallel's name for ``src``.
     """
-    from safetensors.torch import load_file
+    src = _one_of(src, resume_from_checkpoint, "src", "resume_from_checkpoint", "parse_checkpoint_from_huggingface")
+    from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
-    for path in _hf_files(src):
-        for k, v in load_file(path).items():
-            out[prefix + k] = v
+    seen: dict[str, str] = {}
+    for path, wanted in _hf_sources(src).items():
+        with safe_open(path, framework="pt") as f:
+            for name in _hf_names(path, wanted, f.keys(), seen):
+                out[prefix + name] = f.get_tensor(name)
     return out
 
 
@@ -505,10 +548,11 @@ _SRC_PLATFORMS = {"huggingface": "huggingface", "hf": "huggingface", "safetensor
                   "torch": "torch", "pytorch": "torch", "pt": "torch", "mindspore": "mindspore", "ms": "mindspore"}
 
 
-def _one_of(ours: object, theirs: object, name: str, alias: str) -> str:
+def _one_of(ours: object, theirs: object, name: str, alias: str,
+            func: str = "convert_full_checkpoint_to_dcp") -> str:
     """An argument given under our name or HyperParallel's (not both, not neither)."""
     if (ours is None) == (theirs is None):
-        raise TypeError(f"convert_full_checkpoint_to_dcp() needs exactly one of {name}= and {alias}=")
+        raise TypeError(f"{func}() needs exactly one of {name}= and {alias}=")
     return os.fspath(ours if ours is not None else theirs)
 
 
@@ -583,9 +627,10 @@ def convert_full_checkpoint_to_dcp(
         where: dict[str, tuple[str, str]] = {}
         entries: dict[str, EntrySpec] = {}
         items: list[WriteItem] = []
-        for path in _hf_files(src):
+        seen: dict[str, str] = {}
+        for path, wanted in _hf_sources(src).items():
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():
+                for name in _hf_names(path, wanted, f.keys(), seen):
                     sl = f.get_slice(name)
                     dtype = _st_dtype(sl.get_dtype(), name, path)
                     shape = tuple(sl.get_shape())

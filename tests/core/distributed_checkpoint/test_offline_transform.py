@@ -155,6 +155,38 @@ def test_full_state_dict_to_dcp_and_back(tmp_path):
     assert_same(sd, dcp_to_full_state_dict(str(tmp_path / "c")))
     with pytest.raises(CheckpointError, match="already holds a checkpoint"):
         full_state_dict_to_dcp_format(sd, str(tmp_path / "c"))
+    # HyperParallel's keyword names (they had been refused)
+    full_state_dict_to_dcp_format(state_dict=sd, dst_dir=str(tmp_path / "hp"))
+    assert_same(sd, dcp_to_full_state_dict(src_dir=str(tmp_path / "hp")))
+    with pytest.raises(TypeError, match="exactly one of"):
+        dcp_to_full_state_dict(str(tmp_path / "hp"), src_dir=str(tmp_path / "hp"))
+
+
+def test_hf_shards_are_read_as_their_index_places_them(tmp_path):
+    # a tensor two shards hold: the tools took the last file's copy (or failed with an
+    # internal error) instead of the one weight_map names
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.ones(2), "a": torch.zeros(3)}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({"w": torch.full((2,), 9.0), "b": torch.ones(1)}, str(hf / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {}, "weight_map": {"w": "model-00001-of-00002.safetensors",
+                                            "a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    expected = {"w": torch.ones(2), "a": torch.zeros(3), "b": torch.ones(1)}
+    assert_same(expected, parse_checkpoint_from_huggingface(resume_from_checkpoint=str(hf)))
+    convert_full_checkpoint_to_dcp(str(hf), str(tmp_path / "dcp"))
+    assert_same(expected, load(path=str(tmp_path / "dcp")))
+    # an index naming a shard that lacks the tensor, and duplicates without an index, are errors
+    index["weight_map"]["c"] = "model-00002-of-00002.safetensors"
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="places 'c'"):
+        parse_checkpoint_from_huggingface(str(hf))
+    os.remove(hf / "model.safetensors.index.json")
+    with pytest.raises(CheckpointError, match="'w' is in both"):
+        convert_full_checkpoint_to_dcp(str(hf), str(tmp_path / "dcp2"))
 
 
 def test_torch_files_need_opt_in_for_pickles(tmp_path):
