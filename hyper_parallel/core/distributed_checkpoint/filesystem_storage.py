@@ -40,6 +40,7 @@ import errno
 import fcntl
 import os
 import queue
+import re
 import threading
 import uuid
 import warnings
@@ -473,6 +474,11 @@ class FileSystemReader(StorageReader):
         try:
             fd = os.open(meta, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
+            if any(re.fullmatch(r"\.rank\d+_metadata", n) for n in os.listdir(self.path)):
+                raise NotACheckpointError(
+                    f"{self.path!r} is a rank-local checkpoint of HyperParallel's DCP (.rank<N>_metadata files); "
+                    "convert it once with import_hyper_parallel(src, dst, trust=True) "
+                    "(hyper-dcp import-hyper-parallel --trust)") from None
             raise NotACheckpointError(
                 f"{self.path!r} is not a checkpoint: it has no {METADATA_FILE} (an interrupted "
                 "or failed save leaves none; an older checkpoint there would still have one)"

@@ -357,6 +357,12 @@ class Metadata:
             with paused_gc():
                 doc = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
+            if raw[:1] == b"\x80":  # a pickle's PROTO opcode
+                raise MetadataError(
+                    f"{where} is a Python pickle, not our JSON: a checkpoint of torch.distributed.checkpoint or "
+                    "of HyperParallel's DCP. Convert it once with import_torch_dcp(src, dst, trust=True) or "
+                    "import_hyper_parallel(src, dst, trust=True) (hyper-dcp import-torch-dcp / "
+                    "import-hyper-parallel --trust); a pickle is never loaded directly") from None
             raise MetadataError(
                 f"{where} is not valid JSON ({exc}); it is corrupt or not written by "
                 "hyper-parallel (checkpoints of torch.distributed.checkpoint must be imported)"

@@ -216,7 +216,10 @@ def test_empty_or_garbage_metadata_is_refused(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"")
     with pytest.raises(MetadataError, match="empty"):
         load(path=str(tmp_path))
-    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x95 pickle")
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x95 pickle")  # torch DCP's or HyperParallel's: never loaded
+    with pytest.raises(MetadataError, match="is a Python pickle.*import_torch_dcp.*import_hyper_parallel"):
+        load(path=str(tmp_path))
+    (tmp_path / ".metadata").write_bytes(b"{garbage")
     with pytest.raises(MetadataError, match="not valid JSON"):
         load(path=str(tmp_path))
 
@@ -489,3 +492,9 @@ def test_a_load_without_a_target_keeps_the_saved_key_order(tmp_path):
     save(sd, str(tmp_path / "ck"), no_dist=True)
     out = load(path=str(tmp_path / "ck"), no_dist=True)
     assert list(out) == list(sd) and list(out["a"]) == list(sd["a"])
+
+
+def test_a_value_needing_pickle_inside_a_plain_container_is_named_itself(tmp_path):
+    for sd, where in (({"d": {"q": np.int64(4)}}, "d.q"), ({"l": [torch.ones(2), {"q": np.int64(4)}]}, "l.1.q")):
+        with pytest.raises(UnsupportedValueError, match=rf"'{where}': a numpy\.int64"):
+            save(sd, str(tmp_path / "ck"), no_dist=True)

@@ -356,3 +356,12 @@ def test_newest_hyper_parallel_layout_imports(tmp_path):
         (local / f".rank{r}_metadata").rename(local / f"{r}.metadata")
     import_hyper_parallel(str(local), str(tmp_path / "ours2"), trust=True)
     _check_imported(str(tmp_path / "ours2"))
+
+
+def test_loading_a_hyper_parallel_checkpoint_directly_says_how_to_import_it():
+    from hyper_parallel.core.distributed_checkpoint import MetadataError, NotACheckpointError, load
+
+    with pytest.raises(MetadataError, match="import_hyper_parallel"):
+        load(path=os.path.join(FIXTURES, "collective"), no_dist=True)
+    with pytest.raises(NotACheckpointError, match="rank-local checkpoint of HyperParallel.*import_hyper_parallel"):
+        load(path=os.path.join(FIXTURES, "rank_local"), no_dist=True)
