@@ -321,13 +321,18 @@ def _safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], extra: 
 def _write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...]]],
                        produce: Callable[[str], torch.Tensor], extra: dict[str, str]) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
-        f.write(_safetensors_header(tensors, extra))
-        for name, _, _ in tensors:
-            f.write(tensor_bytes(produce(name)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_safetensors_header(tensors, extra))
+            for name, _, _ in tensors:
+                f.write(tensor_bytes(produce(name)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _tensor_entries(meta: md.Metadata, prefix: str) -> list[md.Entry]:
@@ -398,6 +403,14 @@ def save_state_dict_as_huggingface_format(
 
         flat = {k: leaf.value for k, leaf in flatten(dict(src)).leaves.items()
                 if isinstance(leaf.value, torch.Tensor) and k.startswith(prefix)}
+        from torch.distributed.tensor import DTensor
+
+        sharded = [k for k, v in flat.items() if isinstance(v, DTensor)]
+        if sharded:
+            raise UnsupportedValueError(
+                f"{sharded[0]!r} is a DTensor ({len(sharded)} in all): a Hugging Face export needs full tensors. "
+                "Pass a checkpoint path instead, or a full state dict (get_model_state_dict(model, "
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on rank 0)")
         tensors = [(k[len(prefix):], md.dtype_name(v.dtype), tuple(v.shape)) for k, v in flat.items()]
         produce: Callable[[str], torch.Tensor] = lambda name: flat[prefix + name]
         close = lambda: None

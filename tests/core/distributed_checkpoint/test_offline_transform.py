@@ -278,3 +278,32 @@ def test_importing_a_safetensors_file_of_many_tensors_opens_it_once_to_read(tmp_
     assert len(opened) <= 2, len(opened)  # once to list the tensors, once to read them
     out = load(path=str(tmp_path / "dcp"))
     assert all(torch.equal(out[k], v) for k, v in sd.items()) and len(out) == len(sd)
+
+
+def _hf_export_of_dtensors(rank: int, ws: int, out: str) -> str:
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {"w": distribute_tensor(torch.arange(24.0).reshape(6, 4), mesh, [Shard(0)])}
+    try:
+        save_state_dict_as_huggingface_format(out + f"/r{rank}", sd)
+    except UnsupportedValueError as exc:
+        return str(exc)
+    return "exported"
+
+
+def test_hf_export_failures_are_clear_and_leave_no_partial_file(tmp_path):
+    # a sharded state dict had failed inside numpy(); a failure mid-file left model.safetensors.tmp-*
+    out = run_ranks(_hf_export_of_dtensors, 2, str(tmp_path))
+    assert all("'w' is a DTensor" in msg and "full" in msg for msg in out), out
+    sd = {f"l{i}": make_tensor((64, 64), seed=i) for i in range(4)}
+    save(sd, str(tmp_path / "ck"))
+    data = next(f for f in os.listdir(tmp_path / "ck") if f.endswith(".safetensors"))
+    with open(tmp_path / "ck" / data, "r+b") as f:  # a flipped byte in the last tensor: caught mid-export
+        f.seek(os.path.getsize(tmp_path / "ck" / data) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError):
+        save_state_dict_as_huggingface_format(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert not [f for f in os.listdir(tmp_path / "hf") if ".tmp-" in f], os.listdir(tmp_path / "hf")
