@@ -577,6 +577,10 @@ def load(
     if broadcast_groups is not None and broadcast_replicated_tensors is False:
         raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True")
     where = _resolve_path(path, checkpoint_id, storage_reader)
+    from .async_staging import place_of, wait_for_saves_to
+
+    # an async save in flight to this place would commit under the reader (and remove the old files)
+    wait_for_saves_to(place_of(where, storage_reader))
     if isinstance(state_dict, dict) and not state_dict and process_group is None:
         return state_dict  # nothing to load: no collective (HyperParallel's ranks outside a sub-mesh pass {})
     rank_local = not use_collectives and not no_dist and _distributed()

@@ -651,7 +651,7 @@ def test_process_exit_warns_only_of_failures_nobody_saw(tmp_path, observe):
     assert ("nobody waited for it" in proc.stderr) is not observe, proc.stderr
 
 
-def test_a_save_after_an_async_save_to_the_same_path_wins(tmp_path):
+def test_a_save_or_load_after_an_async_save_to_the_same_path_waits_for_it(tmp_path):
     # the earlier async save committed after the later synchronous one, replacing it with older state
     path = str(tmp_path / "ck")
     sd = {"w": torch.ones(64, 64), "version": 1}
@@ -663,3 +663,9 @@ def test_a_save_after_an_async_save_to_the_same_path_wins(tmp_path):
     resp.result()
     out = load(path=path)
     assert out["version"] == 2 and torch.equal(out["w"], torch.full((64, 64), 2.0))
+    # a load waits too: it read the older checkpoint (or lost its files to the commit)
+    sd["w"].fill_(3.0)
+    sd["version"] = 3
+    resp = async_save(sd, storage_writer=SlowWriter(path, delay=0.5))
+    out = load(path=path)
+    assert resp.done() and out["version"] == 3 and torch.equal(out["w"], torch.full((64, 64), 3.0))
