@@ -718,6 +718,11 @@ class AsyncCheckpointer:
             meta = save(self._staged_state_dict(job), process_group=job.group, **job.save_kwargs)
         except BaseException as exc:  # every failure belongs to the response, never to the thread
             error = exc
+            if job.group is not None and not dist.is_initialized() and not isinstance(exc, LostContactError):
+                error = LostContactError(  # torch's own words ("group is not registered") say less
+                    "dist.destroy_process_group() ran while this async save was in flight; it was not "
+                    f"committed ({type(exc).__name__}: {exc}). Wait for saves in flight first (resp.result())")
+                error.__cause__ = exc
         finally:
             if job.buffer is not None:
                 self._pool.release(job.buffer)

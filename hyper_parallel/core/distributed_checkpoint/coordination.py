@@ -104,6 +104,13 @@ class Coordinator:
         timeout: timedelta | None = None,
     ):
         self.distributed = not no_dist and dist.is_available() and dist.is_initialized()
+        if not no_dist and process_group is not None and not self.distributed:
+            # a group without a default one: destroyed (an async save outliving
+            # dist.destroy_process_group()); saving alone would commit one rank's view as the whole
+            raise LostContactError(
+                "the process group was destroyed (dist.destroy_process_group()) before this collective "
+                "call ran; nothing was committed. Wait for saves in flight first (resp.result(), "
+                "CheckpointManager.wait())")
         self.timeout = timeout or DEFAULT_TIMEOUT
         if self.distributed:
             self.global_rank = dist.get_rank()

@@ -669,3 +669,25 @@ def test_a_save_or_load_after_an_async_save_to_the_same_path_waits_for_it(tmp_pa
     resp = async_save(sd, storage_writer=SlowWriter(path, delay=0.5))
     out = load(path=path)
     assert resp.done() and out["version"] == 3 and torch.equal(out["w"], torch.full((64, 64), 3.0))
+
+
+def destroy_with_a_save_in_flight(rank: int, ws: int, path: str) -> str:
+    from hyper_parallel.core.distributed_checkpoint import LostContactError
+
+    save({"t": torch.zeros(1 << 20)}, path)
+    resp = async_save({"t": torch.full((1 << 20,), 1.0 + rank), "rank": rank}, path)
+    dist.destroy_process_group()
+    try:
+        resp.result(timeout=60)
+    except LostContactError as exc:
+        return "lost: " + str(exc)
+    return "committed"
+
+
+def test_destroying_the_process_group_fails_a_save_in_flight_without_committing(tmp_path):
+    # each rank's background save had gone on alone, committing its own view as the checkpoint
+    out = run_ranks(destroy_with_a_save_in_flight, 2, str(tmp_path / "ck"), timeout_s=120)
+    # every rank fails (a rank that notices its group gone says so; one may see its peer vanish first)
+    assert all(o.startswith("lost: ") for o in out), out
+    back = load(path=str(tmp_path / "ck"))
+    assert torch.equal(back["t"], torch.zeros(1 << 20)) and "rank" not in back
