@@ -38,7 +38,14 @@ from .commit import (
 from .coordination import Coordinator
 from .errors import CheckpointError, CommitError, NotACheckpointError, StateDictMismatchError, UnsupportedValueError
 from .flatten import FlatStateDict, flatten, unflatten
-from .fragments import fragment_name, fragment_of, read_checkpoint_metadata, read_fragment, table_sub_ids
+from .fragments import (
+    fragment_name,
+    fragment_of,
+    fragment_ranks,
+    read_checkpoint_metadata,
+    read_fragment,
+    table_sub_ids,
+)
 from .incremental import IncrementalState
 from .loader import read_plan
 from .planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
@@ -413,13 +420,21 @@ def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter |
             "(use_collectives=False) would be shadowed by it. Save it to a directory of its own")
     entries = {k: EntrySpec(e.kind, e.path, e.dtype, e.shape, e.layout) for k, e in local.entries.items()}
     mine = SavePlan(entries, table_sub_ids(entries, local.items), list(local.objects))
+    name = fragment_name(rank)
+    # Ranks cannot agree without a collective, so a rank whose save fails must not leave its
+    # old fragment beside the others' new ones (they would load as one checkpoint): it is
+    # withdrawn first, and a failed rank shows as a missing fragment.
+    old = writer.read_committed(name)
+    if old is not None:
+        writer.remove([name])
+    if rank == 0 and where is not None:
+        _drop_stale_fragments(where, writer, world)
     save_id = uuid.uuid4().hex[:16]
     own = data_file_names(rank, save_id, thread_count)
     coord = Coordinator(None, no_dist=True)
     what = f"rank-local save of rank {rank} to {where or 'storage'}"
     results = write_and_report(coord, writer, "write", lambda: write_plan(mine, planner, writer, rank, save_id,
                                                                           thread_count), own, what, save_id)
-    name = fragment_name(rank)
 
     def fragment() -> md.Metadata:
         return fragment_of(build_metadata(entries, results, save_id, world, user_metadata or {}), rank, world)
@@ -433,8 +448,23 @@ def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter |
         if isinstance(exc, NotCommittedError) and exc.__cause__ is not None:
             raise exc.__cause__ from None
         raise
-    reclaim_replaced(writer, previous, built.file_names())
+    reclaim_replaced(writer, old if previous is None else previous, built.file_names())
     return built
+
+
+def _drop_stale_fragments(where: str, writer: StorageWriter, world: int) -> None:
+    """Rank 0 of a rank-local save removes the fragments (and their files) of ranks its world
+    does not have: a bigger world's earlier save there would make every reader refuse the
+    checkpoint as a mix of world sizes."""
+    try:
+        ranks = fragment_ranks(reader_for(where).list_files())
+    except (NotImplementedError, OSError, CheckpointError):
+        return
+    for r in ranks:
+        if r >= world:
+            raw = writer.read_committed(fragment_name(r))
+            writer.remove([fragment_name(r)])
+            reclaim_replaced(writer, raw, [])
 
 
 def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,

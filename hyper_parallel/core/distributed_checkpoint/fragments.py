@@ -19,9 +19,13 @@ Readers:
 A directory that holds a committed ``.metadata`` is a collective checkpoint: its fragments,
 if any, are ignored (and a rank-local save refuses to write there).
 
-What fragments cannot tell: two fragments written by different steps with the same
-structure and the same ``user_metadata``. Put the step in ``user_metadata`` (the checkpoint
-manager does) so that a mix is detected.
+Saving over a rank-local checkpoint: each rank first withdraws its own old fragment, so a
+rank whose save fails leaves a *missing* fragment (the others' new ones do not load beside
+its old one), and rank 0 removes the fragments of ranks beyond its world size (a bigger
+world's earlier save). What fragments still cannot tell: two fragments written by different
+steps with the same structure and the same ``user_metadata`` when a rank never called the
+second save. Put the step in ``user_metadata`` (the checkpoint manager does) so that a mix
+is detected.
 """
 
 from __future__ import annotations
