@@ -61,7 +61,7 @@ from .coordination import group_timeout, is_broken
 from .errors import CheckpointError, LostContactError
 from .flatten import FlatStateDict, flatten
 from .planner import SavePlanner
-from .storage import StorageWriter, location
+from .storage import StorageWriter, is_url, location
 
 __all__ = [
     "async_save",
@@ -479,6 +479,9 @@ class AsyncCheckpointer:
         if user_metadata is not None and not md.is_json_value(user_metadata):
             raise ValueError("user_metadata must hold only JSON-representable values")
         where = None if where is None else os.fspath(where)
+        given = where
+        if where is not None and not is_url(where):  # the caller's directory now, not the writer's later
+            where = os.path.abspath(where.removeprefix("file://"))
 
         self._make_room()
         distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
@@ -488,7 +491,7 @@ class AsyncCheckpointer:
             mesh_scoped = process_group is not None  # so the save guards the parts it lacks (api._part_guard)
         group = self._dedicated_group(process_group, timeout) if distributed else None
 
-        response = AsyncSaveResponse(where, staging, callback, self.wait_timeout_s)
+        response = AsyncSaveResponse(given, staging, callback, self.wait_timeout_s)
         save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
                            use_collectives=use_collectives, coordinator_rank=coordinator_rank,
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,

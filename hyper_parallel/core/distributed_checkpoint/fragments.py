@@ -31,6 +31,7 @@ is detected.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,7 @@ def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> 
     files: list[md.FileRecord] = []
     entries: dict[str, md.Entry] = {}
     rows: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = {}
+    differ: list[str] = []  # plain values the ranks saved differently
     for frag in fragments:
         base = len(files)
         files.extend(frag.files)
@@ -125,6 +127,8 @@ def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> 
                 raise MetadataError(f"{where}: {key!r} differs between rank-local fragments: "
                                     f"{seen.kind} {seen.dtype} {seen.shape} vs {e.kind} {e.dtype} {e.shape} "
                                     f"(rank {frag.fragment[0]})")
+            elif e.kind == "object" and md.encode_value(seen.value) != md.encode_value(e.value):
+                differ.append(key)
             if isinstance(e.store, md.TableStore):
                 subs = e.store.subs if e.store.subs is not None else np.arange(len(e.store))
                 rows.setdefault(key, []).append((e.store.offsets, e.store.sizes, e.store.file + base, subs))
@@ -135,6 +139,12 @@ def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> 
                                     np.concatenate([p[1] for p in parts]).reshape(-1, ndim),
                                     np.concatenate([p[2] for p in parts]).astype(np.int32),
                                     subs=np.concatenate([p[3] for p in parts]).astype(np.int32))
+    if differ:
+        keys = sorted(set(differ))
+        warnings.warn(f"{where}: the ranks' fragments hold different plain values under {len(keys)} key(s) "
+                      f"({', '.join(map(repr, keys[:8]))}{' ...' if len(keys) > 8 else ''}); read as one "
+                      "checkpoint it gives rank 0's. load(..., use_collectives=False) gives each rank its own",
+                      stacklevel=3)
     merged = md.Metadata(entries, fragments[0].save_id, world, user=fragments[0].user, files=files)
     return merged
 

@@ -173,6 +173,8 @@ def _check_writable(key: str, t: torch.Tensor) -> None:
 
 
 def _numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
+    if not arr.dtype.isnative:  # a big-endian array: its values, in this machine's byte order
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     try:
         # np.ascontiguousarray makes a 0-d array 1-d; keep the shape
         return torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
@@ -775,6 +777,9 @@ def _trace_origins(planner: StandardPlanner, before: dict[str, Any], after: dict
 
 
 def _numpy_tensor_view(arr: np.ndarray, key: str) -> torch.Tensor:
+    if not arr.dtype.isnative:
+        raise StateDictMismatchError(f"{key!r}: the target numpy array is {arr.dtype.str} (not this machine's byte "
+                                     "order) and cannot be filled in place; load into a native-order array")
     try:
         return torch.from_numpy(arr)
     except TypeError:

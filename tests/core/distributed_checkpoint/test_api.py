@@ -498,3 +498,13 @@ def test_a_value_needing_pickle_inside_a_plain_container_is_named_itself(tmp_pat
     for sd, where in (({"d": {"q": np.int64(4)}}, "d.q"), ({"l": [torch.ones(2), {"q": np.int64(4)}]}, "l.1.q")):
         with pytest.raises(UnsupportedValueError, match=rf"'{where}': a numpy\.int64"):
             save(sd, str(tmp_path / "ck"), no_dist=True)
+
+
+def test_big_endian_numpy_arrays_save_their_values(tmp_path):
+    # torch cannot view a non-native byte order: save had failed with torch's own error
+    a = np.arange(6, dtype=">f4").reshape(2, 3)
+    save({"be": a}, str(tmp_path / "ck"), no_dist=True)
+    out = load(path=str(tmp_path / "ck"))["be"]
+    assert out.dtype == np.float32 and np.array_equal(out, a)
+    with pytest.raises(StateDictMismatchError, match=r"'be'.*byte order"):
+        load({"be": np.zeros((2, 3), dtype=">f4")}, str(tmp_path / "ck"), no_dist=True)

@@ -691,3 +691,15 @@ def test_destroying_the_process_group_fails_a_save_in_flight_without_committing(
     assert all(o.startswith("lost: ") for o in out), out
     back = load(path=str(tmp_path / "ck"))
     assert torch.equal(back["t"], torch.zeros(1 << 20)) and "rank" not in back
+
+
+def test_a_relative_path_is_where_the_caller_was_when_it_called(tmp_path, monkeypatch):
+    # it was resolved when the background write ran, after the caller had moved on
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    resp = async_save({"t": torch.ones(1 << 16)}, "rel", no_dist=True, staging="lazy")
+    os.chdir(tmp_path / "b")
+    resp.result(timeout=60)
+    assert (tmp_path / "a" / "rel" / ".metadata").exists() and not (tmp_path / "b" / "rel").exists()
+    assert resp.checkpoint_id == "rel"  # as the caller named it

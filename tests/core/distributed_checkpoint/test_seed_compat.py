@@ -196,3 +196,23 @@ def test_a_failed_rank_local_save_never_loads_as_a_mix_of_two_saves(tmp_path):
     assert torch.equal(load(path=path)["w"], torch.full((2048, 64), 2.0))
     assert sorted(n for n in os.listdir(path) if n.startswith(".metadata")) == [".metadata-r00000", ".metadata-r00001"]
     assert len([n for n in os.listdir(path) if n.endswith(".safetensors")]) == 2
+
+
+def rank_local_per_rank_values(rank: int, ws: int, path: str) -> list:
+    import warnings
+
+    mesh = init_device_mesh("cpu", (ws,))
+    save({"w": make_dtensor(torch.ones(4, 2), mesh, [Shard(0)]), "step": 100 + rank}, path, use_collectives=False)
+    own = {"w": make_dtensor(torch.zeros(4, 2), mesh, [Shard(0)]), "step": 0}
+    load(own, path, use_collectives=False)
+    merged = {"w": make_dtensor(torch.zeros(4, 2), mesh, [Shard(0)]), "step": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(merged, path)
+    return [own["step"], merged["step"], any("different plain values" in str(w.message) for w in caught)]
+
+
+def test_per_rank_plain_values_of_a_rank_local_checkpoint_read_as_one_are_warned_about(tmp_path):
+    # read as one checkpoint, rank 1 silently got rank 0's step
+    out = run_ranks(rank_local_per_rank_values, 2, str(tmp_path / "ck"))
+    assert out == [[100, 100, True], [101, 100, False]], out  # the coordinator, who reads the fragments, warns
