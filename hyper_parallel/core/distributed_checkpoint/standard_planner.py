@@ -532,6 +532,12 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         if covered != box.numel:  # saved chunks are disjoint (metadata validation checks it)
             missing = uncovered(box, [r.region for r in reads])
             shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            if self.metadata.fragment is not None:  # a rank-local load reads its own fragment alone
+                raise StateDictMismatchError(
+                    f"{key!r}: this rank's fragment of the rank-local checkpoint holds no data for region(s) "
+                    f"{shown} of the target region {box}: load(..., use_collectives=False) reads only the "
+                    "rank's own shards (the layout it saved). Load with use_collectives=True to read every "
+                    "rank's fragment under another layout")
             raise CorruptCheckpointError(
                 f"{key!r}: the checkpoint holds no data for region(s) {shown} of the target region {box} "
                 f"({box.numel - covered} of {box.numel} elements missing); a rank's chunk is missing from "

@@ -22,6 +22,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     Metadata,
     MetadataError,
     RankFailedError,
+    StateDictMismatchError,
     async_save,
     load,
     save,
@@ -216,3 +217,22 @@ def test_per_rank_plain_values_of_a_rank_local_checkpoint_read_as_one_are_warned
     # read as one checkpoint, rank 1 silently got rank 0's step
     out = run_ranks(rank_local_per_rank_values, 2, str(tmp_path / "ck"))
     assert out == [[100, 100, True], [101, 100, False]], out  # the coordinator, who reads the fragments, warns
+
+
+def rank_local_under_another_layout(rank: int, ws: int, path: str) -> str:
+    mesh = init_device_mesh("cpu", (ws,))
+    save({"w": make_dtensor(make_tensor((4, 6)), mesh, [Shard(0)])}, path, use_collectives=False)
+    target = {"w": make_dtensor(torch.zeros(4, 6), mesh, [Shard(1)])}
+    try:
+        load(target, path, use_collectives=False)
+    except StateDictMismatchError as exc:
+        msg = str(exc)
+    load(target, path)  # every fragment: any layout
+    assert torch.equal(target["w"].full_tensor(), make_tensor((4, 6)))
+    return msg
+
+
+def test_a_rank_local_load_under_another_layout_says_to_read_every_fragment(tmp_path):
+    # it said "a rank's chunk is missing from the checkpoint" of a checkpoint that was whole
+    for msg in run_ranks(rank_local_under_another_layout, 2, str(tmp_path / "ck")):
+        assert "reads only the rank's own shards" in msg and "use_collectives=True" in msg, msg
