@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import in_flight
 from . import metadata as md
 from .box import Box
 from .commit import (
@@ -39,12 +40,15 @@ from .coordination import Coordinator
 from .errors import CheckpointError, CommitError, NotACheckpointError, StateDictMismatchError, UnsupportedValueError
 from .flatten import FlatStateDict, flatten, unflatten
 from .fragments import (
+    check_own_fragment,
+    drop_stale_fragments,
     fragment_name,
     fragment_of,
-    fragment_ranks,
+    mark_failed,
     read_checkpoint_metadata,
     read_fragment,
     table_sub_ids,
+    unmark_failed,
 )
 from .incremental import IncrementalState
 from .loader import read_plan
@@ -194,9 +198,8 @@ def save(
     where = _resolve_path(path, checkpoint_id, storage_writer)
     if state_dict is None:
         raise ValueError("save() needs a state_dict")
-    from .async_staging import place_of, wait_for_saves_to  # (it imports this module)
-
-    wait_for_saves_to(place_of(where, storage_writer))  # an earlier async save must not commit over this one
+    # an earlier async save to this place must not commit over this one
+    in_flight.wait_for_saves_to(in_flight.place_of(where, storage_writer))
     if user_metadata is not None and not md.is_json_value(user_metadata):
         raise ValueError("user_metadata must hold only JSON-representable values")
     if not use_collectives and not no_dist and _distributed():
@@ -421,50 +424,39 @@ def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter |
     entries = {k: EntrySpec(e.kind, e.path, e.dtype, e.shape, e.layout) for k, e in local.entries.items()}
     mine = SavePlan(entries, table_sub_ids(entries, local.items), list(local.objects))
     name = fragment_name(rank)
-    # Ranks cannot agree without a collective, so a rank whose save fails must not leave its
-    # old fragment beside the others' new ones (they would load as one checkpoint): it is
-    # withdrawn first, and a failed rank shows as a missing fragment.
-    old = writer.read_committed(name)
-    if old is not None:
-        writer.remove([name])
     if rank == 0 and where is not None:
-        _drop_stale_fragments(where, writer, world)
+        drop_stale_fragments(where, writer, world)
     save_id = uuid.uuid4().hex[:16]
     own = data_file_names(rank, save_id, thread_count)
     coord = Coordinator(None, no_dist=True)
     what = f"rank-local save of rank {rank} to {where or 'storage'}"
-    results = write_and_report(coord, writer, "write", lambda: write_plan(mine, planner, writer, rank, save_id,
-                                                                          thread_count), own, what, save_id)
 
     def fragment() -> md.Metadata:
         return fragment_of(build_metadata(entries, results, save_id, world, user_metadata or {}), rank, world)
 
     try:
-        previous, _ = commit_metadata(writer, built := fragment(), name)
+        results = write_and_report(coord, writer, "write", lambda: write_plan(mine, planner, writer, rank, save_id,
+                                                                              thread_count), own, what, save_id)
+        try:
+            previous, _ = commit_metadata(writer, built := fragment(), name)
+        except CommitError:
+            raise
+        except BaseException as exc:
+            remove_own_files(writer, own)
+            if isinstance(exc, NotCommittedError) and exc.__cause__ is not None:
+                raise exc.__cause__ from None
+            raise
     except CommitError:
         raise  # it may have committed: the files stay
     except BaseException as exc:
-        remove_own_files(writer, own)
-        if isinstance(exc, NotCommittedError) and exc.__cause__ is not None:
-            raise exc.__cause__ from None
+        # No rank knows whether the others committed: the old fragment stays (all ranks
+        # failing keeps the old checkpoint whole), marked, so that it never loads beside
+        # newer fragments of the others (see fragments.py).
+        mark_failed(writer, rank, exc)
         raise
-    reclaim_replaced(writer, old if previous is None else previous, built.file_names())
+    unmark_failed(writer, rank)
+    reclaim_replaced(writer, previous, built.file_names())
     return built
-
-
-def _drop_stale_fragments(where: str, writer: StorageWriter, world: int) -> None:
-    """Rank 0 of a rank-local save removes the fragments (and their files) of ranks its world
-    does not have: a bigger world's earlier save there would make every reader refuse the
-    checkpoint as a mix of world sizes."""
-    try:
-        ranks = fragment_ranks(reader_for(where).list_files())
-    except (NotImplementedError, OSError, CheckpointError):
-        return
-    for r in ranks:
-        if r >= world:
-            raw = writer.read_committed(fragment_name(r))
-            writer.remove([fragment_name(r)])
-            reclaim_replaced(writer, raw, [])
 
 
 def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
@@ -607,10 +599,8 @@ def load(
     if broadcast_groups is not None and broadcast_replicated_tensors is False:
         raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True")
     where = _resolve_path(path, checkpoint_id, storage_reader)
-    from .async_staging import place_of, wait_for_saves_to
-
     # an async save in flight to this place would commit under the reader (and remove the old files)
-    wait_for_saves_to(place_of(where, storage_reader))
+    in_flight.wait_for_saves_to(in_flight.place_of(where, storage_reader))
     if isinstance(state_dict, dict) and not state_dict and process_group is None:
         return state_dict  # nothing to load: no collective (HyperParallel's ranks outside a sub-mesh pass {})
     rank_local = not use_collectives and not no_dist and _distributed()
@@ -644,7 +634,9 @@ def load(
             try:  # a whole checkpoint (or a foreign one, e.g. Hugging Face files) needs no fragment
                 raw.append(reader.read_metadata())
             except NotACheckpointError:
-                raw.append(read_fragment(reader, my_rank, where or "checkpoint").to_json())
+                frag = read_fragment(reader, my_rank, where or "checkpoint")
+                check_own_fragment(reader, frag, where or "checkpoint")
+                raw.append(frag.to_json())
         elif coord.is_coordinator:
             raw.append(read_checkpoint_metadata(reader, where or "checkpoint"))
             if broadcast_replicated_tensors is None:  # decided once, for every rank

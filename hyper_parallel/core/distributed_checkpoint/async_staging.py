@@ -55,13 +55,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from . import in_flight
 from . import metadata as md
 from .api import _mesh_group, save
 from .coordination import group_timeout, is_broken
 from .errors import CheckpointError, LostContactError
 from .flatten import FlatStateDict, flatten
 from .planner import SavePlanner
-from .storage import StorageWriter, is_url, location
+from .storage import StorageWriter, is_url
 
 __all__ = [
     "async_save",
@@ -497,13 +498,14 @@ class AsyncCheckpointer:
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,
                            user_metadata=user_metadata, incremental=incremental,  # the timeout went into the group
                            _mesh_scoped=mesh_scoped)
-        job = _Job(self, response, save_kwargs, group, started, place=place_of(where, storage_writer))
+        job = _Job(self, response, save_kwargs, group, started, place=in_flight.place_of(where, storage_writer))
         try:
             self._prepare(job, state_dict)
         except Exception as exc:  # reported on every rank by the background save
             job.error = exc
         with self._lock:
             self._in_flight.append(job)
+        in_flight.started(id(job), job.place, response._finished, self.wait_timeout_s)
         if staging == "eager" or job.error is not None:
             self._stage(job)
         else:
@@ -702,6 +704,7 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
         self._pool._lock = threading.Lock()
         self._in_flight.clear()
+        in_flight.forget_all()
         self._groups.clear()
         self._streams.clear()
         self._threads_pid = None
@@ -736,6 +739,7 @@ class AsyncCheckpointer:
             self._in_flight.remove(job)
             if error is not None:
                 self._unreported.append((response, error))
+        in_flight.ended(id(job))
         response.total_s = time.perf_counter() - job.started
         if error is None:
             response.persist_completion.set_result(meta)
@@ -792,32 +796,9 @@ def _record_event(device: torch.device) -> Any:
     return event
 
 
-_BACKGROUND = threading.local()  # set in the worker threads: their saves are the ones others wait for
-
-
-def place_of(path: Any, storage_writer: Any) -> str | None:
-    """Where a save goes, comparable between saves (None when its writer does not say)."""
-    where = path if path is not None else getattr(storage_writer, "url", None) or getattr(storage_writer, "path", None)
-    return location(where) if isinstance(where, (str, os.PathLike)) else None
-
-
-def wait_for_saves_to(place: str | None) -> None:
-    """Wait until no async save of this process to ``place`` is in flight. A synchronous save
-    calls it first: an async save started earlier and committed later would replace the newer
-    checkpoint with older state while both report success. Its failure stays its own (raised
-    by its ``result()`` or the next ``async_save``)."""
-    if place is None or getattr(_BACKGROUND, "active", False):
-        return
-    for checkpointer in list(_CHECKPOINTERS):
-        with checkpointer._lock:
-            jobs = [j for j in checkpointer._in_flight if j.place == place]
-        for job in jobs:
-            job.response._finished.wait()
-
-
 def _worker_loop(jobs: queue.Queue, method: str) -> None:
     """Run ``job.owner.<method>(job)`` for each queued job, until a None arrives."""
-    _BACKGROUND.active = True
+    in_flight.mark_background()
     while True:
         job = jobs.get()
         if job is None:

@@ -40,7 +40,6 @@ import errno
 import fcntl
 import os
 import queue
-import re
 import threading
 import uuid
 import warnings
@@ -474,7 +473,7 @@ class FileSystemReader(StorageReader):
         try:
             fd = os.open(meta, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            if any(re.fullmatch(r"\.rank\d+_metadata", n) for n in os.listdir(self.path)):
+            if os.path.exists(os.path.join(self.path, ".rank0_metadata")):  # one lookup: rank-local loads land here
                 raise NotACheckpointError(
                     f"{self.path!r} is a rank-local checkpoint of HyperParallel's DCP (.rank<N>_metadata files); "
                     "convert it once with import_hyper_parallel(src, dst, trust=True) "

@@ -19,17 +19,19 @@ Readers:
 A directory that holds a committed ``.metadata`` is a collective checkpoint: its fragments,
 if any, are ignored (and a rank-local save refuses to write there).
 
-Saving over a rank-local checkpoint: each rank first withdraws its own old fragment, so a
-rank whose save fails leaves a *missing* fragment (the others' new ones do not load beside
-its old one), and rank 0 removes the fragments of ranks beyond its world size (a bigger
-world's earlier save). What fragments still cannot tell: two fragments written by different
-steps with the same structure and the same ``user_metadata`` when a rank never called the
-second save. Put the step in ``user_metadata`` (the checkpoint manager does) so that a mix
-is detected.
+Saving over a rank-local checkpoint: a rank whose save fails keeps its old fragment (if
+every rank fails, the old checkpoint stays whole) and writes ``.metadata-r<r>.failed``
+beside it; its next successful save removes that marker. A reader that finds some ranks
+marked and others not refuses (the marked fragments are older than the others'); all marked
+is the old checkpoint, whole. A rank killed outright writes no marker: a mix of a killed
+rank's old fragment and the others' new ones is told apart only by ``user_metadata``. Put
+the step there (the checkpoint manager does). Rank 0 also removes the fragments of ranks
+beyond its world size (a bigger world's earlier save), so they do not make readers refuse.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from typing import Any
@@ -37,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from . import metadata as md
-from .errors import MetadataError, NotACheckpointError
-from .storage import StorageReader
+from .errors import CorruptCheckpointError, MetadataError, NotACheckpointError
+from .storage import StorageReader, StorageWriter
 
 _FRAGMENT = re.compile(r"^\.metadata-r(\d{5,7})$")
 
@@ -51,6 +53,78 @@ def fragment_name(rank: int) -> str:
 def fragment_ranks(names: list[str]) -> list[int]:
     """The ranks whose fragments are among ``names`` (a directory listing)."""
     return sorted(int(m.group(1)) for n in names if (m := _FRAGMENT.match(n)))
+
+
+_FAILED = re.compile(r"^\.metadata-r(\d{5,7})\.failed$")
+
+
+def failed_name(rank: int) -> str:
+    """The marker a rank whose rank-local save failed leaves beside its (older) fragment."""
+    return f"{fragment_name(rank)}.failed"
+
+
+def failed_ranks(names: list[str]) -> set[int]:
+    return {int(m.group(1)) for n in names if (m := _FAILED.match(n))}
+
+
+def mark_failed(writer: StorageWriter, rank: int, exc: BaseException) -> None:
+    """Mark this rank's fragment as older than a save that failed (best effort: warns)."""
+    try:
+        writer.commit(json.dumps({"error": f"{type(exc).__name__}: {exc}"[:500]}).encode(), failed_name(rank))
+    except Exception as err:  # the save's own error is the one to raise
+        warnings.warn(f"rank-local save of rank {rank} failed and could not mark its older fragment ({err}); "
+                      "a reader may take it for part of the others' newer save", stacklevel=3)
+
+
+def unmark_failed(writer: StorageWriter, rank: int) -> None:
+    try:
+        writer.remove([failed_name(rank)])
+    except Exception as err:
+        warnings.warn(f"rank {rank}: could not remove {failed_name(rank)} ({err}); readers will refuse the "
+                      "checkpoint until it is removed", stacklevel=3)
+
+
+def check_not_mixed(failed: set[int], world: int, where: str) -> None:
+    """Refuse fragments of which some are older than the others (their rank's last save failed)."""
+    if failed and not set(range(world)) <= failed:
+        raise MetadataError(
+            f"{where}: the last rank-local save failed on rank(s) {sorted(failed)[:20]}, whose fragments are "
+            f"older than the other ranks' ({failed_name(min(failed))} says why); they do not form one "
+            "checkpoint. Save again from every rank")
+
+
+def check_own_fragment(reader: StorageReader, frag: md.Metadata, where: str) -> None:
+    """For a rank-local load of its own fragment: when this rank's last save failed, the
+    other ranks must have failed too (else their fragments are newer than this one). Costs
+    one missing-file lookup when it did not fail."""
+    rank, world = frag.fragment  # type: ignore[misc]
+    try:
+        reader.file_size(failed_name(rank))
+    except (NotACheckpointError, CorruptCheckpointError, OSError):  # no marker: the usual case
+        return
+    try:
+        names = reader.list_files()
+    except (NotImplementedError, OSError):
+        names = [failed_name(rank)]
+    check_not_mixed(failed_ranks(names), world, where)
+
+
+def drop_stale_fragments(where: str, writer: StorageWriter, world: int) -> None:
+    """Rank 0 of a rank-local save removes the fragments (their files and markers) of ranks
+    its world does not have: a bigger world's earlier save there would make every reader
+    refuse the checkpoint as a mix of world sizes. Best effort."""
+    from .commit import reclaim_replaced
+    from .storage import reader_for
+
+    try:
+        names = reader_for(where).list_files()
+    except Exception:  # unlistable storage (or no such place yet): nothing to drop
+        return
+    for r in fragment_ranks(names):
+        if r >= world:
+            raw = writer.read_committed(fragment_name(r))
+            writer.remove([fragment_name(r), failed_name(r)])
+            reclaim_replaced(writer, raw, [])
 
 
 def read_small(reader: StorageReader, name: str) -> bytes:
@@ -90,7 +164,10 @@ def read_checkpoint_metadata(reader: StorageReader, where: str = "checkpoint") -
         ranks = fragment_ranks(names)
         if not ranks:
             raise
-    return merge_fragments([read_fragment(reader, r, where) for r in ranks], where).to_json()
+    fragments = [read_fragment(reader, r, where) for r in ranks]
+    merged = merge_fragments(fragments, where)
+    check_not_mixed(failed_ranks(names), merged.world_size, where)
+    return merged.to_json()
 
 
 def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> md.Metadata:

@@ -422,8 +422,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             wanted = {key: None for key in entries}
         else:
             wanted = self._targets
-            gathered = self._gather_split_plain(wanted, entries)
-            self.missing_keys = [k for k in wanted if k not in entries and k not in gathered]
+            gathered = self._gather_split_plain(wanted, entries)  # may add sub-keys to missing_keys
+            self.missing_keys[:0] = [k for k in wanted if k not in entries and k not in gathered]
             taken = {k for keys in gathered.values() for k in keys}
             self.unexpected_keys = [k for k in entries if k not in wanted and k not in taken]
         items: list[ReadItem] = []
@@ -463,13 +463,17 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         asked = [k for k, t in wanted.items() if k not in entries and _kind_of(t) == "object"]
         if not asked:
             return {}
-        objects = [(k, e) for k, e in entries.items() if e.kind == "object" and len(e.path) > 1]
+        under: dict[tuple[str, ...], list[tuple[str, md.Entry]]] = {}  # path prefix -> entries below it
+        for k, e in entries.items():
+            names = tuple(_part_name(p) for p in e.path)
+            for n in range(1, len(names)):
+                under.setdefault(names[:n], []).append((k, e))
         out: dict[str, list[str]] = {}
         for key in asked:
             base = tuple(_part_name(p) for p in self._paths.get(key, (key,)))
-            parts = [(k, e) for k, e in objects
-                     if len(e.path) > len(base) and tuple(_part_name(p) for p in e.path[:len(base)]) == base]
-            if not parts or any(k in wanted for k, _ in parts):
+            parts = under.get(base, [])
+            # only a value that is plain all through: tensors below it mean the target is not the checkpoint's
+            if not parts or any(e.kind != "object" or k in wanted for k, e in parts):
                 continue
             tree: dict[str, Any] = {}
             for _, e in parts:

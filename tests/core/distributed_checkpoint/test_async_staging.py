@@ -29,6 +29,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     AsyncCheckpointer,
     AsyncSaveError,
     AsyncStagingError,
+    CheckpointError,
     FileSystemWriter,
     NotACheckpointError,
     RankFailedError,
@@ -573,7 +574,11 @@ def test_waits_for_a_stuck_save_are_bounded(tmp_path):
         first.result()  # default: the checkpointer's bound, not forever
     with pytest.raises(AsyncSaveError, match="still running"):
         ckpt.save({"w": torch.ones(4)}, str(tmp_path / "b"), no_dist=True)  # no room: refused, not hung
-    assert time.monotonic() - start < 3
+    for call in (lambda: save({"w": torch.ones(4)}, str(tmp_path / "a"), no_dist=True),
+                 lambda: load(path=str(tmp_path / "a"), no_dist=True)):  # the same place: refused, not hung
+        with pytest.raises(CheckpointError, match="still running"):
+            call()
+    assert time.monotonic() - start < 3.5
     assert first.result(timeout=None) is not None  # an explicit None still waits to the end
     ckpt.close()
 

@@ -169,17 +169,28 @@ def rank_local_over_collective(rank: int, ws: int, path: str) -> str:
     return "saved"
 
 
-def rank_local_twice(rank: int, ws: int, path: str, fail_rank: int) -> str:
+def rank_local_twice(rank: int, ws: int, path: str, fail_ranks: tuple[int, ...]) -> str:
     import resource
 
     mesh = init_device_mesh("cpu", (ws,))
     save({"w": make_dtensor(torch.full((1024 * ws, 64), 1.0), mesh, [Shard(0)])}, path, use_collectives=False)
-    if rank == fail_rank:  # this rank's disk is full for the next save
+    if rank in fail_ranks:  # this rank's disk is full for the next save
         resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))
     try:
         save({"w": make_dtensor(torch.full((1024 * ws, 64), 2.0), mesh, [Shard(0)])}, path, use_collectives=False)
     except OSError:
-        return "failed"
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        failed = True
+    else:
+        failed = False
+    dist.barrier()  # every rank's save has ended
+    if failed:
+        target = {"w": make_dtensor(torch.zeros(1024 * ws, 64), mesh, [Shard(0)])}
+        try:  # its own (older) fragment: loads only if every rank's save failed alike
+            load(target, path, use_collectives=False)
+        except MetadataError:
+            return "failed, own fragment refused"
+        return f"failed, own fragment loads {target['w'].to_local()[0, 0].item()}"
     return "saved"
 
 
@@ -187,13 +198,17 @@ def test_a_failed_rank_local_save_never_loads_as_a_mix_of_two_saves(tmp_path):
     # rank 1's save failed and its old fragment stayed beside rank 0's new one: the checkpoint
     # loaded as complete, half old and half new
     path = str(tmp_path / "ck")
-    assert run_ranks(rank_local_twice, 2, path, 1) == ["saved", "failed"]
-    with pytest.raises(MetadataError, match=r"rank\(s\) \[1\] are missing"):
+    assert run_ranks(rank_local_twice, 2, path, (1,)) == ["saved", "failed, own fragment refused"]
+    with pytest.raises(MetadataError, match=r"failed on rank\(s\) \[1\]"):
         load(path=path)
+    # every rank failing keeps the old checkpoint whole
+    path = str(tmp_path / "all")
+    assert run_ranks(rank_local_twice, 2, path, (0, 1)) == ["failed, own fragment loads 1.0"] * 2
+    assert torch.equal(load(path=path)["w"], torch.full((2048, 64), 1.0))
     # a smaller world saving over a bigger one's rank-local checkpoint leaves no stale fragments
     path = str(tmp_path / "shrink")
-    assert run_ranks(rank_local_twice, 4, path, -1) == ["saved"] * 4
-    assert run_ranks(rank_local_twice, 2, path, -1) == ["saved"] * 2
+    assert run_ranks(rank_local_twice, 4, path, ()) == ["saved"] * 4
+    assert run_ranks(rank_local_twice, 2, path, ()) == ["saved"] * 2
     assert torch.equal(load(path=path)["w"], torch.full((2048, 64), 2.0))
     assert sorted(n for n in os.listdir(path) if n.startswith(".metadata")) == [".metadata-r00000", ".metadata-r00001"]
     assert len([n for n in os.listdir(path) if n.endswith(".safetensors")]) == 2
