@@ -45,6 +45,15 @@ def _holds_data(v: Any) -> bool:
     return False
 
 
+def path_from_parts(parts: Any) -> tuple[PathPart, ...] | None:
+    """A path recorded the way torch DCP (and HyperParallel) record them, dict keys as str
+    and list indices as int, in our form (indices as ``("i", n)``); None if it is not one."""
+    if not isinstance(parts, tuple) or not parts or not all(
+            (isinstance(x, str) and x) or (type(x) is int and x >= 0) for x in parts):
+        return None
+    return tuple(("i", x) if isinstance(x, int) else x for x in parts)
+
+
 def key_of(path: tuple[PathPart, ...]) -> str:
     return ".".join(p if isinstance(p, str) else str(p[1]) for p in path)
 

@@ -37,6 +37,7 @@ import torch
 from . import metadata as md
 from .box import Box, first_overlap
 from .errors import CheckpointError, MetadataError, UnsupportedValueError
+from .flatten import path_from_parts
 from .offline_transform import write_streaming
 from .planner import EntrySpec, WriteItem
 from .single_file import is_torch_zip
@@ -266,11 +267,9 @@ def _parse(meta: HPMetadata, where: str, tensors: dict[str, _Tensor], values: di
         infos[index.ident()] = info
     if isinstance(meta.planner_data, dict):
         for key, p in meta.planner_data.items():
-            # dict keys as str, list indices as int (as torch records them; ours are ("i", n))
-            if isinstance(key, str) and isinstance(p, tuple) and p and all(
-                    (isinstance(x, str) and x) or (type(x) is int and x >= 0) for x in p):
-                if ".".join(map(str, p)) == key:
-                    paths[key] = tuple(("i", x) if isinstance(x, int) else x for x in p)
+            path = path_from_parts(p)
+            if isinstance(key, str) and path is not None and ".".join(map(str, p)) == key:
+                paths[key] = path
     for key, entry in sdm.items():
         if not isinstance(key, str) or not key:
             raise MetadataError(f"{where}: key {key!r} is not a non-empty string")

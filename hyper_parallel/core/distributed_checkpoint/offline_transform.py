@@ -37,11 +37,12 @@ from .chunks import largest_chunk_bytes
 from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import CheckpointError, UnsupportedValueError
+from .flatten import path_from_parts
 from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
 from .loader import read_box, read_metadata
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
-from .standard_planner import _bytes_tensor, _numpy_tensor
+from .standard_planner import bytes_tensor, numpy_tensor
 from .storage import StorageReader, StorageWriter, location, reader_for, writer_for
 from .topology_mapper import MapperLike
 
@@ -743,9 +744,7 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
         # torch records how it flattened nested containers: {fqn: (part, ...)}, dict keys as
         # str and list indices as int (our paths write those ("i", n))
         p = paths.get(key)
-        if isinstance(p, tuple) and p and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in p):
-            return tuple(("i", x) if isinstance(x, int) else x for x in p)
-        return (key,)
+        return path_from_parts(p) or (key,)
 
     for key, m in tmeta.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
@@ -771,9 +770,9 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
         v = values[key]
         kind = "tensor"
         if isinstance(v, np.ndarray):  # stored as our own save stores them, no pickle needed to load
-            kind, v = "ndarray", _numpy_tensor(v, key)
+            kind, v = "ndarray", numpy_tensor(v, key)
         elif isinstance(v, (bytes, bytearray)):
-            kind, v = "bytes", _bytes_tensor(v)
+            kind, v = "bytes", bytes_tensor(v)
         if isinstance(v, torch.Tensor):
             values[key] = v
             entries[key] = EntrySpec(kind, path_of(key), md.dtype_name(v.dtype), tuple(v.shape))

@@ -117,7 +117,8 @@ def dtensor_box(t: DTensor, key: str) -> Box | None:
     return box if box.numel else None
 
 
-def _bytes_tensor(value: bytes | bytearray) -> torch.Tensor:
+def bytes_tensor(value: bytes | bytearray) -> torch.Tensor:
+    """``bytes`` as the uint8 tensor a checkpoint stores them as (a copy)."""
     buf = bytearray(value)
     return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
 
@@ -151,7 +152,7 @@ def _check_saveable(key: str, t: torch.Tensor) -> None:
         raise UnsupportedValueError(f"{key!r}: {exc}") from None
 
 
-def _kind(dtype: torch.dtype) -> int:
+def _number_kind(dtype: torch.dtype) -> int:
     """0 bool, 1 integer, 2 floating point (float8 included), 3 complex: a lesser kind loses values."""
     if dtype.is_complex:
         return 3
@@ -172,7 +173,8 @@ def _check_writable(key: str, t: torch.Tensor) -> None:
                                      "or broadcast view); load into a tensor of its own (t.clone())")
 
 
-def _numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
+def numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
+    """A numpy array as the tensor a checkpoint stores it as (native byte order, its shape)."""
     if not arr.dtype.isnative:  # a big-endian array: its values, in this machine's byte order
         arr = arr.astype(arr.dtype.newbyteorder("="))
     try:
@@ -318,16 +320,16 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             if isinstance(value, torch.Tensor):
                 kind, tensor = "tensor", value
             elif isinstance(value, np.ndarray):
-                kind, tensor = "ndarray", _numpy_tensor(value, key)
+                kind, tensor = "ndarray", numpy_tensor(value, key)
             elif isinstance(value, (bytes, bytearray)):
-                kind, tensor = "bytes", _bytes_tensor(value)
+                kind, tensor = "bytes", bytes_tensor(value)
             elif md.is_json_value(value):
                 entries[key] = EntrySpec("object", path)
                 objects.append(key)
                 self._held[key] = (Box((), ()), value)
                 continue
             elif self.allow_pickle:
-                kind, tensor = "pickle", _bytes_tensor(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+                kind, tensor = "pickle", bytes_tensor(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
             else:
                 where, bad = _culprit(key, value)
                 raise UnsupportedValueError(
@@ -507,7 +509,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         local = target._local_tensor if isinstance(target, DTensor) else target
         _check_writable(key, local)
         box = dtensor_box(target, key) if isinstance(target, DTensor) else Box.full(shape)
-        if target.dtype != dtype and _kind(target.dtype) < _kind(dtype):
+        if target.dtype != dtype and _number_kind(target.dtype) < _number_kind(dtype):
             self._lossy.append(f"{key!r} ({entry.dtype} -> {str(target.dtype).removeprefix('torch.')})")
         if target.dtype != dtype and box is not None:
             # read into a temporary of the saved dtype; finish_load converts into the target
