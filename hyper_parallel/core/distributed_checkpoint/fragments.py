@@ -204,7 +204,8 @@ def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> 
                 raise MetadataError(f"{where}: {key!r} differs between rank-local fragments: "
                                     f"{seen.kind} {seen.dtype} {seen.shape} vs {e.kind} {e.dtype} {e.shape} "
                                     f"(rank {frag.fragment[0]})")
-            elif e.kind == "object" and md.encode_value(seen.value) != md.encode_value(e.value):
+            elif e.kind == "object" and seen.value is not e.value and (
+                    seen.value != e.value or md.encode_value(seen.value) != md.encode_value(e.value)):
                 differ.append(key)
             if isinstance(e.store, md.TableStore):
                 subs = e.store.subs if e.store.subs is not None else np.arange(len(e.store))

@@ -41,6 +41,7 @@ from .flatten import path_from_parts
 from .offline_transform import write_streaming
 from .planner import EntrySpec, WriteItem
 from .single_file import is_torch_zip
+from .storage import location
 
 __all__ = ["import_hyper_parallel", "read_hyper_parallel_metadata", "HyperParallelUnpickler"]
 
@@ -510,6 +511,8 @@ def import_hyper_parallel(
         load(model.state_dict(), "/ckpt/step100")
     """
     src = os.fspath(src)
+    if location(src) == location(dst):
+        raise ValueError(f"dst {os.fspath(dst)!r} is the source checkpoint; write to a new path")
     ckpt = read_hyper_parallel_metadata(src, trust=trust)
 
     def path_of(key: str) -> tuple[str, ...]:

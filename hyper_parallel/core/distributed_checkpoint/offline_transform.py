@@ -76,7 +76,11 @@ def _read_metadata(reader: StorageReader) -> md.Metadata:
 def _check_destination(dst: str | os.PathLike | StorageWriter, overwrite: bool) -> None:
     """Refuse to replace a checkpoint at ``dst`` (a path, an fsspec URL or a writer) unless told to."""
     writer = dst if isinstance(dst, StorageWriter) else writer_for(dst)
-    if not overwrite and writer.read_committed() is not None:
+    try:
+        committed = writer.read_committed()
+    except (NotADirectoryError, IsADirectoryError):
+        raise CheckpointError(f"{_where(dst)!r} exists and is not a directory; a checkpoint is a directory") from None
+    if not overwrite and committed is not None:
         raise CheckpointError(
             f"{_where(dst)!r} already holds a checkpoint; pass overwrite=True to replace it")
 
@@ -680,10 +684,12 @@ def convert_full_checkpoint_to_dcp(
             raise CheckpointError(
                 f"{src!r} is not a torch file; it looks like a MindSpore checkpoint: pass "
                 "src_platform='mindspore'") from None
-        if allow_pickle or not isinstance(exc, pickle.UnpicklingError):  # weights_only refusals are these
+        if allow_pickle or isinstance(exc, OSError):  # the caller's trust, or the system's error: as it is
+            raise
+        if not isinstance(exc, pickle.UnpicklingError):  # weights_only refusals are UnpicklingErrors
             raise CheckpointError(
                 f"{src!r} is not a checkpoint this tool reads (HF safetensors, a torch file or a MindSpore "
-                f"checkpoint): torch.load failed with {exc.__class__.__name__}: {str(exc)[:200]}") from None
+                f"checkpoint): torch.load failed with {exc.__class__.__name__}: {str(exc)[:200]}") from exc
         raise UnsupportedValueError(
             f"{src!r} cannot be loaded with weights_only=True ({exc.__class__.__name__}); it holds "
             "arbitrary pickled objects. Pass allow_pickle=True only if you trust the file") from None

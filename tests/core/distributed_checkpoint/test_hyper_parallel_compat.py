@@ -365,3 +365,17 @@ def test_loading_a_hyper_parallel_checkpoint_directly_says_how_to_import_it():
         load(path=os.path.join(FIXTURES, "collective"), no_dist=True)
     with pytest.raises(NotACheckpointError, match="rank-local checkpoint of HyperParallel.*import_hyper_parallel"):
         load(path=os.path.join(FIXTURES, "rank_local"), no_dist=True)
+
+
+def test_importing_a_hyper_parallel_checkpoint_onto_itself_is_refused(tmp_path):
+    import shutil
+
+    from hyper_parallel.core.distributed_checkpoint import import_hyper_parallel
+
+    src = str(tmp_path / "hp")
+    shutil.copytree(os.path.join(FIXTURES, "collective"), src)
+    before = sorted(os.listdir(src))
+    with pytest.raises(ValueError, match="is the source checkpoint"):
+        import_hyper_parallel(src, src + "/", trust=True, overwrite=True)
+    assert sorted(os.listdir(src)) == before
+    import_hyper_parallel(src, str(tmp_path / "ours"), trust=True)  # still HyperParallel's, whole

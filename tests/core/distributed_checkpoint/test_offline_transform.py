@@ -160,6 +160,9 @@ def test_full_state_dict_to_dcp_and_back(tmp_path):
     assert_same(sd, dcp_to_full_state_dict(src_dir=str(tmp_path / "hp")))
     with pytest.raises(TypeError, match="exactly one of"):
         dcp_to_full_state_dict(str(tmp_path / "hp"), src_dir=str(tmp_path / "hp"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match="not a directory"):
+        full_state_dict_to_dcp_format(sd, str(tmp_path / "afile"))
 
 
 def test_hf_shards_are_read_as_their_index_places_them(tmp_path):

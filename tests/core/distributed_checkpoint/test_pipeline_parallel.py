@@ -458,8 +458,10 @@ def stages_on_meshes_of_their_own(rank: int, ws: int, root: str, world: bool, us
     pp = rank // 2
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), rank_list=(2 * pp, 2 * pp + 1))
     w = distribute_tensor(torch.full((4, 4), float(pp + 1)), mesh, [Shard(0)], src_data_rank=None)
-    if not world:
-        time.sleep(1.5 * pp)  # stage 1 saves after stage 0 committed (commits racing within a few ms both win)
+    if not world and pp == 1:  # stage 1 saves after stage 0 committed (commits racing within a few ms both win)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(root, ".metadata")) and time.monotonic() < deadline:
+            time.sleep(0.05)
     sd = {f"layers.{pp}.weight": w, "optim": {"param_groups": [{"lr": 0.1}]}}  # a plain key both share
     try:
         if use_async:  # the background save runs on a dedicated group: the guard must still apply
