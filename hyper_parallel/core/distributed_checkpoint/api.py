@@ -616,6 +616,7 @@ def load(
         strict = False  # StandardLoadPlanner(allow_partial_load=True): HyperParallel's strict=False
     reader: StorageReader = storage_reader  # type: ignore[assignment]
     flat: Any = None
+    materialized: list[Any] = []  # leaves whose meta-device targets were replaced
     raw: list[bytes] = []
     auto_share: list[bool] = []
     label = f"{where or 'checkpoint'}/{md.METADATA_FILE}"
@@ -629,7 +630,7 @@ def load(
         reader.set_up(coord.rank, coord.is_coordinator)
         flat = flatten(state_dict) if state_dict is not None else None
         if flat is not None:
-            _materialize_meta(flat)
+            materialized.extend(_materialize_meta(flat))
         if rank_local:
             try:  # a whole checkpoint (or a foreign one, e.g. Hugging Face files) needs no fragment
                 raw.append(reader.read_metadata())
@@ -696,31 +697,33 @@ def load(
         return unflatten({meta.entries[k].path: values[k] for k in sorted(values, key=order.__getitem__)})
     # Putting values back can raise too (a Stateful's load_state_dict): in an exchange of its
     # own, after every rank has read, so no rank is left waiting and none applies half-read data.
-    coord.exchange("load (applying)", lambda: _apply(flat, values, planner))
+    coord.exchange("load (applying)", lambda: _apply(flat, values, planner, materialized))
     return state_dict
 
 
-def _materialize_meta(flat: Any) -> None:
+def _materialize_meta(flat: Any) -> list[Any]:
     """Targets on the meta device (a model built under ``torch.device("meta")``) hold no memory
-    to load into: each is replaced in the target by an empty tensor of its shape and dtype
-    (a DTensor keeps its mesh and placements, on the mesh's device; a plain tensor goes to the
-    CPU), as torch DCP does. The loaded values go there; the caller puts them into the model
-    (``model.load_state_dict(sd, assign=True)``)."""
+    to load into: each leaf gets an empty tensor of its shape and dtype instead (a DTensor
+    keeps its mesh and placements, on the mesh's device; a plain tensor goes to the CPU), as
+    torch DCP does. The caller's containers receive them only once the load succeeded
+    (:func:`_apply`); the caller then puts them into the model
+    (``model.load_state_dict(sd, assign=True)``). Returns the leaves replaced."""
+    out = []
     for key, leaf in flat.leaves.items():
         value = leaf.value
         if not isinstance(value, torch.Tensor) or value.device.type != "meta":
             continue
-        if isinstance(value, DTensor):
-            local = torch.empty_like(value._local_tensor, device=value.device_mesh.device_type)
-            new: torch.Tensor = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                                   shape=value.shape, stride=value.stride())
-        else:
-            new = torch.empty_like(value, device="cpu")
         if leaf.set is None:
             raise UnsupportedValueError(f"{key!r}: the target is on the meta device and cannot be replaced "
                                         "where it sits; materialize it first (model.to_empty(device=...))")
-        leaf.set(new)
-        leaf.value = new
+        if isinstance(value, DTensor):
+            local = torch.empty_like(value._local_tensor, device=value.device_mesh.device_type)
+            leaf.value = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                            shape=value.shape, stride=value.stride())
+        else:
+            leaf.value = torch.empty_like(value, device="cpu")
+        out.append(leaf)
+    return out
 
 
 def _asked_for(meta: md.Metadata, planner: Any) -> bytes:
@@ -747,7 +750,7 @@ def _check_all_asked_for(meta: md.Metadata, bitmaps: list[bytes]) -> None:
             f"{', '.join(map(repr, left[:20]))}{' ...' if len(left) > 20 else ''}")
 
 
-def _apply(flat: Any, values: dict[str, Any], planner: Any) -> None:
+def _apply(flat: Any, values: dict[str, Any], planner: Any, materialized: list[Any] = ()) -> None:
     """Put loaded values where the target's leaves came from, then call Stateful loads.
 
     Keys are the planner's; ``planner.original_key`` maps each back to the target's key
@@ -755,9 +758,12 @@ def _apply(flat: Any, values: dict[str, Any], planner: Any) -> None:
     """
     original = getattr(planner, "original_key", None)
     own = {id(leaf.value) for leaf in flat.leaves.values()}
+    filled: set[int] = set()
     for key, value in values.items():
         name = original(key) if original is not None else key
         leaf = flat.leaves.get(name) if name is not None else None
+        if leaf is not None:
+            filled.add(id(leaf))
         if leaf is None:
             if name is None and id(value) not in own:
                 raise StateDictMismatchError(
@@ -767,6 +773,9 @@ def _apply(flat: Any, values: dict[str, Any], planner: Any) -> None:
             continue
         if value is not leaf.value and leaf.set is not None:
             leaf.set(value)
+    for leaf in materialized:  # loaded in place into the tensors that replace meta targets
+        if id(leaf) in filled:  # (one strict=False skipped stays on meta)
+            leaf.set(leaf.value)
     for obj, inner in flat.statefuls:
         obj.load_state_dict(inner)
 

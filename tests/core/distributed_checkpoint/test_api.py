@@ -477,6 +477,15 @@ def test_meta_targets_are_materialized_and_unwritable_targets_named(tmp_path):
     load(target, path, no_dist=True)
     assert target["w"].device.type == "cpu"
     assert_same(sd, target)
+    # a failed load leaves the meta targets as they were; one strict=False skips stays on meta
+    target = {"w": torch.empty(2, 3, device="meta"), "b": torch.zeros(4), "step": 0}
+    with pytest.raises(StateDictMismatchError):
+        load(target, path, no_dist=True)
+    assert target["w"].device.type == "meta"
+    target = {"w": torch.empty(2, 3, device="meta"), "x": torch.empty(1, device="meta"), "step": 0}
+    with pytest.warns(UserWarning, match="'x'"):
+        load(target, path, no_dist=True, strict=False)
+    assert target["w"].device.type == "cpu" and target["x"].device.type == "meta"
     # targets torch cannot write in place: a clear error naming the key, not torch's own
     with pytest.raises(StateDictMismatchError, match=r"'b'.*share memory"):
         load({"w": torch.zeros(2, 3), "b": torch.zeros(1).expand(3)}, path, no_dist=True)
