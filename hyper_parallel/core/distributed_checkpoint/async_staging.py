@@ -493,6 +493,9 @@ class AsyncCheckpointer:
         group = self._dedicated_group(process_group, timeout) if distributed else None
 
         response = AsyncSaveResponse(given, staging, callback, self.wait_timeout_s)
+        # the background save plans with a copy: the caller may pass the same planner to a save
+        # (or another async save) while this one is still writing, and a planner holds one call's state
+        planner = copy.copy(planner) if planner is not None else None
         save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
                            use_collectives=use_collectives, coordinator_rank=coordinator_rank,
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,

@@ -708,3 +708,17 @@ def test_a_relative_path_is_where_the_caller_was_when_it_called(tmp_path, monkey
     resp.result(timeout=60)
     assert (tmp_path / "a" / "rel" / ".metadata").exists() and not (tmp_path / "b" / "rel").exists()
     assert resp.checkpoint_id == "rel"  # as the caller named it
+
+
+def test_one_planner_object_serves_an_async_save_and_a_save_while_it_writes(tmp_path):
+    # the background save planned with the caller's object, which the next call set up anew:
+    # one of the two failed with a bare KeyError
+    from hyper_parallel.core.distributed_checkpoint import StandardPlanner
+
+    planner = StandardPlanner()
+    first = {f"a{i}": torch.full((64, 64), float(i)) for i in range(40)}
+    resp = async_save(first, storage_writer=SlowWriter(str(tmp_path / "a"), delay=0.3), planner=planner)
+    save({"b0": torch.ones(4)}, str(tmp_path / "b"), planner=planner)
+    resp.result()
+    assert_same(first, load(path=str(tmp_path / "a")))
+    assert torch.equal(load(path=str(tmp_path / "b"))["b0"], torch.ones(4))
