@@ -162,6 +162,12 @@ class Recovery:
     attempts: int = 0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step of the protocol
 
+    @property
+    def touched(self) -> bool:
+        """A local copy was read into the target and then found damaged: unless a durable
+        step loads over it, the target holds part of that copy."""
+        return self.source == "durable" and self.attempts > 1
+
 
 @dataclass
 class _Job:
@@ -632,7 +638,11 @@ class LocalTier:
             raise ValueError(f"CheckpointManager.load: the ranks asked for different steps {[r[0] for r in held]} "
                              "(by rank); every rank must pass the same step")
         self.timeline = held[self.coord.coordinator_rank][2]
-        if not any(h for _, h, _ in held):
+        # whether a step could be chosen at all, whatever the layouts: if not, no state_dict()
+        unshaped = [(None, [(o, st, tl, size, None) for o, st, tl, size, _ in h]) for _, h, _ in held]
+        hopeless = not all(s for s, _ in first) or decide(
+            unshaped, dirs, durable_latest=durable_latest, want=step, excluded=set(), keep=self.keep)["kind"] != "local"
+        if hopeless:
             lap("report")
             self.last_recovery = Recovery("durable", None, seconds=time.perf_counter() - started,
                                           attempts=0, phases=phases)

@@ -86,7 +86,7 @@ from .api import save as _save
 from .async_staging import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
 from .commit import unreferenced_files
 from .coordination import Coordinator
-from .errors import CheckpointError, CommitError, NotACheckpointError
+from .errors import CheckpointError, CommitError, CorruptCheckpointError, NotACheckpointError
 from .incremental import IncrementalState
 from .local_tier import LocalTier
 from .step_directory import (
@@ -451,6 +451,12 @@ class CheckpointManager:
         chosen = self.latest_step() if step is None else step
         self._agree("load", chosen)
         if chosen is None:
+            recovery = self._local.last_recovery if self._local is not None else None
+            if recovery is not None and recovery.touched:
+                raise CorruptCheckpointError(
+                    f"{self.directory!r}: every copy of the newest local step was damaged and there is no durable "
+                    "step to fall back to; the state dict may hold part of a damaged copy. Start from freshly "
+                    "initialized objects")
             if self._local is not None:
                 self._local.loaded(None)
             return None

@@ -550,3 +550,50 @@ def test_a_fresh_start_with_a_local_tier_leaves_the_optimizer_untouched(tmp_path
     # empty AdamW a state with step 1: the job then trained differently from one without a tier
     out = run_ranks(fresh_start_with_a_local_tier, 2, str(tmp_path), timeout_s=120)
     assert out == [[None, {}], [None, {}]], out
+
+
+def local_tier_phase(rank: int, ws: int, root: str, phase: int) -> list:
+    from hyper_parallel.core.distributed_checkpoint import CorruptCheckpointError
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"app": TrainState(model, opt)}
+    with CheckpointManager(f"{root}/durable", save_interval_steps=1000, local_dir=f"{root}/local{rank}",
+                           node_rank=rank) as mgr:
+        try:
+            got = mgr.load(state)
+        except CorruptCheckpointError as exc:
+            return ["refused", str(exc)]
+        if phase == 1:
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+            mgr.save(1, state)  # local only: the durable tier saves every 1000 steps
+            mgr.wait()
+        return [got, dict(opt.state) == {}]
+
+
+def test_local_copies_that_cannot_be_used_never_leave_a_fresh_start_changed(tmp_path):
+    root = str(tmp_path / "gone")
+    run_ranks(local_tier_phase, 2, root, 1)
+    # every copy of rank 1's shard gone: no complete step, and the optimizer must not be given a state
+    for f in files_of(root, "*", "r00001"):
+        os.remove(f)
+    assert run_ranks(local_tier_phase, 2, root, 2) == [[None, True], [None, True]]
+    # every copy damaged after it was read into the target: an error, not a "fresh start" holding part of it
+    root = str(tmp_path / "damaged")
+    run_ranks(local_tier_phase, 2, root, 1)
+    for f in files_of(root, "*", "r0000*"):
+        data = bytearray(open(f, "rb").read())
+        for at in range(len(data) - 200, len(data) - 100):  # the last tensor's bytes, not the file's manifest
+            data[at] ^= 0xFF
+        with open(f, "wb") as out:
+            out.write(data)
+    out = run_ranks(local_tier_phase, 2, root, 2)
+    assert all(o[0] == "refused" and "damaged" in o[1] for o in out), out
+
+
+def files_of(root: str, node: str, owner: str) -> list[str]:
+    import glob
+
+    return [f for f in glob.glob(os.path.join(root, f"local{node}", "*", owner, "*")) if os.path.isfile(f)]
