@@ -38,7 +38,7 @@ from .commit import (
 )
 from .coordination import Coordinator
 from .errors import CheckpointError, CommitError, NotACheckpointError, StateDictMismatchError, UnsupportedValueError
-from .flatten import FlatStateDict, flatten, unflatten
+from .flatten import FlatStateDict, flatten, unflatten, update_in_place
 from .fragments import (
     check_own_fragment,
     drop_stale_fragments,
@@ -771,7 +771,11 @@ def _apply(flat: Any, values: dict[str, Any], planner: Any, materialized: list[A
                     "cannot be told (several keys hold the same value); override transform_key instead so "
                     "the loaded value can be put back")
             continue
-        if value is not leaf.value and leaf.set is not None:
+        if value is leaf.value:
+            continue
+        if isinstance(leaf.value, dict) and isinstance(value, dict):  # a plain dict stored whole
+            update_in_place(leaf.value, value)  # the caller may hold it (a data position)
+        elif leaf.set is not None:
             leaf.set(value)
     for leaf in materialized:  # loaded in place into the tensors that replace meta targets
         if id(leaf) in filled:  # (one strict=False skipped stays on meta)

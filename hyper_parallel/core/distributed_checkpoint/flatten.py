@@ -45,6 +45,18 @@ def _holds_data(v: Any) -> bool:
     return False
 
 
+def update_in_place(old: dict, new: dict) -> None:
+    """Make the dict ``old`` hold ``new``, keeping its nested dicts (a training loop may hold
+    ``extra["data"]`` and advance it): a dict in both is updated, not replaced."""
+    for k in [k for k in old if k not in new]:
+        del old[k]
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict) and old[k] is not v:
+            update_in_place(old[k], v)
+        else:
+            old[k] = v
+
+
 def path_from_parts(parts: Any) -> tuple[PathPart, ...] | None:
     """A path recorded the way torch DCP (and HyperParallel) record them, dict keys as str
     and list indices as int, in our form (indices as ``("i", n)``); None if it is not one."""

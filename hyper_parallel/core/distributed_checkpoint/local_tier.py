@@ -90,7 +90,7 @@ import torch.distributed as dist
 from .async_staging import StagingStats, _BufferPool, _copy_into, _copy_value, _tensor_spec
 from .coordination import Coordinator
 from .errors import CorruptCheckpointError
-from .flatten import Flat, flatten
+from .flatten import Flat, flatten, update_in_place
 from .local_format import FORMAT_NAME as LOCAL_FORMAT
 from .local_format import FORMAT_VERSION as LOCAL_VERSION
 from .local_format import (
@@ -878,7 +878,11 @@ def _apply(flat: Flat, values: dict[str, Any]) -> None:
     their filled state (tensors were filled in place)."""
     for key, value in values.items():
         leaf = flat.leaves.get(key)
-        if leaf is not None and leaf.set is not None:
+        if leaf is None or value is leaf.value:
+            continue
+        if isinstance(leaf.value, dict) and isinstance(value, dict):  # kept, as load keeps it
+            update_in_place(leaf.value, value)
+        elif leaf.set is not None:
             leaf.set(value)
     for obj, inner in flat.statefuls:
         obj.load_state_dict(inner)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .coordination import Coordinator
+from .flatten import update_in_place
 
 if TYPE_CHECKING:  # importing torch.distributed.checkpoint costs ~0.5 s; done on first use
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -355,7 +356,7 @@ class TrainState:
         if self.extra is not None:
             loaded = state_dict.get("extra", {})
             if loaded is not self.extra:
-                self.extra.clear()
-                self.extra.update(loaded)
+                update_in_place(self.extra, loaded)
         if self.rng:
             self.rng_restored = load_rng_state_dict(state_dict["rng"], self.process_group)
+

@@ -517,3 +517,25 @@ def test_big_endian_numpy_arrays_save_their_values(tmp_path):
     assert out.dtype == np.float32 and np.array_equal(out, a)
     with pytest.raises(StateDictMismatchError, match=r"'be'.*byte order"):
         load({"be": np.zeros((2, 3), dtype=">f4")}, str(tmp_path / "ck"), no_dist=True)
+
+
+def test_a_plain_dict_loads_into_the_callers_own_dict(tmp_path):
+    # a training loop holding extra["data"] kept reading position 0 after a resume: the load
+    # had put a new dict in its place
+    from hyper_parallel.core.distributed_checkpoint import TrainState
+
+    data = {"position": 512, "epoch": 2}
+    def parts():
+        model = torch.nn.Linear(2, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    save({"app": TrainState(*parts(), extra={"data": data, "w": torch.ones(2)})}, str(tmp_path / "ck"), no_dist=True)
+    mine = {"position": 0, "epoch": 0}
+    state = TrainState(*parts(), extra={"data": mine, "w": torch.zeros(2)})
+    load({"app": state}, str(tmp_path / "ck"), no_dist=True)
+    assert state.extra["data"] is mine and mine == {"position": 512, "epoch": 2}
+    target = {"cfg": {"lr": 0.0, "nested": {"a": 0}}}
+    inner = target["cfg"]["nested"]
+    save({"cfg": {"lr": 0.5, "nested": {"a": 1}}}, str(tmp_path / "plain"), no_dist=True)
+    load(target, str(tmp_path / "plain"), no_dist=True)
+    assert target["cfg"]["nested"] is inner and inner == {"a": 1} and target["cfg"]["lr"] == 0.5
