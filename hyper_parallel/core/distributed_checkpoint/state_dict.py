@@ -16,7 +16,9 @@ Model and optimizer states come from torch's
 and Adam moments stay sharded DTensors, so a checkpoint saved under one parallel layout
 loads under another) and go back through ``set_state_dict``. ``get_state_dict`` gives a
 never-stepped optimizer its state (a step with zero gradients and lr 0, which changes no
-parameter), so a fresh optimizer is a complete load target: no warm-up step is needed.
+parameter), so a fresh optimizer is a complete load target: no warm-up step is needed. That
+state is taken back afterwards and saved as zeros, so a checkpoint taken before the first step
+changes no training, and a job resumed from it starts its optimizer fresh.
 
 RNG states differ per rank. :func:`rng_state_dict` gathers every rank's states into one
 ``bytes`` value (JSON inside, no pickle); :func:`load_rng_state_dict` gives each rank its
@@ -89,7 +91,11 @@ def get_train_state_dict(
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizers, options=options)
+    optims = _as_list(optimizers)
+    fresh = {o: getattr(o, "_opt_called", None) for o in optims if not o.state}
+    model_sd, optim_sd = get_state_dict(model, optims if len(optims) != 1 else optims[0], options=options)
+    if fresh:
+        _undo_initial_step(fresh, optim_sd, every_optimizer=len(fresh) == len(optims))
     out: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if scheduler is not None:
         out["scheduler"] = scheduler.state_dict()
@@ -126,12 +132,62 @@ def set_train_state_dict(
     for key in ("model", "optim") + (("scheduler",) if scheduler is not None else ()):
         if key not in state_dict:
             raise KeyError(f"the training state dict has no {key!r} entry (keys: {sorted(state_dict)})")
+    optims = _as_list(optimizers)
     set_state_dict(
-        model, optimizers, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"],
-        options=options,
+        model, optims if len(optims) != 1 else optims[0], model_state_dict=state_dict["model"],
+        optim_state_dict=state_dict["optim"], options=options,
     )
+    for o in optims:
+        if o.state and _never_stepped(o):
+            o.state.clear()  # saved before its first step: it starts as a fresh one would
     if scheduler is not None:
         scheduler.load_state_dict(state_dict["scheduler"])
+
+
+def _as_list(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+
+
+def _undo_initial_step(fresh: dict[torch.optim.Optimizer, Any], optim_sd: dict[str, Any], *,
+                       every_optimizer: bool) -> None:
+    """Give never-stepped optimizers back their empty state, and save them as never stepped.
+
+    torch's ``get_state_dict`` steps an optimizer without state once (zero gradients, lr 0) so
+    that its state dict has every entry. Parameters do not change, but the state does: Adam's
+    ``step`` becomes 1 and NAdam's ``mu_product`` moves, so a job that saved before its first
+    step trained differently from one that did not, and so did a job resumed from that save.
+    The optimizer gets its empty state back, and the saved state (now held only by
+    ``optim_sd``) is zeroed: an all-zero state is how :func:`set_train_state_dict` recognises
+    a never-stepped optimizer and starts it fresh again.
+    """
+    mine = {id(v) for o in fresh for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+    for o, opt_called in fresh.items():
+        o.state.clear()
+        if opt_called is None:
+            o.__dict__.pop("_opt_called", None)
+        else:
+            o._opt_called = opt_called  # an LR scheduler's "optimizer.step() was called" flag
+    for st in optim_sd.get("state", {}).values():
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor) and (every_optimizer or id(v) in mine):
+                with torch.no_grad():
+                    v.zero_()
+            elif every_optimizer and isinstance(v, (int, float)) and not isinstance(v, bool):
+                st[name] = type(v)(0)
+
+
+def _never_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every state value is zero: what :func:`_undo_initial_step` saves (a stepped Adam
+    has ``step`` >= 1; the check stops at the first non-zero value)."""
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                if local.numel() and bool(local.ne(0).any()):
+                    return False
+            elif isinstance(v, (int, float)) and v != 0:
+                return False
+    return True
 
 
 # ---------------------------------------------------------------------------------- RNG

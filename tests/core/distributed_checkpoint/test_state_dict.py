@@ -83,6 +83,55 @@ def test_a_fresh_model_and_never_stepped_optimizer_resume_exactly(tmp_path):
     assert [train_step(model2, optim2, sched2, s) for s in (4, 5, 6)] == expected
 
 
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),  # mu_product is not zero after torch's step
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.5),
+}
+
+
+def _run(kind: str, saves_at_0: str | None, resume_from: str | None, steps: int = 4) -> list[float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    optim = OPTIMIZERS[kind](model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda e: 1.0)
+    if resume_from:
+        load({"app": TrainState(model, optim, sched, rng=False)}, resume_from)
+    if saves_at_0:
+        save({"app": TrainState(model, optim, sched, rng=False)}, saves_at_0)
+    return [train_step(model, optim, sched, s) for s in range(1, steps + 1)]
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_checkpoint_before_the_first_step_changes_no_training(tmp_path, kind):
+    """torch's get_state_dict steps a never-stepped optimizer (zero gradients, lr 0) to give it a
+    state; that state (Adam's step 1) used to stay, so saving at step 0 changed every later step,
+    and resuming from that checkpoint did too."""
+    plain = _run(kind, None, None)
+    ckpt = str(tmp_path / "step0")
+    assert _run(kind, ckpt, None) == plain
+    assert _run(kind, None, ckpt) == plain
+
+
+def test_a_never_stepped_optimizer_is_saved_as_never_stepped(tmp_path):
+    model, optim, sched = make()
+    save({"app": TrainState(model, optim, sched, rng=False)}, tmp_path / "ckpt")
+    assert not optim.state  # the state torch gave it for the save is gone again
+    steps = [v for k, v in _flat(load(None, tmp_path / "ckpt")).items() if k.startswith("app.optim.state.")
+             and k.endswith(".step")]
+    assert len(steps) == 4 and all(float(v) == 0 for v in steps), steps
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def test_adam_moments_and_step_equal_the_saved_ones(tmp_path):
     model, optim, sched = trained(4)
     save({"app": TrainState(model, optim, sched)}, tmp_path / "ckpt")
