@@ -724,6 +724,7 @@ class AsyncCheckpointer:
         job.response._staged.wait()
         meta, error = None, None
         try:
+            in_flight.wait_for_earlier_saves(id(job))  # another checkpointer's, to the same place
             meta = save(self._staged_state_dict(job), process_group=job.group, **job.save_kwargs)
         except BaseException as exc:  # every failure belongs to the response, never to the thread
             error = exc

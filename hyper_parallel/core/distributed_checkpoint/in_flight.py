@@ -3,12 +3,16 @@
 A synchronous ``save`` or a ``load`` of a place an async save is still writing waits for it
 first: committed later, the async save would replace the newer checkpoint with older state
 (both reporting success), or remove the files a load is reading. The background threads'
-own saves do not wait (they are what is waited for). The wait is bounded by the
-checkpointer's ``wait_timeout_s``: a stuck storage becomes an error, not a hang.
+own saves do not wait for that reason (they are what is waited for), but an async save waits
+for the async saves to its place that started before it, from any checkpointer: one
+checkpointer writes its saves in order, two (say ``async_save`` and a manager's) did not. The
+wait is bounded by the checkpointer's ``wait_timeout_s``: a stuck storage becomes an error,
+not a hang.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from typing import Any
@@ -17,7 +21,8 @@ from .errors import CheckpointError
 from .storage import location
 
 _LOCK = threading.Lock()
-_PENDING: dict[int, tuple[str, threading.Event, float]] = {}  # id -> (place, finished, longest wait)
+_PENDING: dict[int, tuple[str, threading.Event, float, int]] = {}  # id -> (place, finished, wait, order)
+_ORDER = itertools.count()
 _BACKGROUND = threading.local()
 
 
@@ -32,7 +37,7 @@ def started(key: int, place: str | None, finished: threading.Event, wait_timeout
     """An async save to ``place`` is in flight until ``finished`` is set (or :func:`ended`)."""
     if place is not None:
         with _LOCK:
-            _PENDING[key] = (place, finished, wait_timeout_s)
+            _PENDING[key] = (place, finished, wait_timeout_s, next(_ORDER))
 
 
 def ended(key: int) -> None:
@@ -58,7 +63,23 @@ def wait_for_saves_to(place: str | None) -> None:
     if place is None or getattr(_BACKGROUND, "active", False):
         return
     with _LOCK:
-        waits = [(finished, limit) for where, finished, limit in _PENDING.values() if where == place]
+        waits = [(finished, limit) for where, finished, limit, _ in _PENDING.values() if where == place]
+    _wait(place, waits)
+
+
+def wait_for_earlier_saves(key: int) -> None:
+    """In the background thread about to write async save ``key``: wait until the async saves
+    to its place that started before it (in any checkpointer of this process) have ended."""
+    with _LOCK:
+        mine = _PENDING.get(key)
+        if mine is None:
+            return
+        waits = [(finished, limit) for other, (where, finished, limit, order) in _PENDING.items()
+                 if other != key and where == mine[0] and order < mine[3]]
+    _wait(mine[0], waits)
+
+
+def _wait(place: str, waits: list[tuple[threading.Event, float]]) -> None:
     for finished, limit in waits:
         if not finished.wait(limit):
             raise CheckpointError(

@@ -676,6 +676,19 @@ def test_a_save_or_load_after_an_async_save_to_the_same_path_waits_for_it(tmp_pa
     assert resp.done() and out["version"] == 3 and torch.equal(out["w"], torch.full((64, 64), 3.0))
 
 
+def test_async_saves_of_two_checkpointers_to_one_place_commit_in_the_order_they_started(tmp_path):
+    # each checkpointer writes its own saves in order, but two did not wait for each other: the
+    # earlier, slower save committed last and replaced the newer checkpoint
+    path = str(tmp_path / "ck")
+    first = AsyncCheckpointer().save({"w": torch.ones(8), "version": 1}, storage_writer=SlowWriter(path, delay=0.5))
+    second = AsyncCheckpointer().save({"w": torch.full((8,), 2.0), "version": 2}, checkpoint_id=path)
+    second.result(timeout=60)
+    assert first.done()
+    first.result()
+    out = load(path=path)
+    assert out["version"] == 2 and torch.equal(out["w"], torch.full((8,), 2.0))
+
+
 def destroy_with_a_save_in_flight(rank: int, ws: int, path: str) -> str:
     from hyper_parallel.core.distributed_checkpoint import LostContactError
 
