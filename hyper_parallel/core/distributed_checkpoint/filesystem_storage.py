@@ -438,9 +438,9 @@ class FileSystemReader(StorageReader):
     Args:
         path: the checkpoint directory.
         direct_io: requests aligned on 4 KiB (offset, length and memory) are read with
-            O_DIRECT when True, or when None (default) on local block filesystems (ext4, xfs,
-            btrfs, ...); everything else goes through the page cache. False: always the page
-            cache. The loader aligns the reads whose bytes it needs (see
+            O_DIRECT when True (an error where the filesystem refuses it), or when None
+            (default) on local block filesystems (ext4, xfs, btrfs, ...); everything else goes
+            through the page cache. False: always the page cache. The loader aligns the reads whose bytes it needs (see
             :attr:`read_alignment`) and leaves to the page cache those it reads only partly
             (whole rows of which it wants some columns), which other ranks probably read too.
     """
@@ -448,6 +448,8 @@ class FileSystemReader(StorageReader):
     def __init__(self, path: str | os.PathLike, direct_io: bool | None = None):
         self.path = checkpoint_path(path)
         self.direct_io = _mode_arg(direct_io)
+        if direct_io and not O_DIRECT:
+            raise CheckpointError("direct_io=True: this platform has no O_DIRECT; pass direct_io=None")
         self._direct: bool | None = None if direct_io is None else direct_io and bool(O_DIRECT)
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int | None] = {}
@@ -519,8 +521,16 @@ class FileSystemReader(StorageReader):
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
+                    if self.direct_io:
+                        raise self._refused(name, exc) from None
                     self._direct_fds[name] = None  # this filesystem refuses O_DIRECT: read buffered
             return self._direct_fds[name]
+
+    def _refused(self, name: str, exc: OSError) -> CheckpointError:
+        return CheckpointError(
+            f"direct_io=True, but reading {os.path.join(self.path, name)!r} with O_DIRECT failed ({exc}); the "
+            f"{direct_io.filesystem_name(self.path)} filesystem may not support it: pass direct_io=None "
+            "(automatic) or False")
 
     def file_size(self, name: str) -> int:
         return os.fstat(self._fd(name)).st_size
@@ -559,6 +569,8 @@ class FileSystemReader(StorageReader):
             except OSError as exc:
                 if exc.errno != errno.EINVAL or fd == self._fds.get(name):
                     raise
+                if self.direct_io:
+                    raise self._refused(name, exc) from None
                 fd = self._fd(name)  # O_DIRECT refused this request: read it buffered
                 continue
             calls += 1

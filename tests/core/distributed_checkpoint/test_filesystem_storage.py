@@ -188,7 +188,10 @@ def test_a_filesystem_that_refuses_o_direct_falls_back_or_fails_clearly(ext_dir,
     writer = FileSystemWriter(ext_dir)  # automatic: falls back to buffered writes
     save(sd, storage_writer=writer, no_dist=True)
     assert writer.uses_direct_io is False
-    _assert_loaded(ext_dir, sd, direct_io=True)  # reads fall back to the page cache too
+    _assert_loaded(ext_dir, sd)  # automatic reads fall back to the page cache too
+    # forced: an error naming the file, as for writes (it read through the page cache, silently)
+    with pytest.raises(CheckpointError, match=r"direct_io=True.*data-r0"):
+        _assert_loaded(ext_dir, sd, direct_io=True)
     with pytest.raises(CheckpointError, match="direct_io=True"):
         save(sd, storage_writer=FileSystemWriter(ext_dir + "-forced", direct_io=True), no_dist=True)
     assert not os.path.exists(os.path.join(ext_dir + "-forced", ".metadata"))
