@@ -172,6 +172,14 @@ def test_gc_of_a_retired_step_keeps_the_files_a_committed_step_reads(tmp_path):
     out = run("gc", step1)
     assert out.returncode == 0, out.stderr
     assert sorted(os.listdir(step1)) == kept and "removed 1 " in out.stdout  # only the debris went
+    # other names of the step: the step was not recognised, and every file went
+    alias = str(tmp_path / "alias")
+    os.symlink(step1, alias)
+    for args, cwd in (((step1 + "/.",), None), ((alias,), None), ((".",), step1)):
+        out = subprocess.run([sys.executable, "-m", "hyper_parallel.core.distributed_checkpoint", "gc", *args],
+                             capture_output=True, text=True, timeout=120, cwd=cwd)
+        assert out.returncode == 0 and "removed 0 " in out.stdout, (args, out.stdout, out.stderr)
+        assert sorted(os.listdir(step1)) == kept
     assert torch.equal(load(path=os.path.join(d, "step_00000002"))["w"], torch.ones(100))
     with open(os.path.join(d, "step_00000002", ".metadata"), "r+b") as f:  # unreadable: refuse, delete nothing
         f.write(b"garbage")

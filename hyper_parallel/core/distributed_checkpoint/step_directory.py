@@ -26,7 +26,7 @@ from typing import Any
 from . import metadata as md
 from .errors import CheckpointError, NotACheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
-from .storage import StorageReader, StorageWriter, is_url
+from .storage import StorageReader, StorageWriter, is_url, location
 
 __all__ = ["StepInfo", "files_other_steps_use", "list_steps", "step_dir_name", "references_of"]
 
@@ -366,7 +366,7 @@ def files_other_steps_use(path: PathLike) -> set[str]:
     step directory. A sibling whose ``.metadata`` does not parse might name some: that is an
     error, not a guess.
     """
-    path = os.fspath(path).rstrip("/").rstrip(os.sep)
+    path = location(path)  # "." inside a step, "step/.", a symlink: the step's own name
     name = path.rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
     if step_of(name) is None:
         return set()
