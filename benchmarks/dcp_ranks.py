@@ -627,8 +627,9 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
                 if lib == "ours_untiled":  # no column bands: the background writes without copying
                     kw["planner"] = hp.StandardPlanner()
                     kw["planner"].max_tiles = 1
-                resp = hp.async_save(sd, checkpoint_id=path, sync_files=True,
-                                     callback=lambda r: done_at.append(time.monotonic()), **kw)
+                start = at_caller_priority.save if lib == "ours_nice0" else hp.async_save
+                resp = start(sd, checkpoint_id=path, sync_files=True,
+                             callback=lambda r: done_at.append(time.monotonic()), **kw)
                 finished = resp.done
                 wait = resp.result
             else:
@@ -654,7 +655,9 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
             b.barrier()
             return rec
 
-        libs = ["ours", "ours_untiled", "torch"] if have_ours else ["torch"]
+        # the default runs the background threads at nice 10 (priority.py); this one at the loop's
+        at_caller_priority = hp.AsyncCheckpointer(background_nice=0) if have_ours else None
+        libs = ["ours", "ours_untiled", "ours_nice0", "torch"] if have_ours else ["torch"]
         if not have_ours:
             b.notes.append("async_save not in hyper_parallel.core.distributed_checkpoint: ours skipped")
         for i in range(cfg["warmup_async"]):

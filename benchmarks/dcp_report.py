@@ -568,7 +568,9 @@ def markdown(doc: dict) -> str:
             name = {"ours": "ours", "torch": "torch DCP", "ours_first": "ours, first call (allocates)",
                     "torch_first": "torch DCP, first call",
                     "ours_untiled": "ours, `planner.max_tiles = 1` (no column bands to copy)",
-                    "ours_untiled_first": "ours, `max_tiles = 1`, first call"}.get(variant, variant)
+                    "ours_untiled_first": "ours, `max_tiles = 1`, first call",
+                    "ours_nice0": "ours, `AsyncCheckpointer(background_nice=0)` (threads at the loop's priority)",
+                    "ours_nice0_first": "ours, `background_nice=0`, first call"}.get(variant, variant)
             bg = e.get("background_cpu_s") or summary([])
             lost = e.get("lost_s") or summary([])
             L.append(f"| {name} | {_cell(e['blocking_s'], 3)} | {_cell(e['committed_s'], 3)} | {_cell(e['kept'])} "

@@ -62,6 +62,7 @@ from .coordination import group_timeout, is_broken
 from .errors import CheckpointError, LostContactError
 from .flatten import FlatStateDict, flatten
 from .planner import SavePlanner
+from .priority import BACKGROUND_NICE, lower_priority, lower_this_thread, thread_ids
 from .storage import StorageWriter, is_url
 
 __all__ = [
@@ -409,6 +410,9 @@ class AsyncCheckpointer:
         wait_timeout_s: the longest a call waits for an earlier save by default (making room
             for a new save, ``result()``); past it, the call raises instead of blocking forever
             on a stuck storage. ``result(timeout=None)`` still waits without bound.
+        background_nice: the niceness (Linux) of the threads that stage and write saves in
+            the background, and of their gloo group's threads, so the training loop goes first
+            on contended cores (see :mod:`.priority`); 0 runs them at the caller's priority.
 
     Example::
 
@@ -421,9 +425,12 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, max_in_flight: int = 1, exit_timeout_s: float = 600.0, max_cached_structures: int = 2,
-                 wait_timeout_s: float = 3600.0):
+                 wait_timeout_s: float = 3600.0, background_nice: int = BACKGROUND_NICE):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if not 0 <= background_nice <= 19:
+            raise ValueError(f"background_nice must be within 0..19, got {background_nice}")
+        self.background_nice = background_nice
         self.max_in_flight = max_in_flight
         self.exit_timeout_s = exit_timeout_s
         self.wait_timeout_s = wait_timeout_s
@@ -610,6 +617,7 @@ class AsyncCheckpointer:
         if cached is not None and cached[0] is world and not is_broken(cached[1]):
             return cached[1]
         made_timeout = timeout or group_timeout(process_group or world)
+        before = thread_ids() if self.background_nice else set()
         try:
             if len(ranks) == dist.get_world_size():
                 group = dist.new_group(list(ranks), timeout=made_timeout, backend="gloo")
@@ -622,6 +630,8 @@ class AsyncCheckpointer:
                 f"async_save: setting up its gloo group with ranks {list(ranks)[:16]} failed on rank "
                 f"{dist.get_rank()} ({exc}). A rank did not call async_save, or was later than the "
                 f"timeout ({made_timeout})") from exc
+        if self.background_nice:
+            lower_priority(thread_ids(gloo_only=True) - before, self.background_nice)  # its I/O threads
         self._groups[(ranks, timeout)] = (world, group)
         return group
 
@@ -695,8 +705,8 @@ class AsyncCheckpointer:
             self._threads_pid = os.getpid()
             self._write_queue, self._stage_queue = queue.Queue(), queue.Queue()
             for jobs, name in ((self._write_queue, "_write"), (self._stage_queue, "_stage")):
-                threading.Thread(target=_worker_loop, args=(jobs, name), name=f"hp-dcp-async{name}",
-                                 daemon=True).start()
+                threading.Thread(target=_worker_loop, args=(jobs, name, self.background_nice),
+                                 name=f"hp-dcp-async{name}", daemon=True).start()
             # Idle threads hold no reference to the checkpointer; when it is collected, they end.
             self._stop = weakref.finalize(self, _stop_workers, self._write_queue, self._stage_queue)
             self._stop.atexit = False
@@ -800,9 +810,10 @@ def _record_event(device: torch.device) -> Any:
     return event
 
 
-def _worker_loop(jobs: queue.Queue, method: str) -> None:
+def _worker_loop(jobs: queue.Queue, method: str, nice: int) -> None:
     """Run ``job.owner.<method>(job)`` for each queued job, until a None arrives."""
     in_flight.mark_background()
+    lower_this_thread(nice)
     while True:
         job = jobs.get()
         if job is None:

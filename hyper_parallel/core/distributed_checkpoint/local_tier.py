@@ -112,6 +112,7 @@ from .local_format import (
     write_shard_file,
 )
 from .local_replication import MappedFile, Topology, node_identity, recv_file, send_file, wait_all
+from .priority import lower_priority, lower_this_thread, thread_ids
 
 __all__ = ["LocalTier", "LocalSaveTiming", "Recovery", "decide"]
 
@@ -183,34 +184,6 @@ class _Job:
     waited_s: float = 0.0
     state_dict_s: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
-
-
-BACKGROUND_NICE = 10  # the niceness of the tier's background threads (Linux)
-
-
-def _thread_ids(gloo_only: bool = False) -> set[int]:
-    """This process's thread ids (Linux /proc), optionally only gloo's I/O and worker threads."""
-    try:
-        tids = {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-    if not gloo_only:
-        return tids
-    out = set()
-    for tid in tids:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().startswith(("gloo", "pt_gloo")):
-                    out.add(tid)
-    return out
-
-
-def _lower_priority(tids: set[int] | list[int]) -> None:
-    """Run the tier's background work at a lower CPU priority than training: where CPUs are
-    contended, training threads go first and replication fills the gaps (best effort)."""
-    for tid in tids:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
 
 
 def _new_timeline() -> str:
@@ -328,10 +301,10 @@ class LocalTier:
             return False
         if self._needs_group and self._group is None:
             ranks = self.coord.group_ranks  # collective: every rank makes its first local save at the same step
-            before = _thread_ids()
+            before = thread_ids()
             self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
                                          use_local_synchronization=len(ranks) != dist.get_world_size())
-            _lower_priority(_thread_ids(gloo_only=True) - before)  # the group's own I/O threads
+            lower_priority(thread_ids(gloo_only=True) - before)  # the group's own I/O threads
         waited = time.perf_counter()
         job = _Job(step, self.timeline, started, waited_s=waited - started)
         try:
@@ -377,7 +350,7 @@ class LocalTier:
         self._queue.put(job)
 
     def _worker(self) -> None:
-        _lower_priority([threading.get_native_id()])
+        lower_this_thread()
         while True:
             job = self._queue.get()
             if job is None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from datetime import timedelta
 
@@ -687,6 +688,24 @@ def test_async_saves_of_two_checkpointers_to_one_place_commit_in_the_order_they_
     first.result()
     out = load(path=path)
     assert out["version"] == 2 and torch.equal(out["w"], torch.full((8,), 2.0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize("nice", [None, 0, 5])
+def test_background_threads_yield_the_cpu_to_training(tmp_path, nice):
+    # they ran at the training loop's own priority, taking half of each contended core from it
+    seen = []
+    kwargs = {} if nice is None else {"background_nice": nice}
+    ckpt = AsyncCheckpointer(**kwargs)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    resp = ckpt.save({"w": torch.ones(8)}, tmp_path / "ck", no_dist=True,
+                     callback=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    resp.result(timeout=60)
+    ckpt.close()
+    assert seen == [max(own, 10 if nice is None else nice)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's stays
+    with pytest.raises(ValueError, match="background_nice"):
+        AsyncCheckpointer(background_nice=20)
 
 
 def destroy_with_a_save_in_flight(rank: int, ws: int, path: str) -> str:
