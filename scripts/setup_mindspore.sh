@@ -12,6 +12,6 @@ PY=${PYTHON:-python3}
 if [ ! -x .msenv/bin/python ]; then
   "$PY" -m venv .msenv
 fi
-.msenv/bin/python -m pip install -q --disable-pip-version-check "mindspore==2.10.0" "numpy<2" 2>&1 \
+.msenv/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir "mindspore==2.10.0" "numpy<2" 2>&1 \
   | { grep -v "^WARNING: Location 'file://" || true; }
 .msenv/bin/python -c "import mindspore; print('mindspore', mindspore.__version__, 'in', '$(pwd)/.msenv')"
