@@ -546,8 +546,10 @@ def load(
         planner: a :class:`LoadPlanner`; default: :class:`StandardPlanner`.
         process_group: as for :func:`save` (default: the world, or the one mesh over some
             ranks that every target DTensor lives on; ranks outside that mesh need not call
-            load). A rank with nothing to load (an empty target) takes part all the same, as in
-            torch DCP and HyperParallel: the others' collectives wait for it.
+            load). A call with an empty target returns at once without any collective, as
+            HyperParallel's system tests need (ranks outside a ``rank_list`` mesh call
+            ``load({})``); so where the others load on the world group, every rank must ask for
+            something, or they wait for it until ``timeout`` and then fail saying so.
         use_collectives: False: no collective; this rank reads the whole checkpoint's
             metadata where there is one (``.metadata``, or a foreign reader's such as
             Hugging Face files), else only its own fragment of a rank-local checkpoint.
@@ -602,6 +604,8 @@ def load(
     where = _resolve_path(path, checkpoint_id, storage_reader)
     # an async save in flight to this place would commit under the reader (and remove the old files)
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_reader))
+    if isinstance(state_dict, dict) and not state_dict and process_group is None:
+        return state_dict  # nothing to load: no collective (HyperParallel's ranks outside a rank_list mesh)
     rank_local = not use_collectives and not no_dist and _distributed()
     if rank_local:
         my_rank = dist.get_rank(process_group) if process_group is not None else dist.get_rank()

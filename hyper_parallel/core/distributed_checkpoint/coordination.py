@@ -139,8 +139,8 @@ class Coordinator:
                 _BROKEN[id(group)] = group
             raise LostContactError(
                 f"checkpoint {phase}: lost contact with the other ranks on rank {self.global_rank} "
-                f"({exc}). A rank crashed, did not call save/load, or stalled longer than the "
-                f"timeout ({self.timeout})"
+                f"({exc}). A rank crashed, did not call save/load (a load with an empty target, "
+                f"{{}}, takes no part), or stalled longer than the timeout ({self.timeout})"
             ) from exc
 
     @property

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from hyper_parallel.core.distributed_checkpoint import (
+    LostContactError,
     RankFailedError,
     StandardPlanner,
     UnsupportedValueError,
@@ -356,17 +357,21 @@ def test_plain_values_that_differ_between_ranks_are_named_in_a_warning(tmp_path)
     assert "'step'" not in on_coordinator[0] and elsewhere == []
 
 
-def rank_loads_nothing(rank: int, ws: int, path: str) -> float:
+def rank_loads_nothing(rank: int, ws: int, path: str) -> str:
     save({"a": torch.arange(10.0), "b": torch.ones(3)}, path)
     target = {} if rank == 1 else {"a": torch.zeros(10)}
-    start = time.monotonic()
-    load(target, checkpoint_id=path, timeout=20)
-    assert rank == 1 or torch.equal(target["a"], torch.arange(10.0))
-    return time.monotonic() - start
+    try:
+        load(target, checkpoint_id=path, timeout=3)
+    except LostContactError as exc:
+        return str(exc)
+    finally:
+        if rank == 1:
+            time.sleep(6)  # alive, going on with its work, as a training job would
+    return "loaded"
 
 
-def test_a_rank_with_an_empty_target_takes_part_in_the_load(tmp_path):
-    # it returned at once without any collective, and the other ranks waited for it until their
-    # timeout (30 min by default), then failed with a lost-contact error that named no cause
-    took = run_ranks(rank_loads_nothing, 2, str(tmp_path / "ck"), timeout_s=90)
-    assert max(took) < 10, took
+def test_a_world_group_load_where_one_rank_has_an_empty_target_fails_naming_it(tmp_path):
+    # load({}) takes no part (HyperParallel's ranks outside a rank_list mesh call it), so the
+    # others wait for it until their timeout: the error says that is a possible cause
+    out = run_ranks(rank_loads_nothing, 2, str(tmp_path / "ck"), timeout_s=90)
+    assert out[1] == "loaded" and "empty target" in out[0], out
