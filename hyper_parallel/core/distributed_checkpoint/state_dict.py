@@ -133,11 +133,12 @@ def set_train_state_dict(
         if key not in state_dict:
             raise KeyError(f"the training state dict has no {key!r} entry (keys: {sorted(state_dict)})")
     optims = _as_list(optimizers)
+    lazy = [o for o in optims if not o.state]  # state made at the first step: it can be made again
     set_state_dict(
         model, optims if len(optims) != 1 else optims[0], model_state_dict=state_dict["model"],
         optim_state_dict=state_dict["optim"], options=options,
     )
-    for o in optims:
+    for o in lazy:
         if o.state and _never_stepped(o):
             o.state.clear()  # saved before its first step: it starts as a fresh one would
     if scheduler is not None:

@@ -113,6 +113,35 @@ def test_a_checkpoint_before_the_first_step_changes_no_training(tmp_path, kind):
     assert _run(kind, None, ckpt) == plain
 
 
+class EagerMomentum(torch.optim.Optimizer):
+    """An optimizer that makes its state in __init__, not at its first step."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, {"lr": lr})
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["buf"] = torch.zeros_like(p)
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state[p]["buf"]
+                buf.mul_(0.9).add_(p.grad)
+                p.data.add_(buf, alpha=-group["lr"])
+
+
+def test_an_optimizer_with_state_from_its_constructor_keeps_it_through_a_resume(tmp_path):
+    # its all-zero state was taken for "never stepped" and dropped on load: KeyError at step()
+    model = nn.Linear(3, 2)
+    save({"app": TrainState(model, EagerMomentum(model.parameters()), rng=False)}, tmp_path / "ckpt")
+    model2 = nn.Linear(3, 2)
+    optim2 = EagerMomentum(model2.parameters())
+    load({"app": TrainState(model2, optim2, rng=False)}, tmp_path / "ckpt")
+    model2(torch.randn(4, 3)).sum().backward()
+    optim2.step()
+    assert all("buf" in st for st in optim2.state.values())
+
+
 def test_a_never_stepped_optimizer_is_saved_as_never_stepped(tmp_path):
     model, optim, sched = make()
     save({"app": TrainState(model, optim, sched, rng=False)}, tmp_path / "ckpt")
