@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -53,10 +55,15 @@ class FsspecWriter(StorageWriter):
 
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
         total = 0
-        with self.fs.open(self._path(name), "wb", block_size=_PART_BYTES) as f:
+        f = self.fs.open(self._path(name), "wb", block_size=_PART_BYTES)
+        try:
             for part in parts:
                 f.write(part)
                 total += memoryview(part).nbytes
+        except BaseException:
+            _abandon(f)
+            raise
+        f.close()
         return total
 
     def read_committed(self, name: str = METADATA_FILE) -> bytes | None:
@@ -74,6 +81,19 @@ class FsspecWriter(StorageWriter):
                 self.fs.rm_file(self._path(name))
             except FileNotFoundError:
                 pass
+
+
+def _abandon(f: Any) -> None:
+    """Drop a file whose write failed without finishing it: closing would upload what it holds,
+    and on S3 the parts of its multipart upload stay in the bucket (billed, listed by no one)
+    until the upload is aborted, which s3fs's ``discard`` does."""
+    with contextlib.suppress(Exception):
+        f.discard()
+    if getattr(f, "buffer", 0) is None:  # discarded (s3fs): closing now would fail or upload
+        f.closed = True
+        return
+    with contextlib.suppress(Exception):
+        f.close()
 
 
 class FsspecReader(StorageReader):
@@ -121,6 +141,12 @@ class FsspecReader(StorageReader):
     def list_files(self) -> list[str]:
         return sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
 
+    def _current_size(self, name: str) -> int | None:
+        with contextlib.suppress(OSError):
+            self.fs.invalidate_cache(self._path(name))
+            return int(self.fs.size(self._path(name)))
+        return None
+
     def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
         view = memoryview(buffer).cast("B")
         if not view.nbytes:
@@ -129,6 +155,14 @@ class FsspecReader(StorageReader):
             data = self.fs.cat_file(self._path(name), start=offset, end=offset + view.nbytes)
         except FileNotFoundError:
             raise self._missing(name) from None
+        except OSError as exc:
+            # S3 answers a range that starts past the end with 416, which s3fs raises as EINVAL
+            size = self._current_size(name) if exc.errno == errno.EINVAL else None
+            if size is None or offset < size:
+                raise
+            raise CorruptCheckpointError(
+                f"data file {self._path(name)!r} ends early: wanted {view.nbytes} bytes at offset {offset}, "
+                f"and it has {size}") from None
         if len(data) != view.nbytes:
             raise CorruptCheckpointError(
                 f"data file {self._path(name)!r} ends early: wanted {view.nbytes} bytes at {offset}"

@@ -65,6 +65,49 @@ def test_missing_checkpoint_and_missing_data_file_on_every_backend(backend):
         load(storage_reader=new_reader())
 
 
+def test_a_truncated_data_file_is_named_on_every_backend(backend):
+    # on S3 a range past the end is a 416, which came out as a bare OSError naming no file
+    import fsspec
+
+    new_writer, new_reader, where = backend
+    meta = save({"w": torch.arange(100000, dtype=torch.float32)}, storage_writer=new_writer())
+    root, opts = where()
+    fs, base = fsspec.core.url_to_fs(root, **(opts or {}))
+    name = next(n for n in meta.file_names() if n.startswith("data-"))
+    body = fs.cat_file(f"{base}/{name}")
+    fs.pipe_file(f"{base}/{name}", body[:-5000])
+    with pytest.raises(CorruptCheckpointError, match=f"{name}.*ends early"):
+        load(storage_reader=new_reader())
+
+
+class _FailingParts:
+    """Data parts that fail after the first ``ok`` bytes, as a rank whose save breaks mid-file."""
+
+    def __init__(self, ok: int):
+        self.ok = ok
+
+    def __iter__(self):
+        yield bytes(self.ok)
+        raise OSError("injected: the save failed mid-file")
+
+
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+def test_a_failed_write_leaves_no_multipart_upload_behind(backend):
+    # the parts of an unfinished multipart upload stayed in the bucket: billed, listed by no one
+    new_writer, _, where = backend
+    url, opts = where()
+    writer = new_writer()
+    writer.set_up(0, True)
+    with pytest.raises(OSError, match="injected"):  # past one 16 MiB part: an upload is under way
+        writer.write_file("data-r00000-0-00ff.safetensors", _FailingParts(20 << 20))
+    import boto3
+
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    s3 = boto3.client("s3", endpoint_url=opts["client_kwargs"]["endpoint_url"])
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    assert not writer.fs.exists(f"{writer.root}/data-r00000-0-00ff.safetensors")
+
+
 def test_the_offline_tools_read_the_urls_load_reads(tmp_path):
     # save/load took fsspec URLs; verify, reshard, offline_transform and export_torch_dcp
     # called every URL "not a checkpoint"
