@@ -181,6 +181,14 @@ def test_gc_of_a_retired_step_keeps_the_files_a_committed_step_reads(tmp_path):
         assert out.returncode == 0 and "removed 0 " in out.stdout, (args, out.stdout, out.stderr)
         assert sorted(os.listdir(step1)) == kept
     assert torch.equal(load(path=os.path.join(d, "step_00000002"))["w"], torch.ones(100))
+    # the step directory a symlink to another volume: its siblings are beside the link
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    os.rename(step1, vol / "step_00000001")
+    os.symlink(vol / "step_00000001", step1)
+    out = run("gc", step1)
+    assert out.returncode == 0 and "removed 0 " in out.stdout, out.stdout + out.stderr
+    assert torch.equal(load(path=os.path.join(d, "step_00000002"))["w"], torch.ones(100))
     with open(os.path.join(d, "step_00000002", ".metadata"), "r+b") as f:  # unreadable: refuse, delete nothing
         f.write(b"garbage")
     out = run("gc", step1)

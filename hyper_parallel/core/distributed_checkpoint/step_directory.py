@@ -366,7 +366,16 @@ def files_other_steps_use(path: PathLike) -> set[str]:
     step directory. A sibling whose ``.metadata`` does not parse might name some: that is an
     error, not a guess.
     """
-    path = location(path)  # "." inside a step, "step/.", a symlink: the step's own name
+    given = os.fspath(path)
+    if is_url(given):
+        return _files_siblings_use(given.rstrip("/"))
+    # the step under the name given ("step/." and "." normalised; run/step_1 may be a symlink
+    # to another volume) and under the name it resolves to (an alias of the step directory)
+    names = {os.path.abspath(given.removeprefix("file://")), location(given)}
+    return set().union(*(_files_siblings_use(p) for p in sorted(names)))
+
+
+def _files_siblings_use(path: str) -> set[str]:
     name = path.rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
     if step_of(name) is None:
         return set()
