@@ -35,6 +35,7 @@ still in flight (uncommitted): call ``wait()`` (or ``result()``) before it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import inspect
 import os
@@ -413,6 +414,7 @@ class AsyncCheckpointer:
         background_nice: the niceness (Linux) of the threads that stage and write saves in
             the background, and of their gloo group's threads, so the training loop goes first
             on contended cores (see :mod:`.priority`); 0 runs them at the caller's priority.
+            A save's ``callback`` runs on the writer thread, at this niceness too.
 
     Example::
 
@@ -490,6 +492,8 @@ class AsyncCheckpointer:
         given = where
         if where is not None and not is_url(where):  # the caller's directory now, not the writer's later
             where = os.path.abspath(where.removeprefix("file://"))
+        elif where is not None and self.background_nice:
+            _start_shared_threads_here()
 
         self._make_room()
         distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
@@ -808,6 +812,17 @@ def _record_event(device: torch.device) -> Any:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def _start_shared_threads_here() -> None:
+    """Start fsspec's process-wide I/O thread on the caller's thread, at its priority: the
+    writer thread would otherwise start it on the first save to a URL, and every later storage
+    call of the process (the training loop's own saves and loads too) would run at the
+    background's niceness (threads inherit their creator's)."""
+    with contextlib.suppress(Exception):
+        import fsspec.asyn
+
+        fsspec.asyn.get_loop()
 
 
 def _worker_loop(jobs: queue.Queue, method: str, nice: int) -> None:

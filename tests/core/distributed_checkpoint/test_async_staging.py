@@ -708,6 +708,27 @@ def test_background_threads_yield_the_cpu_to_training(tmp_path, nice):
         AsyncCheckpointer(background_nice=20)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_first_async_save_to_a_url_leaves_shared_threads_at_the_callers_priority(s3_bucket, s3_endpoint):
+    # fsspec's process-wide I/O thread was started by the nice-10 writer thread: every later S3
+    # call of the process, the training loop's own saves and loads too, ran at nice 10
+    bucket, _ = s3_bucket
+    script = textwrap.dedent(f"""
+        import os, threading, torch
+        os.environ["AWS_ENDPOINT_URL"] = {s3_endpoint!r}
+        from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer
+        AsyncCheckpointer().save({{"x": torch.arange(10.0)}}, "s3://{bucket}/a").result(timeout=60)
+        io = [t for t in threading.enumerate() if t.name == "fsspecIO"]
+        print(len(io), os.getpriority(os.PRIO_PROCESS, io[0].native_id) if io else None,
+              os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ})
+    assert out.returncode == 0, out.stderr
+    count, io_nice, own = out.stdout.split()
+    assert count == "1" and io_nice == own, out.stdout
+
+
 def destroy_with_a_save_in_flight(rank: int, ws: int, path: str) -> str:
     from hyper_parallel.core.distributed_checkpoint import LostContactError
 
