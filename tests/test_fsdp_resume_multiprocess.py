@@ -282,3 +282,46 @@ def test_an_fsdp2_checkpoint_before_the_first_step_changes_no_training(tmp_path)
     stays in the optimizer or in the checkpoint (losses were 0.6146 against 0.5936)."""
     plain, saved, resumed = run_ranks(rank_checkpoint_at_step_0, 2, str(tmp_path / "step0"))[0]
     assert saved == plain and resumed == plain
+
+
+def rank_two_optimizers_one_fresh(rank: int, ws: int) -> float:
+    """FSDP2, two optimizers: the head's has stepped, the body's has not; the state dict is
+    gathered (full_state_dict: copies of the states). Resuming must step the body's optimizer
+    as a fresh one does."""
+    from hyper_parallel.core.distributed_checkpoint import get_train_state_dict, set_train_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        for part in (model[0], model[1], model):
+            fully_shard(part)
+        return (model, torch.optim.Adam(model[0].parameters(), lr=1e-2, weight_decay=0.1),
+                torch.optim.Adam(model[1].parameters(), lr=1e-2))
+
+    def step_body(model: nn.Module, body: torch.optim.Optimizer) -> torch.Tensor:
+        torch.manual_seed(1)
+        model(torch.randn(4, 8)).sum().backward()
+        body.step()
+        return model[0].weight.full_tensor()
+
+    model, body, head = build()
+    torch.manual_seed(2)
+    model(torch.randn(4, 8)).sum().backward()
+    head.step()
+    for p in model.parameters():
+        p.grad = None
+    sd = get_train_state_dict(model, [body, head], options=options)
+    resumed_model, resumed_body, resumed_head = build()
+    get_train_state_dict(resumed_model, [resumed_body, resumed_head], options=options)
+    set_train_state_dict(resumed_model, [resumed_body, resumed_head], sd, options=options)
+    fresh_model, fresh_body, fresh_head = build()
+    set_train_state_dict(fresh_model, [fresh_body, fresh_head], sd, options=options)
+    fresh_body.state.clear()
+    return float((step_body(resumed_model, resumed_body) - step_body(fresh_model, fresh_body)).abs().max())
+
+
+def test_a_never_stepped_optimizer_beside_a_stepped_one_resumes_fresh_from_gathered_states():
+    # only the tensors the fresh optimizer itself held were zeroed; full_state_dict gives copies
+    assert run_ranks(rank_two_optimizers_one_fresh, 2) == [0.0, 0.0]

@@ -95,7 +95,7 @@ def get_train_state_dict(
     fresh = {o: getattr(o, "_opt_called", None) for o in optims if not o.state}
     model_sd, optim_sd = get_state_dict(model, optims if len(optims) != 1 else optims[0], options=options)
     if fresh:
-        _undo_initial_step(fresh, optim_sd, every_optimizer=len(fresh) == len(optims))
+        _undo_initial_step(model, fresh, optims, optim_sd)
     out: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     if scheduler is not None:
         out["scheduler"] = scheduler.state_dict()
@@ -149,32 +149,53 @@ def _as_list(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
     return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
 
 
-def _undo_initial_step(fresh: dict[torch.optim.Optimizer, Any], optim_sd: dict[str, Any], *,
-                       every_optimizer: bool) -> None:
+def _undo_initial_step(model: nn.Module, fresh: dict[torch.optim.Optimizer, Any], optims: list[torch.optim.Optimizer],
+                       optim_sd: dict[str, Any]) -> None:
     """Give never-stepped optimizers back their empty state, and save them as never stepped.
 
     torch's ``get_state_dict`` steps an optimizer without state once (zero gradients, lr 0) so
     that its state dict has every entry. Parameters do not change, but the state does: Adam's
     ``step`` becomes 1 and NAdam's ``mu_product`` moves, so a job that saved before its first
     step trained differently from one that did not, and so did a job resumed from that save.
-    The optimizer gets its empty state back, and the saved state (now held only by
+    The optimizer gets its empty state back, and its saved state (now held only by
     ``optim_sd``) is zeroed: an all-zero state is how :func:`set_train_state_dict` recognises
     a never-stepped optimizer and starts it fresh again.
     """
-    mine = {id(v) for o in fresh for st in o.state.values() for v in st.values() if isinstance(v, torch.Tensor)}
+    fqns: set[str] | None = None  # the parameters of the fresh optimizers; None: every one
+    if len(fresh) != len(optims):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        # each fresh optimizer's own keys (sharded: no collective; it has its state by now, so
+        # torch does not step it again); optim_sd may hold copies (full_state_dict, cpu_offload)
+        fqns = set()
+        for o in fresh:
+            fqns.update(get_optimizer_state_dict(model, o).get("state", {}))
     for o, opt_called in fresh.items():
         o.state.clear()
         if opt_called is None:
             o.__dict__.pop("_opt_called", None)
         else:
             o._opt_called = opt_called  # an LR scheduler's "optimizer.step() was called" flag
-    for st in optim_sd.get("state", {}).values():
-        for name, v in st.items():
-            if isinstance(v, torch.Tensor) and (every_optimizer or id(v) in mine):
-                with torch.no_grad():
-                    v.zero_()
-            elif every_optimizer and isinstance(v, (int, float)) and not isinstance(v, bool):
-                st[name] = type(v)(0)
+    state = optim_sd.get("state")
+    if isinstance(state, dict):
+        for fqn, per_param in state.items():
+            if fqns is None or fqn in fqns:
+                for name, v in per_param.items():
+                    per_param[name] = _zeroed(v)
+    else:  # StateDictOptions(flatten_optimizer_state_dict=True): "state.<fqn>.<name>" keys
+        for key, v in optim_sd.items():
+            if key.startswith("state.") and (fqns is None or key[len("state."):].rsplit(".", 1)[0] in fqns):
+                optim_sd[key] = _zeroed(v)
+
+
+def _zeroed(value: Any) -> Any:
+    """``value`` as zero: tensors in place, numbers anew; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        with torch.no_grad():
+            value.zero_()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        return type(value)(0)
+    return value
 
 
 def _never_stepped(optimizer: torch.optim.Optimizer) -> bool:

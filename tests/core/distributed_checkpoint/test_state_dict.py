@@ -102,6 +102,29 @@ def _run(kind: str, saves_at_0: str | None, resume_from: str | None, steps: int 
     return [train_step(model, optim, sched, s) for s in range(1, steps + 1)]
 
 
+def test_a_checkpoint_before_the_first_step_with_flattened_optimizer_keys(tmp_path):
+    # torchtitan's flatten_optimizer_state_dict=True: "state.<fqn>.step" keys were not zeroed
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def run(save_to=None, resume_from=None):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda e: 1.0)
+        if resume_from:
+            load({"app": TrainState(model, optim, rng=False, options=options)}, resume_from)
+        if save_to:
+            save({"app": TrainState(model, optim, rng=False, options=options)}, save_to)
+        return [train_step(model, optim, sched, s) for s in (1, 2, 3)]
+
+    plain = run()
+    ckpt = str(tmp_path / "step0")
+    assert run(save_to=ckpt) == plain
+    assert run(resume_from=ckpt) == plain
+
+
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_a_checkpoint_before_the_first_step_changes_no_training(tmp_path, kind):
     """torch's get_state_dict steps a never-stepped optimizer (zero gradients, lr 0) to give it a
