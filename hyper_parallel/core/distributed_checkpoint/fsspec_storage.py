@@ -60,10 +60,10 @@ class FsspecWriter(StorageWriter):
             for part in parts:
                 f.write(part)
                 total += memoryview(part).nbytes
+            f.close()  # uploads the last part and completes the upload
         except BaseException:
             _abandon(f)
             raise
-        f.close()
         return total
 
     def read_committed(self, name: str = METADATA_FILE) -> bytes | None:

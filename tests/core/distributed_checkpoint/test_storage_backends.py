@@ -92,7 +92,7 @@ class _FailingParts:
 
 
 @pytest.mark.parametrize("backend", ["s3"], indirect=True)
-def test_a_failed_write_leaves_no_multipart_upload_behind(backend):
+def test_a_failed_write_leaves_no_multipart_upload_behind(backend, monkeypatch):
     # the parts of an unfinished multipart upload stayed in the bucket: billed, listed by no one
     new_writer, _, where = backend
     url, opts = where()
@@ -106,6 +106,16 @@ def test_a_failed_write_leaves_no_multipart_upload_behind(backend):
     s3 = boto3.client("s3", endpoint_url=opts["client_kwargs"]["endpoint_url"])
     assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
     assert not writer.fs.exists(f"{writer.root}/data-r00000-0-00ff.safetensors")
+    # a failure while completing the upload (close) aborts it too
+    import s3fs
+
+    def refuse(self):
+        raise OSError("injected: completing the upload failed")
+
+    monkeypatch.setattr(s3fs.core.S3File, "commit", refuse)
+    with pytest.raises(OSError, match="completing"):
+        writer.write_file("data-r00000-0-00fe.safetensors", [bytes(20 << 20)])
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
 
 
 def test_the_offline_tools_read_the_urls_load_reads(tmp_path):
