@@ -105,9 +105,11 @@ def test_tp8_to_tp4_offline_in_bounded_memory_then_loads_on_four_ranks(tmp_path)
     assert out.returncode == 0, out.stderr
     before_kib, peak_kib = map(int, out.stdout.split())
     peak = peak_kib * 1024
-    # bounded by the largest tensor, not the checkpoint (912 MiB); measured over the imports,
-    # whose size varies with the environment
-    assert peak - before_kib * 1024 < 2 * LARGEST + (64 << 20), \
+    # bounded by the largest tensor, not the checkpoint (912 MiB): by offline_transform's own
+    # default budget (max_memory = 4x the largest tensor here) plus the aligned-buffer pool's
+    # 64 MiB; measured over the imports, whose size varies with the environment. (2x + 64 MiB
+    # failed now and then: 164 MiB over the imports once under load, 42-116 MiB otherwise.)
+    assert peak - before_kib * 1024 < 4 * LARGEST + (64 << 20), \
         f"peak RSS {peak >> 20} MiB (after imports: {before_kib >> 10} MiB), largest tensor {LARGEST >> 20} MiB"
     print(f"\noffline TP8->TP4 of {total >> 20} MiB: peak RSS {peak >> 20} MiB (largest tensor {LARGEST >> 20} MiB)")
     run_ranks(rank_load_tp, 4, dst, timeout_s=300)
