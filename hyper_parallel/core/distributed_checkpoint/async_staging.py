@@ -35,7 +35,6 @@ still in flight (uncommitted): call ``wait()`` (or ``result()``) before it.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import inspect
 import os
@@ -62,6 +61,7 @@ from .api import _mesh_group, save
 from .coordination import group_timeout, is_broken
 from .errors import CheckpointError, LostContactError
 from .flatten import FlatStateDict, flatten
+from .fsspec_storage import start_io_thread
 from .planner import SavePlanner
 from .priority import BACKGROUND_NICE, lower_priority, lower_this_thread, thread_ids
 from .storage import StorageWriter, is_url
@@ -493,7 +493,8 @@ class AsyncCheckpointer:
         if where is not None and not is_url(where):  # the caller's directory now, not the writer's later
             where = os.path.abspath(where.removeprefix("file://"))
         elif where is not None and self.background_nice:
-            _start_shared_threads_here()
+            # the writer would start fsspec's process-wide I/O thread at its own niceness
+            start_io_thread()
 
         self._make_room()
         distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
@@ -812,17 +813,6 @@ def _record_event(device: torch.device) -> Any:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
-
-
-def _start_shared_threads_here() -> None:
-    """Start fsspec's process-wide I/O thread on the caller's thread, at its priority: the
-    writer thread would otherwise start it on the first save to a URL, and every later storage
-    call of the process (the training loop's own saves and loads too) would run at the
-    background's niceness (threads inherit their creator's)."""
-    with contextlib.suppress(Exception):
-        import fsspec.asyn
-
-        fsspec.asyn.get_loop()
 
 
 def _worker_loop(jobs: queue.Queue, method: str, nice: int) -> None:

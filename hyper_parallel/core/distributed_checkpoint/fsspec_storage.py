@@ -83,6 +83,17 @@ class FsspecWriter(StorageWriter):
                 pass
 
 
+def start_io_thread() -> None:
+    """Start fsspec's process-wide I/O thread now, on the calling thread: threads inherit their
+    creator's niceness, and every later storage call of the process (the training loop's
+    saves and loads too) runs on this one, so a background thread must not be the first to
+    need it (see :mod:`.priority`)."""
+    with contextlib.suppress(Exception):
+        import fsspec.asyn
+
+        fsspec.asyn.get_loop()
+
+
 def _abandon(f: Any) -> None:
     """Drop a file whose write failed without finishing it: closing would upload what it holds,
     and on S3 the parts of its multipart upload stay in the bucket (billed, listed by no one)
@@ -142,9 +153,10 @@ class FsspecReader(StorageReader):
         return sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
 
     def _current_size(self, name: str) -> int | None:
-        with contextlib.suppress(OSError):
-            self.fs.invalidate_cache(self._path(name))
-            return int(self.fs.size(self._path(name)))
+        """:meth:`file_size` asked anew (the cached size is the one the read was planned with)."""
+        self._sizes.pop(name, None)
+        with contextlib.suppress(OSError, CorruptCheckpointError):
+            return self.file_size(name)
         return None
 
     def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
