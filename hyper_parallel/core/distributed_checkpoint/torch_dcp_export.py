@@ -165,7 +165,7 @@ def _plan(meta: md.Metadata, max_chunk_bytes: int
     for fqn, value in flat.items():
         entry = placeholders.get(id(value)) if isinstance(value, torch.Tensor) else None
         boxes = _layout_boxes(entry) if entry is not None else None
-        if boxes is None:
+        if not boxes:  # no layout, or an empty tensor (no non-empty box): one chunk, as torch writes
             later.append((fqn, value, entry))
             continue
         for box, ranks in boxes:

@@ -112,6 +112,27 @@ def test_torch_dcp_loads_the_export_bit_exact_on_two_ranks_under_another_layout(
     run_ranks(rank_torch_load, 2, dst)
 
 
+def rank_save_empty_dtensors(rank: int, ws: int, path: str) -> None:
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))
+    save({"w": make_dtensor(full_of("w"), mesh, [Shard(0)]),
+          "empty": make_dtensor(torch.zeros(0, 4), mesh, [Shard(0)]),
+          "no_cols": make_dtensor(torch.zeros(3, 0, dtype=torch.bfloat16), mesh, [Shard(1)])}, path, sync_files=False)
+
+
+def test_an_empty_dtensor_is_exported_as_torch_writes_it(tmp_path):
+    """A DTensor with no elements has no non-empty box in its layout; it still gets torch's one
+    empty chunk (it was dropped, and torch's dcp.load of the export then missed the key)."""
+    src, dst = str(tmp_path / "ours"), str(tmp_path / "torch")
+    run_ranks(rank_save_empty_dtensors, 2, src)
+    tmeta = export_torch_dcp(src, dst)
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in tmeta.state_dict_metadata["empty"].chunks] == [((0, 0), (0, 4))]
+    assert tmeta.state_dict_metadata["no_cols"].size == torch.Size([3, 0])
+    target = {"w": torch.zeros(9, 6), "empty": torch.ones(0, 4), "no_cols": torch.ones(3, 0, dtype=torch.bfloat16)}
+    tdcp.load(target, checkpoint_id=dst, no_dist=True)
+    assert torch.equal(bits(target["w"]), bits(full_of("w")))
+    assert target["empty"].shape == (0, 4) and target["no_cols"].dtype == torch.bfloat16
+
+
 def test_one_process_torch_load_and_dcp_to_torch_save_rebuild_the_state(sharded, tmp_path):
     dst = str(tmp_path / "torch")
     export_torch_dcp(sharded, dst)
