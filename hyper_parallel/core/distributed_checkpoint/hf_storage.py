@@ -56,7 +56,7 @@ import numpy as np
 from . import metadata as md
 from .box import Box, first_overlap, uncovered
 from .data_file import UncheckedIndex
-from .errors import CorruptCheckpointError, MetadataError, NotACheckpointError, UnsupportedValueError
+from .errors import CheckpointError, CorruptCheckpointError, MetadataError, NotACheckpointError, UnsupportedValueError
 from .storage import Buffer, StorageReader, checkpoint_path
 
 HF_INDEX = "model.safetensors.index.json"
@@ -229,6 +229,16 @@ def read_safetensors_header(reader: StorageReader, name: str, where: str) -> Saf
     return parse_safetensors_header(raw, size, where)
 
 
+def check_safetensors_file(path: str) -> SafetensorsHeader:
+    """Validate a local safetensors file's header (:func:`parse_safetensors_header`) before the
+    ``safetensors`` library opens it: its errors name neither the file nor the tensor."""
+    files = _LocalFiles(os.path.dirname(path) or ".")
+    try:
+        return read_safetensors_header(files, os.path.basename(path), path)
+    finally:
+        files.close()
+
+
 class _LocalFiles(StorageReader):
     """Byte ranges of files in a local directory, read with ``preadv``.
 
@@ -375,6 +385,15 @@ class HuggingFaceStorageReader(StorageReader):
         if not self._exists(HF_INDEX):
             if self._exists(HF_SINGLE):
                 return [HF_SINGLE], None
+            try:
+                shards = [n for n in self.files.list_files() if _HF_SHARD_NAME.fullmatch(n)]
+            except (OSError, NotImplementedError, CheckpointError):  # listing is only for the hint
+                shards = []
+            if shards:
+                raise NotACheckpointError(
+                    f"{self.path!r} holds Hugging Face shard files ({shards[0]!r}, {len(shards)} in all) but no "
+                    f"{HF_INDEX}: an export or download that did not finish; without the index nothing says "
+                    "which shards make the checkpoint")
             raise NotACheckpointError(
                 f"{self.path!r} is not a Hugging Face checkpoint: it has neither {HF_INDEX} nor {HF_SINGLE} (the "
                 "shards torch's HuggingFaceStorageWriter(save_distributed=True) writes load with "
@@ -579,6 +598,9 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
                               np.array([i for _, i in live], dtype=np.int32),
                               subs=np.zeros(n, dtype=np.int32))  # a file holds one shard of a key: its id 0
         return md.Entry(key, "tensor", (key,), dtype, shape, store=store)
+
+
+_HF_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # transformers' shard names
 
 
 def _missing_shards(names: list[str]) -> str:

@@ -38,6 +38,7 @@ from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
 from .errors import CheckpointError, UnsupportedValueError
 from .flatten import path_from_parts
+from .hf_storage import check_safetensors_file
 from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
 from .loader import read_box, read_metadata
 from .planner import EntrySpec, SavePlan, WriteItem
@@ -306,6 +307,9 @@ def full_state_dict_to_dcp_format(state_dict: dict[str, Any], dst_path: str | os
 # ---------------------------------------------------------------------------- safetensors IO
 
 
+_ST_RESERVED = "__metadata__"  # the safetensors header's own member: no tensor may be named so
+
+
 def _safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], extra: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": extra} if extra else {}
     pos = 0
@@ -325,18 +329,17 @@ def _safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], extra: 
 
 def _write_safetensors(path: str, tensors: list[tuple[str, str, tuple[int, ...]]],
                        produce: Callable[[str], torch.Tensor], extra: dict[str, str]) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    """Write a safetensors file at ``path`` (a temporary name: the caller renames it), synced."""
     try:
-        with open(tmp, "wb") as f:
+        with open(path, "wb") as f:
             f.write(_safetensors_header(tensors, extra))
             for name, _, _ in tensors:
                 f.write(tensor_bytes(produce(name)))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+            os.unlink(path)
         raise
 
 
@@ -428,6 +431,10 @@ def save_state_dict_as_huggingface_format(
         close = reader.close
     if not tensors:
         raise CheckpointError(f"no tensors to export (prefix {prefix!r})")
+    if any(name == _ST_RESERVED for name, _, _ in tensors):
+        raise UnsupportedValueError(
+            f"tensor {prefix + _ST_RESERVED!r}: safetensors reserves the name {_ST_RESERVED!r} for its header's "
+            "metadata, so no tensor can have it; rename the tensor before exporting")
     shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
     size = 0
     for t in tensors:
@@ -441,10 +448,14 @@ def save_state_dict_as_huggingface_format(
         size += n
     total = len(shards)
     weight_map, total_size = {}, 0
+    tag = uuid.uuid4().hex[:8]
+    written: list[tuple[str, str]] = []  # (temporary path, final name)
     try:
         for i, shard in enumerate(shards, 1):
             name = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
-            _write_safetensors(os.path.join(dst_dir, name), shard, produce, {"format": "pt"})
+            tmp = os.path.join(dst_dir, f"{name}{_TMP}{tag}")
+            _write_safetensors(tmp, shard, produce, {"format": "pt"})
+            written.append((tmp, name))
             for tname, dtype, shape in shard:
                 weight_map[tname] = name
                 n = md.itemsize(dtype)
@@ -453,26 +464,63 @@ def save_state_dict_as_huggingface_format(
                 total_size += n
                 if progress is not None:
                     progress(n)
+    except BaseException:
+        for tmp, _ in written:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
     finally:
         close()
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    stale = _previous_export(dst_dir) - set(weight_map.values())
-    index_path = os.path.join(dst_dir, HF_INDEX)
-    if total > 1:
-        _write_atomically(index_path, json.dumps(index, indent=2).encode())
-    else:  # one shard needs no index (as transformers writes it); an old one would name stale files
-        stale.discard("model.safetensors")
-        if os.path.exists(index_path):
-            os.remove(index_path)
-    for name in sorted(stale):  # shards of an earlier export that the new index does not name
-        try:
-            os.unlink(os.path.join(dst_dir, name))
-        except FileNotFoundError:
-            pass
+    _swap_in_export(dst_dir, written, index if total > 1 else None)
     return index
 
 
 _HF_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_TMP = ".tmp-"  # a file being written: "<final name>.tmp-<8 hex digits>"
+_HF_DEBRIS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?\.tmp-[0-9a-f]{8}$")
+
+
+def _swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], index: dict[str, Any] | None) -> None:
+    """Replace an earlier export in ``dst_dir`` by the shards ``written`` (synced, under temporary
+    names) so that a crash at any point leaves the old export whole, the new one whole, or a
+    directory no reader takes for a checkpoint (never old and new shards under one index):
+
+    1. the old index goes first (shards named ``-of-N`` without an index are refused);
+    2. the new shards take their names, the directory is synced;
+    3. the new index is written (the commit; none for a single ``model.safetensors``);
+    4. shards of the old export the new index does not name, and debris of killed exports, go.
+    """
+    index_path = os.path.join(dst_dir, HF_INDEX)
+    stale = _previous_export(dst_dir) - {name for _, name in written}
+    if os.path.exists(index_path):
+        os.remove(index_path)
+        _sync_dir(dst_dir)
+    if index is None and stale:  # an old model.safetensors would win over partial shards: it goes too
+        for name in sorted(stale):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(dst_dir, name))
+        stale = set()
+        _sync_dir(dst_dir)
+    for tmp, name in written:
+        os.replace(tmp, os.path.join(dst_dir, name))
+    _sync_dir(dst_dir)
+    if index is not None:
+        _write_atomically(index_path, json.dumps(index, indent=2).encode())
+        _sync_dir(dst_dir)
+    for name in sorted(stale | {f for f in os.listdir(dst_dir) if _HF_DEBRIS.match(f)}):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(dst_dir, name))
+
+
+def _sync_dir(path: str | os.PathLike) -> None:
+    """Make the renames and deletions in a directory durable, in the order they were made."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 
 def _previous_export(dst_dir: str | os.PathLike) -> set[str]:
@@ -518,6 +566,12 @@ def _hf_sources(src: str | os.PathLike) -> dict[str, set[str] | None]:
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{src!r} holds no safetensors files and no {HF_INDEX}")
+    sharded = [f for f in files if _HF_SHARD.match(f) and f != "model.safetensors"]
+    if sharded:  # transformers, too, reads sharded files only through their index
+        raise CheckpointError(
+            f"{src!r} holds Hugging Face shard files ({sharded[0]!r}, {len(sharded)} in all) but no {HF_INDEX}: "
+            "an export or download that did not finish; without the index nothing says which shards make the "
+            "checkpoint")
     return {os.path.join(src, f): None for f in files}
 
 
@@ -556,6 +610,7 @@ def parse_checkpoint_from_huggingface(src: str | os.PathLike | None = None, *, p
     out: dict[str, torch.Tensor] = {}
     seen: dict[str, str] = {}
     for path, wanted in _hf_sources(src).items():
+        check_safetensors_file(path)
         with safe_open(path, framework="pt") as f:
             for name in _hf_names(path, wanted, f.keys(), seen):
                 out[prefix + name] = f.get_tensor(name)
@@ -647,6 +702,7 @@ def convert_full_checkpoint_to_dcp(
         items: list[WriteItem] = []
         seen: dict[str, str] = {}
         for path, wanted in _hf_sources(src).items():
+            check_safetensors_file(path)
             with safe_open(path, framework="pt") as f:
                 for name in _hf_names(path, wanted, f.keys(), seen):
                     sl = f.get_slice(name)

@@ -194,6 +194,8 @@ def test_hf_shards_are_read_as_their_index_places_them(tmp_path):
     with pytest.raises(CheckpointError, match="places 'c'"):
         parse_checkpoint_from_huggingface(str(hf))
     os.remove(hf / "model.safetensors.index.json")
+    for n in (1, 2):  # shards named -of-N need their index: other names are read as they are
+        os.rename(hf / f"model-0000{n}-of-00002.safetensors", hf / f"part{n}.safetensors")
     with pytest.raises(CheckpointError, match="'w' is in both"):
         convert_full_checkpoint_to_dcp(str(hf), str(tmp_path / "dcp2"))
 
@@ -270,6 +272,98 @@ def test_hf_export_over_an_earlier_one_leaves_no_stale_shards(tmp_path):
     save_state_dict_as_huggingface_format(src, str(out), max_shard_size="1GB", overwrite=True)
     assert sorted(os.listdir(out)) == ["model.safetensors"]  # old shards and index are gone
     assert parse_checkpoint_from_huggingface(str(out))["layer3"].equal(make_tensor((64, 64), seed=3))
+
+
+class _Crash(BaseException):
+    """Stands for the process dying: nothing of the tool's own cleanup may catch it."""
+
+
+def _crash_at(monkeypatch, n: int) -> list[int]:
+    """Make the ``n``-th rename or deletion (counting from 1) kill the export, after it happened."""
+    count = [0]
+    for name in ("replace", "remove", "unlink"):
+        real = getattr(os, name)
+
+        def step(*args, _real=real, **kw):
+            _real(*args, **kw)
+            count[0] += 1
+            if count[0] == n:
+                raise _Crash(n)
+        monkeypatch.setattr(os, name, step)
+    return count
+
+
+@pytest.mark.parametrize(("old_shard", "new_shard"), [(20000, 20000), (20000, "1GB"), ("1GB", 20000)])
+def test_hf_export_over_an_earlier_one_killed_at_any_point_never_mixes_the_two(tmp_path, monkeypatch, old_shard,
+                                                                                new_shard):
+    """A killed export with overwrite=True leaves the old export whole, the new one whole, or a
+    directory every reader refuses. It used to rename the new shards over the old ones one at a
+    time under the old index: killed halfway, both readers loaded half old, half new."""
+    from hyper_parallel.core.distributed_checkpoint import HuggingFaceStorageReader
+    from hyper_parallel.core.distributed_checkpoint.errors import NotACheckpointError
+
+    old = {f"l{i}": torch.full((64, 64), float(i)) for i in range(4)}
+    new = {f"l{i}": torch.full((64, 64), 100.0 + i) for i in range(4)}
+    save(old, str(tmp_path / "old"))
+    save(new, str(tmp_path / "new"))
+    seen = set()
+    for n in range(1, 30):
+        out = str(tmp_path / f"hf{n}")
+        save_state_dict_as_huggingface_format(str(tmp_path / "old"), out, max_shard_size=old_shard)
+        with monkeypatch.context() as m:
+            count = _crash_at(m, n)
+            try:
+                save_state_dict_as_huggingface_format(str(tmp_path / "new"), out, max_shard_size=new_shard,
+                                                      overwrite=True)
+                finished = True
+            except _Crash:
+                finished = False
+        for read in (lambda out=out: load(storage_reader=HuggingFaceStorageReader(out)),
+                     lambda out=out: parse_checkpoint_from_huggingface(out),
+                     lambda out=out: load(path=convert_full_checkpoint_to_dcp(out, out + ".dcp", overwrite=True)
+                                          and out + ".dcp")):
+            try:
+                got = read()
+            except (NotACheckpointError, CheckpointError) as exc:
+                assert "model.safetensors.index.json" in str(exc), exc  # says what is missing
+                seen.add("refused")
+                continue
+            which = [name for name, want in (("old", old), ("new", new))
+                     if set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)]
+            assert which, (n, {k: v[0, 0].item() for k, v in got.items()})
+            seen.add(which[0])
+        if finished:
+            assert not [f for f in os.listdir(out) if ".tmp-" in f], os.listdir(out)
+            assert count[0] < n
+            break
+    else:
+        raise AssertionError("the export never finished")
+    assert "new" in seen, seen
+
+
+def test_hf_files_an_import_cannot_trust_are_refused_naming_the_file(tmp_path):
+    # shards named -of-N without their index (an export killed before it wrote the index) had
+    # been imported as whatever files were there; a truncated shard failed inside safetensors
+    # naming neither file nor tensor; a tensor named __metadata__ was exported as an unreadable file
+    sd = {f"l{i}.w": torch.full((64, 64), float(i)) for i in range(3)}
+    hf = str(tmp_path / "hf")
+    save_state_dict_as_huggingface_format(sd, hf, max_shard_size="16KiB")
+    os.rename(os.path.join(hf, "model.safetensors.index.json"), str(tmp_path / "index.json"))
+    for call in (lambda: parse_checkpoint_from_huggingface(hf),
+                 lambda: convert_full_checkpoint_to_dcp(hf, str(tmp_path / "a"))):
+        with pytest.raises(CheckpointError, match="model-00001-of-00003.safetensors.*no model.safetensors.index"):
+            call()
+    os.rename(str(tmp_path / "index.json"), os.path.join(hf, "model.safetensors.index.json"))
+    shard = os.path.join(hf, "model-00002-of-00003.safetensors")
+    os.truncate(shard, os.path.getsize(shard) - 100)
+    for call in (lambda: parse_checkpoint_from_huggingface(hf),
+                 lambda: convert_full_checkpoint_to_dcp(hf, str(tmp_path / "b"))):
+        with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors is truncated"):
+            call()
+    save({"__metadata__": torch.ones(2), "w": torch.ones(2)}, str(tmp_path / "ck"))
+    with pytest.raises(UnsupportedValueError, match="'__metadata__'.*reserves"):
+        save_state_dict_as_huggingface_format(str(tmp_path / "ck"), str(tmp_path / "out"))
+    assert not os.listdir(tmp_path / "out")
 
 
 def test_importing_a_safetensors_file_of_many_tensors_opens_it_once_to_read(tmp_path, monkeypatch):
