@@ -364,7 +364,9 @@ def save_state_dict_as_huggingface_format(
     Writes ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_size`` each
     (a single larger tensor gets a file of its own) and ``model.safetensors.index.json``.
     With one shard the file is named ``model.safetensors`` and no index is written, as
-    ``transformers`` does.
+    ``transformers`` does. Shards are written under temporary names and renamed at the end,
+    so an export killed midway (``overwrite=True`` too) leaves the earlier export whole, the new
+    one whole, or shards without an index, which readers refuse; never a mix of the two.
 
     Two argument orders are accepted: ours, ``(src, dst_dir)`` with ``src`` a checkpoint path
     or a state dict; and HyperParallel's, ``(save_directory, state_dict, max_shard_size)``,
