@@ -52,7 +52,7 @@ from .data_file import tensor_bytes
 from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader
 from .loader import read_box, read_metadata
-from .mindspore_strategy import read_strategy
+from .mindspore_strategy import MindSporeLayout, read_strategy
 from .offline_transform import _prefixed_path, write_streaming
 from .planner import EntrySpec, WriteItem
 
@@ -438,7 +438,9 @@ def import_mindspore(
       protobuf or JSON). Each distinct slice is written once, as a chunk of its global tensor
       with the layout the strategy gives it, so :func:`load` reshards it onto any torch mesh.
       Parameters the strategy does not name (``global_step``, ``learning_rate``) are taken as
-      replicated, after checking every rank holds the same bytes.
+      replicated, after checking every rank holds the same bytes. Parameters it names that no
+      rank file holds are an error when a slice of theirs lies only on ranks without a file, and
+      otherwise (not saved, e.g. optimizer states) skipped with a warning, as MindSpore does.
 
     Args:
         src: the file, or the distributed checkpoint directory.
@@ -451,8 +453,9 @@ def import_mindspore(
     Raises:
         UnsupportedValueError: an encrypted file, an unknown dtype, optimizer-parallel slicing.
         CorruptCheckpointError: a truncated or damaged file, a bad crc.
-        CheckpointError: slices that do not cover a tensor, or disagree with the strategy
-            (the message names the file, the tensor and what was expected).
+        CheckpointError: slices that do not cover a tensor, or disagree with the strategy or
+            with each other, or strategy parameters lost with missing rank files (the message
+            names the file, the tensor and what was expected).
 
     Example::
 
@@ -538,6 +541,7 @@ def _import_distributed(src: str, ranks: dict[int, str], strategy_file: str, dst
                 if nbytes:
                     by_rank.setdefault(r, []).append(WriteItem(key, box, nbytes))
                     source[(key, box)] = (r, name)
+        _check_unsaved(src, layouts, order, files, strategy_file)  # after the saved ones' own errors
 
         def produce(item: WriteItem) -> Any:
             r, name = source[(item.key, item.box)]
@@ -555,16 +559,96 @@ def _import_distributed(src: str, ranks: dict[int, str], strategy_file: str, dst
             f.close()
 
 
-def _sliced(name: str, ms_layout: Any, files: dict[int, MindSporeFile], have: list[int],
+def _check_unsaved(src: str, layouts: dict[str, MindSporeLayout], saved: dict[str, None],
+                   files: dict[int, MindSporeFile], strategy_file: str) -> None:
+    """Refuse strategy parameters that no rank file holds because their ranks' files are missing.
+
+    A parameter the strategy names may legitimately be in no file: the strategy of a training
+    job names every parameter of the compiled graph, optimizer states included, while a
+    checkpoint of the network alone does not hold those (MindSpore's ``transform_checkpoints``
+    then ignores them). So it is skipped, with a warning, when each of its slices has a rank
+    with a file (that rank would hold it had it been saved). When some slice lies only on ranks
+    without a file (a whole pipeline stage's ``rank_<id>/`` missing), the parameter is lost with
+    them: an error, as MindSpore's ``transform_checkpoints`` refuses missing rank files.
+    """
+    lost: dict[tuple[int, ...], list[str]] = {}
+    unsaved: list[str] = []
+    for name, ms_layout in layouts.items():
+        if name in saved:
+            continue
+        missing = tuple(r for ranks in _slice_holders(ms_layout) if not any(r in files for r in ranks)
+                        for r in ranks)
+        if missing:
+            lost.setdefault(missing, []).append(name)
+        else:
+            unsaved.append(name)
+    if lost:
+        detail = "; ".join(f"{names} on rank(s) {list(missing)}" for missing, names in lost.items())
+        raise CheckpointError(
+            f"{src}: {strategy_file} names parameter(s) that no rank file holds, and the ranks it gives them "
+            f"have no rank_<id>/ file: {detail}. Rank files found: {sorted(files)}. Is a pipeline stage's "
+            "rank_<id>/ directory missing?")
+    if unsaved:
+        log.warning("%s names %d parameter(s) that no rank file of %s holds although ranks holding their slices "
+                    "have files (e.g. optimizer states of a network-only checkpoint); they are not imported: %s",
+                    strategy_file, len(unsaved), src, ", ".join(unsaved[:20]))
+
+
+def _slice_holders(ms_layout: MindSporeLayout) -> list[list[int]]:
+    """The global ranks of each distinct slice of a parameter (replicas share one), shape unknown.
+
+    Ranks hold the same slice when their device-matrix coordinates agree on every dim the
+    tensor_map splits by (dims counted from the right), which needs no tensor shape.
+    """
+    dev = ms_layout.dev_matrix
+    used = sorted({x for t in ms_layout.tensor_map for x in t if 0 <= x < len(dev)})
+    world = math.prod(dev)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for pos in range(world):
+        coord, rest = [], pos  # coord[i]: the coordinate on dev dim i counted from the right
+        for size in reversed(dev):
+            coord.append(rest % size)
+            rest //= size
+        groups.setdefault(tuple(coord[d] for d in used), []).append(ms_layout.stage * world + pos)
+    return list(groups.values())
+
+
+def _local_shape(name: str, ms_layout: MindSporeLayout, files: dict[int, MindSporeFile], have: list[int],
+                 strategy_file: str) -> tuple[tuple[int, ...], int]:
+    """The slice shape of ``name`` most of its rank files agree on, and a rank holding it.
+
+    MindSpore slices evenly, so every rank's slice has one shape. Taking the shape most files
+    hold (rather than the first file's) lets the error name the file that disagrees; when no
+    shape has a majority, the error lists every file with its shape.
+    """
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for r in have:
+        by_shape.setdefault(files[r].tensors[name].shape, []).append(r)
+    if len(by_shape) == 1:
+        return next(iter(by_shape)), have[0]
+    groups = sorted(by_shape.items(), key=lambda kv: -len(kv[1]))
+    where = (f"{strategy_file} (dev_matrix {list(ms_layout.dev_matrix)}, tensor_map {ms_layout.resolved_map()}) "
+             "slices it evenly, so every rank's slice has one shape")
+    if len(groups[0][1]) > len(groups[1][1]):
+        shape, ranks = groups[0]
+        odd = "; ".join(f"{files[r].path} holds {list(s)}" for s, rs in groups[1:] for r in rs)
+        raise CheckpointError(
+            f"{name!r}: {odd}, but the other {len(ranks)} rank file(s) (ranks {ranks}) hold {list(shape)} and "
+            f"{where}; is it from another checkpoint?")
+    listed = "; ".join(f"{list(s)} in {', '.join(files[r].path for r in rs)}" for s, rs in groups)
+    raise CheckpointError(f"{name!r}: its rank files hold slices of different shapes and no shape is held by most "
+                          f"of them: {listed}. {where}; one of these files is from another checkpoint")
+
+
+def _sliced(name: str, ms_layout: MindSporeLayout, files: dict[int, MindSporeFile], have: list[int],
             strategy_file: str) -> tuple[tuple[tuple[int, ...], dict[str, Any]], list[tuple[Box, int]]]:
     """Global shape and layout record of a sliced parameter, and which rank's file gives each distinct box."""
-    first = files[have[0]].tensors[name]
-    local = first.shape
+    local, holder = _local_shape(name, ms_layout, files, have, strategy_file)
     try:
         tl = ms_layout.tensor_layout(ndim=len(local))
     except ValueError as exc:
         raise CheckpointError(f"{strategy_file}: parameter {name!r} (shape {list(local)} in "
-                              f"{files[have[0]].path}): {exc}") from None
+                              f"{files[holder].path}): {exc}") from None
     global_shape = tuple(s * math.prod(tl.layout.mesh_shape[m] for m in tl.splits.get(d, ()))
                          for d, s in enumerate(local))
     placed: list[tuple[Box, int]] = []

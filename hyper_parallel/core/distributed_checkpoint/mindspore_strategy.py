@@ -240,6 +240,21 @@ def _check_writable(strategy: Mapping[str, TensorLayout]) -> None:
                              "strategy numbers ranks row-major from 0")
 
 
+def _check_json_writable(maps: Mapping[str, list[int | list[int]]], target: str) -> None:
+    """Refuse a multi-axis tensor_map in the JSON form: MindSpore cannot read it back.
+
+    MindSpore's JSON reader (``_build_json_strategy``) copies ``tensor_map`` into a single
+    ``TensorMap`` of ints, so ``[[1, 0], -1]`` fails there (``TypeError: [1, 0] has type
+    list``); only the protobuf form holds one ``TensorMap`` per tensor dim.
+    """
+    multi = [f"{name!r} (tensor_map {tmap})" for name, tmap in maps.items() if any(isinstance(t, list) for t in tmap)]
+    if multi:
+        raise ValueError(
+            f"{target}: cannot write {', '.join(multi)} in MindSpore's JSON strategy form: a tensor dim split over "
+            "several mesh dims has no JSON form MindSpore reads (mindspore.build_searched_strategy expects one list "
+            "of ints per parameter); write the protobuf form instead: save_layout(..., format=\"mindspore\")")
+
+
 def write_strategy(strategy: Mapping[str, TensorLayout], path: str | os.PathLike, *, as_json: bool = False) -> None:
     """Write a strategy as a MindSpore strategy file (protobuf, or JSON with ``as_json``).
 
@@ -247,12 +262,13 @@ def write_strategy(strategy: Mapping[str, TensorLayout], path: str | os.PathLike
     The file is written atomically (temporary file, then rename).
 
     Raises:
-        ValueError: a name is a glob pattern, a mesh has its own rank order, or a layout has
-            no ndim.
+        ValueError: a name is a glob pattern, a mesh has its own rank order, a layout has
+            no ndim, or (JSON only) a tensor dim is split over several mesh dims.
     """
     _check_writable(strategy)
     maps = {name: _ms_tensor_map(tl, name) for name, tl in strategy.items()}
     if as_json:
+        _check_json_writable(maps, os.fspath(path))
         doc = {"current_stage": 0,
                "parallel_strategy_item": {"hyper_parallel_layout": {"stage": 0, "parallel_strategy": []}},
                "parallel_layout_item": {
