@@ -797,6 +797,10 @@ def export_mindspore(
                 return tensor_bytes(value)
             return tensor_bytes(read_box(entry, reader, verify=verify)[0])
 
+        if fmt != "ckpt" and any(p[0] == "__metadata__" for p in plan):  # .ckpt files may hold the name
+            raise UnsupportedValueError(
+                f"{dst}: a tensor is named '__metadata__', which safetensors reserves for its header's metadata; "
+                "export as .ckpt (format='ckpt'), or rename the tensor first")
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
         tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
         try:

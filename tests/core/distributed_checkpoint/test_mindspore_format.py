@@ -528,6 +528,18 @@ def test_export_refuses_a_dtype_mindspore_has_no_name_for(tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f.startswith("x.ckpt")]  # nor a temporary file
 
 
+def test_export_refuses_a_tensor_named_like_the_safetensors_header_member(tmp_path):
+    # it replaced safetensors' __metadata__ member: an unreadable file (or an AssertionError with crc)
+    save({"__metadata__": torch.ones(2, dtype=torch.uint8), "w": torch.ones(2)}, str(tmp_path / "dcp"), no_dist=True)
+    for crc in (False, True):
+        with pytest.raises(UnsupportedValueError, match="'__metadata__'.*reserves"):
+            export_mindspore(tmp_path / "dcp", tmp_path / "x.safetensors", crc=crc)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("x.")]
+    export_mindspore(tmp_path / "dcp", tmp_path / "x.ckpt")  # a .ckpt file may hold the name
+    assert torch.equal(load(path=str(import_mindspore(tmp_path / "x.ckpt", tmp_path / "back") and tmp_path / "back"))
+                       ["__metadata__"], torch.ones(2, dtype=torch.uint8))
+
+
 def test_export_reads_a_resharded_checkpoint_whole(tmp_path):
     # a distributed import has two chunks per sliced tensor; the export joins them
     import_mindspore(TP2, tmp_path / "dcp", strategy=os.path.join(TP2, "strategy.ckpt"))
