@@ -85,9 +85,7 @@ def _default_reader(path: str) -> StorageReader:
 
 
 def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int, timeout: Any) -> Coordinator:
-    if isinstance(timeout, (int, float)):
-        timeout = timedelta(seconds=timeout)
-    return Coordinator(process_group, no_dist, coordinator_rank, timeout)
+    return Coordinator(process_group, no_dist, coordinator_rank, timeout)  # which checks timeout
 
 
 def _for_this_call(planner: Any, allow_pickle: bool) -> Any:

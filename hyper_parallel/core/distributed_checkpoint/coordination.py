@@ -52,6 +52,26 @@ def group_timeout(group: Any) -> timedelta | None:
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
+def as_timeout(value: Any, name: str = "timeout") -> timedelta | None:
+    """``value`` (seconds > 0, a positive timedelta, or None for the default) as a timedelta.
+
+    Checked before any collective, so a bad value is the same error on every rank, not a
+    gloo failure on some of them.
+    """
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"{name} must be seconds (a number > 0), a datetime.timedelta, or None; "
+                        f"got {type(value).__name__} {value!r:.60}")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{name} must be more than 0 seconds and finite, got {value!r}")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+
+
 def _is_gloo(group: Any) -> bool:
     return "gloo" in str(dist.get_backend(group)).lower()
 
@@ -101,8 +121,9 @@ class Coordinator:
         process_group: Any = None,
         no_dist: bool = False,
         coordinator_rank: int = 0,
-        timeout: timedelta | None = None,
+        timeout: timedelta | float | None = None,
     ):
+        timeout = as_timeout(timeout)
         self.distributed = not no_dist and dist.is_available() and dist.is_initialized()
         if not no_dist and process_group is not None and not self.distributed:
             # a group without a default one: destroyed (an async save outliving

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 from helpers import make_dtensor, make_tensor
 from multiprocess import run_ranks
@@ -122,3 +123,28 @@ def test_settle_returns_once_gloo_let_go_of_the_tensor():
     # the process, so every exchange settles its tensors before returning (checked here on
     # a bare broadcast, where gloo often still holds the tensor when wait() returns).
     assert run_ranks(rank_settles_a_collective, 2, timeout_s=90) == [[1] * 20] * 2
+
+
+def _bad_timeouts(rank: int, ws: int, path: str) -> list[str]:
+    out = []
+    for bad in (-1, 0, "30", float("nan"), True):
+        for call in (lambda bad=bad: save({"w": torch.ones(2)}, path, timeout=bad),
+                     lambda bad=bad: load({"w": torch.ones(2)}, checkpoint_id=path, timeout=bad)):
+            try:
+                call()
+                out.append(f"{bad!r}: accepted")
+            except (TypeError, ValueError) as exc:
+                out.append(f"{type(exc).__name__}: {exc}")
+    save({"w": torch.ones(2)}, path, timeout=5.5)  # the group still works: nothing half-done
+    return out
+
+
+def test_a_bad_timeout_is_refused_alike_on_every_rank_before_any_collective(tmp_path):
+    # timeout=-1 had failed inside gloo ("Invalid timeout") and was reported as a lost rank;
+    # "30" failed with torch's TypeError; in one process both were accepted
+    results = run_ranks(_bad_timeouts, 2, str(tmp_path / "ck"), timeout_s=60)
+    assert results[0] == results[1]
+    assert all(msg.startswith(("TypeError: timeout must be", "ValueError: timeout must be")) for msg in results[0]), \
+        results[0]
+    with pytest.raises(ValueError, match="timeout must be more than 0"):
+        save({"w": torch.ones(2)}, str(tmp_path / "one"), no_dist=True, timeout=-1)
