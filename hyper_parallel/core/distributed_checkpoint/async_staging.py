@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 from . import in_flight
 from . import metadata as md
 from .api import _mesh_group, save
-from .coordination import group_timeout, is_broken
+from .coordination import as_timeout, group_timeout, is_broken
 from .errors import CheckpointError, LostContactError
 from .flatten import FlatStateDict, flatten
 from .fsspec_storage import start_io_thread
@@ -488,6 +488,7 @@ class AsyncCheckpointer:
             raise ValueError("say where the checkpoint goes: path=/checkpoint_id= or a storage writer")
         if user_metadata is not None and not md.is_json_value(user_metadata):
             raise ValueError("user_metadata must hold only JSON-representable values")
+        timeout = as_timeout(timeout)  # before any collective, alike on every rank
         where = None if where is None else os.fspath(where)
         given = where
         if where is not None and not is_url(where):  # the caller's directory now, not the writer's later
@@ -616,8 +617,7 @@ class AsyncCheckpointer:
         use (made once per ranks and timeout; made again after an exchange failed on it)."""
         ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
         world = dist.group.WORLD
-        if isinstance(timeout, (int, float)):
-            timeout = timedelta(seconds=timeout)
+        timeout = as_timeout(timeout)
         cached = self._groups.get((ranks, timeout))
         if cached is not None and cached[0] is world and not is_broken(cached[1]):
             return cached[1]

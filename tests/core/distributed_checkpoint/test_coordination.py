@@ -12,7 +12,7 @@ from multiprocess import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from hyper_parallel.core.distributed_checkpoint import RankFailedError, load, save
+from hyper_parallel.core.distributed_checkpoint import RankFailedError, async_save, load, save
 
 
 def state(ws: int, step: int) -> dict:
@@ -148,3 +148,5 @@ def test_a_bad_timeout_is_refused_alike_on_every_rank_before_any_collective(tmp_
         results[0]
     with pytest.raises(ValueError, match="timeout must be more than 0"):
         save({"w": torch.ones(2)}, str(tmp_path / "one"), no_dist=True, timeout=-1)
+    with pytest.raises(TypeError, match="timeout must be seconds"):
+        async_save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "two"), no_dist=True, timeout="30")
