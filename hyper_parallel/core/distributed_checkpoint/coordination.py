@@ -17,6 +17,7 @@ save would crash at exit now and then.
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
 import traceback
@@ -53,23 +54,27 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
 def as_timeout(value: Any, name: str = "timeout") -> timedelta | None:
-    """``value`` (seconds > 0, a positive timedelta, or None for the default) as a timedelta.
-
-    Checked before any collective, so a bad value is the same error on every rank, not a
-    gloo failure on some of them.
-    """
+    """``value`` (a number of seconds > 0, a positive timedelta, or None for the default) as a
+    timedelta. Checked before any collective, so a bad value is the same error on every rank,
+    not a gloo failure on some of them that blames a lost rank."""
     if value is None:
         return None
+    accepted = (f"{name} must be a number of seconds > 0, a positive datetime.timedelta, or None (the default, "
+                "30 min)")
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
-        raise TypeError(f"{name} must be seconds (a number > 0), a datetime.timedelta, or None; "
-                        f"got {type(value).__name__} {value!r:.60}")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"{name} must be more than 0 seconds and finite, got {value!r}")
-    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
+        raise TypeError(f"{accepted}; got {type(value).__name__} {value!r:.60}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{accepted}; got {value!r}")
+    if isinstance(value, timedelta):
+        return value
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"{accepted} that a timedelta can hold; got {value!r}") from None
 
 
 def _is_gloo(group: Any) -> bool:

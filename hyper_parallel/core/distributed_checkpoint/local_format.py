@@ -17,6 +17,7 @@ instead of the safetensors entries::
 
     {"format": "hyper-parallel-local", "version": 1, "step": 42, "rank": 1, "world_size": 4,
      "timeline": "0189c3...", "directory": "/ckpt/run1", "fingerprint": "<sha256 hex>",
+     "durable_base": {"step": 40, "timeline": "0189a7..."},
      "entries": {"model.w": {"kind": "dtensor", "dtype": "float32", "shape": [8, 16],
                              "start": 0, "nbytes": 512, "crc32c": 1234,
                              "global_shape": [32, 16], "offsets": [8, 0]},
@@ -33,6 +34,13 @@ instead of the safetensors entries::
 - ``directory`` ties the file to one checkpoint manager (its durable directory), ``timeline``
   to one run of it (a restart starts a new timeline, so steps of an abandoned run never mix
   with a new run's), ``world_size`` to the job's size.
+- ``durable_base``: the newest durable step (and the timeline that committed it; null for a
+  step saved before timelines were recorded) when the file's timeline began; ``{"step":
+  null, "timeline": null}`` when there was none. Recovery uses a local step only while the
+  newest durable step is that one or was written by the file's own timeline: otherwise a
+  later run committed a durable step, and the local step belongs to an abandoned run. Files
+  written before this field existed have none (recovery then only refuses them when a later
+  run of this version has committed a durable step).
 
 **Commit**: the file is written under a temporary name (``.tmp-...``) in the same directory
 and renamed into place; a file with its final name is whole (a partial save is only ever a
@@ -64,7 +72,7 @@ from torch.distributed.tensor import DTensor
 from . import metadata as md
 from .errors import CorruptCheckpointError, UnsupportedValueError
 from .flatten import Flat
-from .standard_planner import dtensor_box, layout_record
+from .standard_planner import _culprit, dtensor_box, layout_record
 
 FORMAT_NAME = "hyper-parallel-local"
 FORMAT_VERSION = 1
@@ -157,9 +165,11 @@ def describe(flat: Flat, cache: dict | None = None) -> tuple[list[LocalEntry], l
         elif md.is_json_value(value):
             entry = LocalEntry(key, "object")
         else:
+            where, bad = _culprit(key, value)  # the innermost value at fault, not its container
             raise UnsupportedValueError(
-                f"{key!r}: a {type(value).__module__}.{type(value).__qualname__} can only be saved with pickle, "
-                "which the local tier never uses; convert it to tensors or plain values")
+                f"{where!r}: a {type(bad).__module__}.{type(bad).__qualname__} can only be saved with pickle, "
+                "which the local tier never uses; convert it to tensors/plain values (e.g. int(x) or float(x) "
+                "for a numpy scalar)")
         entries.append(entry)
         values.append(value)
     return entries, values, fingerprint(entries)
@@ -327,6 +337,9 @@ class Manifest:
     directory: str
     fingerprint: str
     entries: dict[str, dict[str, Any]] = field(repr=False, default_factory=dict)
+    # (step, timeline) of the newest durable step when the file's timeline began; (None, None):
+    # none; None: not recorded (a file written before the field existed)
+    durable_base: tuple[int | None, str | None] | None = None
 
 
 def _int(v: Any) -> bool:
@@ -361,6 +374,12 @@ def parse_manifest(head: bytes | memoryview, size: int, path: str) -> Manifest:
           and isinstance(man.get("entries"), dict))
     if not ok:
         raise CorruptCheckpointError(f"{path}: its manifest is malformed")
+    base = man.get("durable_base")
+    if base is not None:
+        if not (isinstance(base, dict) and (base.get("step") is None or _int(base.get("step")))
+                and (base.get("timeline") is None or isinstance(base.get("timeline"), str))):
+            raise CorruptCheckpointError(f"{path}: its manifest's durable_base is malformed")
+        base = (base.get("step"), base.get("timeline"))
     data_start = 8 + n
     for key, rec in man["entries"].items():
         if not isinstance(rec, dict) or rec.get("kind") not in _KINDS:
@@ -370,7 +389,7 @@ def parse_manifest(head: bytes | memoryview, size: int, path: str) -> Manifest:
                                             and data_start + rec["start"] + rec["nbytes"] <= size):
             raise CorruptCheckpointError(f"{path}: manifest entry {key!r} points outside the file")
     return Manifest(path, size, data_start, man["step"], man["rank"], man["world_size"], man["timeline"],
-                    man["directory"], man["fingerprint"], man["entries"])
+                    man["directory"], man["fingerprint"], man["entries"], base)
 
 
 def read_manifest(path: str) -> Manifest:

@@ -40,10 +40,10 @@ every rank):
    with the fingerprint of its own target (one exchange). Every rank then makes the same
    choice (:func:`decide`): the newest step whose every rank has a copy somewhere whose
    fingerprint equals that rank's target (same keys, dtypes, shapes, sharding). Partial
-   steps (a rank's file missing: a ``.tmp-`` file is not a file) are never chosen. If the
-   durable directory has a newer committed step, or no local step is complete, the answer is
-   "durable" and the manager loads from ``directory`` as before (this is also how a changed
-   layout ends: the fingerprints differ).
+   steps (a rank's file missing: a ``.tmp-`` file is not a file) are never chosen, nor are
+   steps of an *abandoned* timeline (below). If the durable directory has a newer committed
+   step, or no local step is complete, the answer is "durable" and the manager loads from
+   ``directory`` as before (this is also how a changed layout ends: the fingerprints differ).
 3. Each rank without a copy in its own directory receives it from a rank of a directory
    that has one (the least loaded) over the process group, straight into a file of its
    ``local_dir`` (restoring its copy); then every rank reads its file into its own tensors
@@ -54,6 +54,19 @@ every rank):
 5. Files of the runs before are deleted except the ``local_keep`` newest complete steps up
    to the one loaded; the job continues on a new *timeline*, so files of an abandoned run
    never mix with the new run's steps.
+
+**Abandoned timelines.** Step 5 deletes only what the new run's ranks can see: a run at
+another world size (an elastic scale-down) loads from the durable tier and never sees the
+directories of the nodes it left out, whose files come back with those nodes. So step
+numbers alone cannot tell a newer local step from an abandoned one. Every durable step
+records the timeline that committed it (the manager's user metadata), and every local file
+records its timeline's *durable base*: the newest durable step (and its timeline) when the
+timeline began. A local step is used only if the newest durable step is absent, was
+committed by the step's own timeline, or is its durable base; otherwise a later run
+committed it and the local step's run was abandoned. A durable step saved before timelines
+were recorded leaves the choice to step numbers, as before; a local file without a durable
+base (written before it was recorded) counts unless a run that records timelines committed
+the newest durable step.
 
 Nothing in recovery reads ``directory``.
 
@@ -114,7 +127,7 @@ from .local_format import (
 from .local_replication import MappedFile, Topology, node_identity, recv_file, send_file, wait_all
 from .priority import lower_priority, lower_this_thread, thread_ids
 
-__all__ = ["LocalTier", "LocalSaveTiming", "Recovery", "decide"]
+__all__ = ["LocalTier", "LocalSaveTiming", "Recovery", "decide", "new_timeline"]
 
 _MAGIC = 0x48504C54  # "HPLT": the head of every replication message
 _TAG_HEAD, _TAG_FILE, _TAG_BODY, _TAG_FETCH = 0x4C01, 0x4C02, 0x4C04, 0x4C03
@@ -174,6 +187,7 @@ class Recovery:
 class _Job:
     step: int
     timeline: str
+    durable_base: tuple[int, str | None] | None
     started: float
     entries: list[LocalEntry] = field(default_factory=list)
     objects: dict[str, Any] = field(default_factory=dict)  # copies of the JSON values
@@ -186,7 +200,8 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def _new_timeline() -> str:
+def new_timeline() -> str:
+    """A new timeline id: creation time (hex ns) and 8 random hex digits."""
     return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
 
 
@@ -210,11 +225,14 @@ class LocalTier:
         replication_timeout: seconds any replication wait may take (see "Bounded waits").
         sync_files: fsync shard files (off: the tier survives process restarts, and
             checksums catch what a machine crash lost).
+        durable: the newest durable step and the timeline that committed it (None: none),
+            recorded in every file of this timeline (see "Recovery").
     """
 
     def __init__(self, local_dir: str | os.PathLike, *, directory: str, interval_steps: int, keep: int,
                  replicas: int, node_rank: int | None, process_group: Any = None, timeout: timedelta | None = None,
-                 replication_timeout: float = 60.0, sync_files: bool = False):
+                 replication_timeout: float = 60.0, sync_files: bool = False,
+                 durable: tuple[int, str | None] | None = None):
         self.local_dir = os.path.abspath(os.fspath(local_dir))
         self.directory = directory if "://" in directory else os.path.abspath(directory)
         # One subdirectory per manager directory: jobs sharing /dev/shm never touch each other's files.
@@ -229,6 +247,8 @@ class LocalTier:
         self.replication_error: str | None = None  # why replication stopped (None: it runs)
         self.save_errors: list[str] = []
         self._last_step: int | None = None
+        # the newest durable step when this timeline began: written into every file of it
+        self.durable_base: tuple[int, str | None] | None = durable
         self._confirmed: list[tuple[int, str]] = []
         self._unconfirmed: list[tuple[int, str]] = []
         self._layouts: dict = {}  # describe()'s cache of DTensor layouts
@@ -248,7 +268,7 @@ class LocalTier:
         def start() -> tuple:
             os.makedirs(self.root, exist_ok=True)
             self._sweep_temporary()
-            return identity, (interval_steps, keep, replicas), _new_timeline()
+            return identity, (interval_steps, keep, replicas), new_timeline()
 
         infos = self.coord.exchange("local tier (start)", start)
         settings = {info[1] for info in infos}
@@ -306,7 +326,7 @@ class LocalTier:
                                          use_local_synchronization=len(ranks) != dist.get_world_size())
             lower_priority(thread_ids(gloo_only=True) - before)  # the group's own I/O threads
         waited = time.perf_counter()
-        job = _Job(step, self.timeline, started, waited_s=waited - started)
+        job = _Job(step, self.timeline, self.durable_base, started, waited_s=waited - started)
         try:
             flat = flatten(state_dict)
             job.state_dict_s = time.perf_counter() - waited
@@ -370,7 +390,8 @@ class LocalTier:
             if job.error is None:
                 manifest = {"format": LOCAL_FORMAT, "version": LOCAL_VERSION, "step": job.step, "rank": self.rank,
                             "world_size": self.world_size, "timeline": job.timeline, "directory": self.directory,
-                            "node": self.node, "fingerprint": job.fingerprint}
+                            "node": self.node, "fingerprint": job.fingerprint,
+                            "durable_base": _encode_base(job.durable_base)}
                 spans, body = _body_of(job.buffer)
                 shard = build_shard_file(manifest, job.entries, spans, body, job.objects)
                 target = self._path(self.rank, job.step, job.timeline)
@@ -566,12 +587,14 @@ class LocalTier:
 
     # ------------------------------------------------------------------ recovery
 
-    def recover(self, state_dict: dict[str, Any], *, durable_latest: int | None, step: int | None = None) -> int | None:
+    def recover(self, state_dict: dict[str, Any], *, durable: tuple[int, str | None] | None,
+                step: int | None = None) -> int | None:
         """Load the newest complete local step (or ``step``) into ``state_dict``; collective.
 
-        Returns the step loaded, or None when the manager must load from the durable tier
-        (nothing complete locally, a newer durable step, or a changed layout). See the module
-        docstring for the protocol.
+        ``durable`` is the newest durable step and the timeline that committed it (None: no
+        durable step). Returns the step loaded, or None when the manager must load from the
+        durable tier (nothing complete locally, a newer durable step, a durable step a later
+        run committed, or a changed layout). See the module docstring for the protocol.
 
         Raises:
             LostContactError / RankFailedError: a rank failed or vanished (on every rank).
@@ -579,6 +602,7 @@ class LocalTier:
         """
         self._check_open()
         started = time.perf_counter()
+        durable_latest, durable_timeline = durable if durable is not None else (None, None)
         here = (self.node, self.root)
         # 1. Every rank settles its save in flight (its retention may still delete files), and
         #    says which directory it reads, so that one rank per directory lists it.
@@ -606,15 +630,17 @@ class LocalTier:
         #    needs: flattening calls the Statefuls' state_dict(), and torch's get_state_dict
         #    initializes an empty optimizer's state with a step, which a fresh start must not.
         held = self.coord.exchange("local tier recovery (what each node holds)",
-                                   lambda: (step, self._holdings() if lists else [], _new_timeline()))
+                                   lambda: (step, self._holdings() if lists else [], new_timeline()))
         if len({r[0] for r in held}) > 1:
             raise ValueError(f"CheckpointManager.load: the ranks asked for different steps {[r[0] for r in held]} "
                              "(by rank); every rank must pass the same step")
         self.timeline = held[self.coord.coordinator_rank][2]
+        self.durable_base = durable  # what the files of the new timeline record
         # whether a step could be chosen at all, whatever the layouts: if not, no state_dict()
-        unshaped = [(None, [(o, st, tl, size, None) for o, st, tl, size, _ in h]) for _, h, _ in held]
+        unshaped = [(None, [(o, st, tl, size, None, base) for o, st, tl, size, _, base in h]) for _, h, _ in held]
         hopeless = not all(s for s, _ in first) or decide(
-            unshaped, dirs, durable_latest=durable_latest, want=step, excluded=set(), keep=self.keep)["kind"] != "local"
+            unshaped, dirs, durable_latest=durable_latest, durable_timeline=durable_timeline, want=step,
+            excluded=set(), keep=self.keep)["kind"] != "local"
         if hopeless:
             lap("report")
             self.last_recovery = Recovery("durable", None, seconds=time.perf_counter() - started,
@@ -631,7 +657,7 @@ class LocalTier:
                 decision = {"kind": "durable", "why": "a local save is still running"}
             else:
                 decision = decide([(fp, held) for _, fp, held, _ in reports], dirs, durable_latest=durable_latest,
-                                  want=step, excluded=excluded, keep=self.keep)
+                                  durable_timeline=durable_timeline, want=step, excluded=excluded, keep=self.keep)
             if decision["kind"] == "durable":
                 self.last_recovery = Recovery("durable", None, seconds=time.perf_counter() - started,
                                               attempts=attempts, phases=phases)
@@ -678,8 +704,9 @@ class LocalTier:
         if self.last_recovery is not None and self.last_recovery.source == "durable":
             self.last_recovery.step = step
 
-    def _holdings(self) -> list[tuple[int, int, str, int, str]]:
-        """What this rank's ``local_dir`` holds for this manager and world size."""
+    def _holdings(self) -> list[tuple[int, int, str, int, str, tuple[int | None, str | None] | None]]:
+        """What this rank's ``local_dir`` holds for this manager and world size: ``(owner,
+        step, timeline, size, fingerprint, durable base)`` per file."""
         out = []
         for sub in self._rank_dirs():
             owner = rank_of_dir(os.path.basename(sub))
@@ -691,7 +718,7 @@ class LocalTier:
                 if (man.directory, man.world_size, man.rank, man.step, man.timeline) != (
                         self.directory, self.world_size, owner, step, timeline):
                     continue
-                out.append((owner, step, timeline, man.size, man.fingerprint))
+                out.append((owner, step, timeline, man.size, man.fingerprint, man.durable_base))
         return out
 
     def _fetch(self, chosen: tuple[int, str], sources: dict) -> int:
@@ -799,18 +826,28 @@ def _body_of(buffer: Any) -> tuple[dict[str, int], memoryview]:
     return spans, memoryview(buffer.flat.numpy()).cast("B")[:end]
 
 
-def decide(reports: list[tuple[str, list[tuple[int, int, str, int, str]]]], dirs: list[Any], *,
-           durable_latest: int | None, want: int | None, excluded: set[tuple[Any, int, int, str]],
-           keep: int) -> dict[str, Any]:
+def decide(reports: list[tuple[str, list[tuple]]], dirs: list[Any], *, durable_latest: int | None,
+           want: int | None, excluded: set[tuple[Any, int, int, str]], keep: int,
+           durable_timeline: str | None = None) -> dict[str, Any]:
     """Recovery's choice (pure, the same on every rank): the newest local step complete over
     every directory's holdings, and who gives each rank its copy; or ``{"kind": "durable"}``.
 
     ``reports[r]`` is rank r's target fingerprint and what it listed (one rank per directory
-    lists it): ``(owner, step, timeline, size, fingerprint)`` per file. ``dirs[r]`` names the
-    directory rank r reads; every rank with that directory can serve its files. A file counts
-    for ``owner`` only when its fingerprint equals ``owner``'s target fingerprint and ``(dir,
-    owner, step, timeline)`` is not excluded. A rank reads its own directory's copy when there
-    is one; otherwise the least loaded rank of a directory holding it sends it.
+    lists it): ``(owner, step, timeline, size, fingerprint[, durable base])`` per file.
+    ``dirs[r]`` names the directory rank r reads; every rank with that directory can serve its
+    files. A file counts for ``owner`` only when its fingerprint equals ``owner``'s target
+    fingerprint and ``(dir, owner, step, timeline)`` is not excluded. A rank reads its own
+    directory's copy when there is one; otherwise the least loaded rank of a directory holding
+    it sends it.
+
+    A step of a timeline that a later run abandoned is never chosen: when the newest durable
+    step (``durable_latest``, committed by ``durable_timeline``) was committed by another
+    timeline and is not the durable base the step's files record (the newest durable step
+    when their timeline began), a run after theirs committed it (e.g. at another world size,
+    which could not see or prune these files). Without a recorded ``durable_timeline`` (a
+    step saved before timelines were recorded) only step numbers count, as before; files
+    without a durable base (written before it was recorded) count unless a run that records
+    timelines committed the newest durable step.
     """
     world = len(reports)
     targets = [fp for fp, _ in reports]
@@ -818,13 +855,21 @@ def decide(reports: list[tuple[str, list[tuple[int, int, str, int, str]]]], dirs
     for r, d in enumerate(dirs):
         members.setdefault(d, []).append(r)
     have: dict[tuple[int, str], dict[int, dict[Any, int]]] = {}
+    bases: dict[tuple[int, str], set[Any]] = {}
     for lister, (_, holdings) in enumerate(reports):
         d = dirs[lister]
-        for owner, step, timeline, size, fp in holdings:
+        for owner, step, timeline, size, fp, *base in holdings:
             if not 0 <= owner < world or fp != targets[owner] or (d, owner, step, timeline) in excluded:
                 continue
             have.setdefault((step, timeline), {}).setdefault(owner, {})[d] = size
-    complete = sorted(k for k, owners in have.items() if len(owners) == world)
+            bases.setdefault((step, timeline), set()).add(tuple(base[0]) if base and base[0] is not None else None)
+
+    def abandoned(key: tuple[int, str]) -> bool:
+        if durable_latest is None or durable_timeline is None or key[1] == durable_timeline:
+            return False
+        return bases[key] != {(durable_latest, durable_timeline)}
+
+    complete = sorted(k for k, owners in have.items() if len(owners) == world and not abandoned(k))
     eligible = [k for k in complete if want is None or k[0] == want]
     if not eligible:
         return {"kind": "durable", "why": "no complete local step" + ("" if want is None else f" {want}")}
@@ -844,6 +889,12 @@ def decide(reports: list[tuple[str, list[tuple[int, int, str, int, str]]]], dirs
         sources[owner] = (holder, size)
     return {"kind": "local", "step": best[0], "timeline": best[1], "sources": sources,
             "keep": [list(k) for k in complete if k <= best][-keep:]}
+
+
+def _encode_base(base: tuple[int, str | None] | None) -> dict[str, Any]:
+    """A timeline's durable base as the manifest records it (see :mod:`.local_format`)."""
+    step, timeline = base if base is not None else (None, None)
+    return {"step": step, "timeline": timeline}
 
 
 def _apply(flat: Flat, values: dict[str, Any]) -> None:

@@ -46,7 +46,9 @@ point two running jobs at one directory.
 **Async saves** (``async_save=True``): at most one save is in flight. ``save`` of the next
 step first waits for the previous one and settles it (every rank learns whether it
 committed; retention runs; a failure is raised as :class:`AsyncSaveError` on every rank).
-The same happens in ``wait()``, ``load()`` and ``close()``. Calls that the interval policy
+The same happens in ``wait()``, ``load()`` and ``close()``; in ``load(state, step=k)`` that
+retention pass never deletes step ``k`` (a step ``all_steps()`` listed while the save was in
+flight still loads; a later save's retention may delete it). Calls that the interval policy
 skips touch nothing and never block, so errors surface at the next call that saves.
 
 **Incremental checkpoints** (``incremental=True``): each rank remembers the content hash of
@@ -61,6 +63,9 @@ own shards to node-local storage and replicates them to peers on other nodes, an
 resumes from the newest local step complete across the surviving nodes before it considers
 ``directory`` (see :mod:`.local_tier`). The manager calls it at three places: ``save``
 (``_local.save``), ``load`` (``_local.recover`` / ``_local.loaded``) and ``wait``/close.
+Each durable step records in its user metadata the *timeline* (run) that saved it (the
+local tier's, or one per manager without a local tier), so that recovery can tell a local
+step of an abandoned run from one the newest durable step does not supersede.
 """
 
 from __future__ import annotations
@@ -85,10 +90,10 @@ from .api import load as _load
 from .api import save as _save
 from .async_staging import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
 from .commit import unreferenced_files
-from .coordination import Coordinator
+from .coordination import Coordinator, as_timeout
 from .errors import CheckpointError, CommitError, CorruptCheckpointError, NotACheckpointError
 from .incremental import IncrementalState
-from .local_tier import LocalTier
+from .local_tier import LocalTier, new_timeline
 from .step_directory import (
     OPEN_TOKENS,
     USER_KEY,
@@ -211,7 +216,8 @@ class CheckpointManager:
             this manager and reference the earlier files for the rest (the first save, and
             the first after a restart or a failed save, writes everything).
         process_group: the ranks that save together (default: the whole world).
-        timeout: bound on every cross-rank exchange, seconds or timedelta (default 30 min).
+        timeout: bound on every cross-rank exchange: seconds > 0 or a positive timedelta
+            (default None: 30 min).
         storage_options: options of the fsspec filesystem for a URL ``directory`` (e.g.
             ``{"client_kwargs": {"endpoint_url": ...}}``).
         local_dir: turns on the local tier: this node's directory for it (``/dev/shm/job``
@@ -226,10 +232,16 @@ class CheckpointManager:
         replication_timeout: seconds any wait of the local tier for a peer may take; a peer
             slower than that ends replication for the run (local saves go on).
 
+    The local tier's settings (``local_interval_steps``, ``local_keep``, ``replicas``,
+    ``node_rank``, ``replication_timeout``) need ``local_dir``: without it, any of them not
+    at its default is refused (ValueError), not ignored.
+
     The retention rules keep the union of what each rule keeps, plus always the newest
     committed step; with none set, every step is kept. Retention runs after each commit.
 
     Raises:
+        ValueError / TypeError: a bad argument (named in the message), on every rank alike
+            and before any collective.
         CheckpointError: another open manager (a live process on this host) owns ``directory``.
         RankFailedError: listing the directory failed on the coordinator (on every rank).
 
@@ -274,8 +286,7 @@ class CheckpointManager:
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         if keep_best is not None and not best_metric:
             raise ValueError("keep_best needs best_metric: the key of save(..., metrics=) that ranks steps")
-        if isinstance(timeout, (int, float)):
-            timeout = timedelta(seconds=timeout)
+        timeout = as_timeout(timeout)
         if local_dir is not None:
             local_interval_steps = 1 if local_interval_steps is None else local_interval_steps
             for name, value in (("local_interval_steps", local_interval_steps), ("local_keep", local_keep),
@@ -283,8 +294,16 @@ class CheckpointManager:
                 _check_count(name, value)
             if not isinstance(replication_timeout, (int, float)) or not replication_timeout > 0:
                 raise ValueError(f"replication_timeout must be a number of seconds > 0, got {replication_timeout!r}")
-        elif local_interval_steps is not None or node_rank is not None:
-            raise ValueError("local_interval_steps and node_rank configure the local tier: pass local_dir too")
+        else:
+            # Settings of the local tier mean nothing without one: refuse them rather than ignore them.
+            given = [name for name, value, default in (
+                ("local_interval_steps", local_interval_steps, None), ("node_rank", node_rank, None),
+                ("local_keep", local_keep, 2), ("replicas", replicas, 2),
+                ("replication_timeout", replication_timeout, 60.0)) if value != default]
+            if given:
+                verb = "configures" if len(given) == 1 else "configure"
+                raise ValueError(f"{', '.join(given)} {verb} the local tier, which is off without local_dir: "
+                                 "pass local_dir too, or leave them at their defaults")
         self.directory = os.fspath(directory)
         self.save_interval_steps = save_interval_steps
         self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
@@ -298,6 +317,9 @@ class CheckpointManager:
         self.timeout = timeout
         self._root = self._root_for(directory, storage_options)
         self._steps: dict[int, dict[str, Any] | None] = {}  # committed step -> metrics, same on every rank
+        # committed step -> the timeline (run) that wrote it; None: written before timelines were recorded
+        self._timelines: dict[int, str | None] = {}
+        self._run_timeline = ""  # this run's timeline without a local tier (the coordinator's; see _start)
         self._pending: _Pending | None = None
         self._timings: deque[SaveTiming] = deque(maxlen=100)
         self._closed = False
@@ -312,7 +334,7 @@ class CheckpointManager:
                 self._local = LocalTier(local_dir, directory=self._root.url, interval_steps=local_interval_steps,
                                         keep=local_keep, replicas=replicas, node_rank=node_rank,
                                         process_group=process_group, timeout=timeout,
-                                        replication_timeout=replication_timeout)
+                                        replication_timeout=replication_timeout, durable=self._durable_latest())
         except BaseException:
             self._release()  # a failed start must not keep the directory claimed
             raise
@@ -326,6 +348,17 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """Every committed step the manager keeps, oldest first (not the one in flight)."""
         return sorted(self._steps)
+
+    def _durable_latest(self) -> tuple[int, str | None] | None:
+        """The newest committed step and the timeline that wrote it (None: no step)."""
+        latest = self.latest_step()
+        return None if latest is None else (latest, self._timelines.get(latest))
+
+    def _timeline(self) -> str:
+        """The timeline recorded in the durable steps this run saves: the local tier's (a new
+        one at every load), else one per manager. Local recovery uses it to tell whether the
+        newest durable step was written by the run that wrote a local step."""
+        return self._local.timeline if self._local is not None else self._run_timeline
 
     def best_step(self) -> int | None:
         """The best committed step by ``best_metric`` (None without a metric or a scored step)."""
@@ -382,8 +415,7 @@ class CheckpointManager:
                 :func:`save`).
         """
         self._check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        _check_step(step)
         if metrics is not None:
             metrics = _plain_metrics(metrics)
         if self._local is not None:
@@ -401,7 +433,8 @@ class CheckpointManager:
                 "only go forward (a resume would pick the newer one). Resume from it, or move the newer "
                 "step directories away to restart an older timeline")
         name = step_dir_name(step)
-        user = {USER_KEY: {"step": step, "metrics": None if metrics is None else encode_metrics(metrics)}}
+        user = {USER_KEY: {"step": step, "metrics": None if metrics is None else encode_metrics(metrics),
+                           "timeline": self._timeline()}}
         writer = self._storage_writer(name)
         started = time.perf_counter()
         if self._inc is not None:
@@ -429,23 +462,29 @@ class CheckpointManager:
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> int | None:
         """Load committed ``step`` (default: the newest) into ``state_dict`` in place.
 
-        Settles an async save in flight first. Returns the step loaded, or None (and leaves
+        Settles an async save in flight first; the retention that follows never deletes
+        ``step`` (a step ``all_steps()`` listed while the save was in flight still loads; a
+        later save's retention may delete it). Returns the step loaded, or None (and leaves
         ``state_dict`` untouched) when ``step`` is None and nothing is committed yet.
 
         With a local tier, the newest step complete in the local tiers of the surviving
         nodes (or ``step``, if it is one) loads from there, reading nothing from
-        ``directory``, unless ``directory`` holds a newer committed step; otherwise (nothing
+        ``directory``, unless ``directory`` holds a newer committed step or its newest step
+        was committed by a later run than the one that saved the local step (e.g. a run at
+        another world size, which could not see this node's files); otherwise (nothing
         complete, a changed layout) the durable step loads as without a local tier.
 
         Raises:
             NotACheckpointError: ``step`` is not a committed step of this directory.
-            ValueError: ranks asked for different steps.
+            ValueError: ``step`` is not None or an int >= 0, or ranks asked for different steps.
             Errors of :func:`load` (mismatched keys, corrupt data) on every rank.
         """
         self._check_open()
-        self._settle()
+        if step is not None:
+            _check_step(step)
+        self._settle(protect=() if step is None else (step,))
         if self._local is not None:
-            recovered = self._local.recover(state_dict, durable_latest=self.latest_step(), step=step)
+            recovered = self._local.recover(state_dict, durable=self._durable_latest(), step=step)
             if recovered is not None:
                 return recovered
         chosen = self.latest_step() if step is None else step
@@ -565,9 +604,12 @@ class CheckpointManager:
                     debris = unreferenced_files(Listed(listing[name]), self._referenced_files(parsed[info.step]))
                     if debris:
                         found.setdefault("debris", []).append((name, debris))
-            return {i.step: i.metrics for i in infos if i.state == "committed"}
+            committed = [i.step for i in infos if i.state == "committed"]
+            return ({i.step: i.metrics for i in infos if i.state == "committed"},
+                    {s: timeline_of(parsed[s]) for s in committed}, new_timeline())
 
-        self._steps = self._on_coordinator("manager start (listing the directory)", discover)
+        self._steps, self._timelines, self._run_timeline = self._on_coordinator(
+            "manager start (listing the directory)", discover)
         if self._deleter is not None:
             for name, keep in found.get("sweep", []):
                 self._deleter.submit("step", name, keep=keep)
@@ -632,9 +674,10 @@ class CheckpointManager:
             raise ValueError(f"CheckpointManager.{what}: the ranks passed different steps {steps} (by rank); "
                              "every rank must call it with the same step")
 
-    def _settle(self) -> None:
+    def _settle(self, protect: Iterable[int] = ()) -> None:
         """Every rank learns the outcome of the last save; the coordinator updates the steps,
-        plans retention, and starts the deletions after everyone agreed."""
+        plans retention (never deleting ``protect``: a step about to be loaded), and starts
+        the deletions after everyone agreed."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -664,13 +707,15 @@ class CheckpointManager:
             finished = response is None or response.done()
             if own_error is not None and finished:  # the save may have committed all the same
                 committed = self._probe(name)
-            steps = dict(self._steps)
+            steps, timelines = dict(self._steps), dict(self._timelines)
             if committed is not None:
                 steps[pending.step] = metrics_of(committed)
+                timelines[pending.step] = timeline_of(committed)
                 self._refs[pending.step] = _named_elsewhere(committed)
-                doomed = self._retention(steps, protect={pending.step})
+                doomed = self._retention(steps, protect={pending.step, *protect})
                 for s in doomed:
                     del steps[s]
+                    timelines.pop(s, None)
                     self._refs.pop(s, None)
                 # a deleted step's files that kept steps still name stay (incremental checkpoints);
                 # directories kept only for such files go once nothing names them any more
@@ -680,10 +725,10 @@ class CheckpointManager:
                 self._lingering.difference_update(plan["release"])
             elif finished:
                 plan["cleanup"] = True
-            return error, (committed is not None, steps)
+            return error, (committed is not None, steps, timelines)
 
         results = self._coordinator().exchange(f"manager (settling the save of step {pending.step})", bookkeeping)
-        committed, self._steps = results[self._coord.coordinator_rank][1]
+        committed, self._steps, self._timelines = results[self._coord.coordinator_rank][1]
         if self._deleter is not None:
             for s, keep in plan.get("delete", []):
                 self._deleter.submit("step", step_dir_name(s), keep=keep)
@@ -754,6 +799,13 @@ def _named_elsewhere(meta: md.Metadata) -> frozenset[tuple[str, str]]:
     return frozenset((f.dir, f.name) for f in meta.files if f.dir)
 
 
+def timeline_of(meta: md.Metadata) -> str | None:
+    """The timeline (run) that saved a committed step, from its user data (None: not recorded)."""
+    own = meta.user.get(USER_KEY) if isinstance(meta.user, dict) else None
+    timeline = own.get("timeline") if isinstance(own, dict) else None
+    return timeline if isinstance(timeline, str) else None
+
+
 def step_of_name(meta: md.Metadata) -> str | None:
     """The step directory name a committed step's metadata was saved under (from its user data)."""
     own = meta.user.get(USER_KEY) if isinstance(meta.user, dict) else None
@@ -770,6 +822,11 @@ def _plain_metrics(metrics: Any) -> dict[str, Any]:
         raise ValueError(f"metrics values must be numbers, strings, bools, None, or lists/dicts of them (or 0-d "
                          f"tensors), got {metrics!r:.200}")
     return plain
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
 
 
 def _check_count(name: str, value: Any) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 import torch
@@ -305,7 +306,65 @@ def test_an_fsspec_directory_memory_filesystem(tmp_path):
         assert mgr.metrics(2) == {"loss": 0.5}
 
 
+def test_timeout_must_be_positive_seconds_or_timedelta_or_none(tmp_path):
+    d = str(tmp_path / "run")
+    for bad in (-1, 0, float("nan"), float("inf"), 1e300, timedelta(0), timedelta(seconds=-5)):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            CheckpointManager(d, timeout=bad)
+    for bad in ("30", True, [30]):
+        with pytest.raises(TypeError, match="timeout must be a number of seconds > 0.*got"):
+            CheckpointManager(d, timeout=bad)
+    assert not os.path.exists(os.path.join(d, OWNER_FILE))  # refused before the manager started
+    for good, seconds in ((None, None), (5, 5.0), (2.5, 2.5), (timedelta(seconds=3), 3.0)):
+        with CheckpointManager(d, timeout=good) as mgr:
+            assert (mgr.timeout.total_seconds() if mgr.timeout is not None else None) == seconds
+
+
+def test_load_checks_the_type_of_step_as_save_does(tmp_path):
+    with CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(1, plain(1))
+        mgr.save(6, plain(6))
+        for bad in ("6", True, -1, 6.0):
+            with pytest.raises(ValueError, match=r"step must be an int >= 0, got"):
+                mgr.load(plain(0), step=bad)
+        target = plain(0)
+        assert mgr.load(target, step=6) == 6 and target["step"] == 6
+
+
+def test_load_of_a_listed_step_survives_the_retention_of_the_save_it_settles(tmp_path):
+    """keep_latest=2 with an async save in flight: all_steps() lists [1, 2]; load(step=1)
+    settles the save of step 3, whose retention must not delete step 1 (the next one may)."""
+    d = str(tmp_path / "run")
+    with CheckpointManager(d, keep_latest=2, async_save=True) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, plain(s))
+        assert mgr.all_steps() == [1, 2]  # step 3 in flight
+        target = plain(0)
+        assert mgr.load(target, step=1) == 1
+        assert target["step"] == 1 and torch.equal(target["w"], plain(1)["w"])
+        assert mgr.all_steps() == [1, 2, 3]  # protected from that retention pass only
+        mgr.save(4, plain(4))
+        mgr.wait()
+        assert mgr.all_steps() == [3, 4]
+    assert on_disk(d) == {3: "committed", 4: "committed"}
+
+
 # ----------------------------------------------------------------------------- real ranks
+
+
+def rank_bad_timeout(rank: int, ws: int, d: str, timeout) -> str:
+    try:
+        CheckpointManager(d, timeout=timeout).close()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def test_a_bad_timeout_is_refused_on_every_rank_before_any_collective(tmp_path):
+    # before: -1 reached gloo ("A rank crashed" LostContactError) and "30" torch's TypeError
+    for bad, error in ((-1, "ValueError"), ("30", "TypeError")):
+        out = run_ranks(rank_bad_timeout, 2, str(tmp_path / "run"), bad, timeout_s=60)
+        assert all(o.startswith(f"{error}: timeout must be") for o in out), out
 
 
 def rank_policies(rank: int, ws: int, d: str, steps: list[int], losses: dict[int, float], kwargs: dict) -> dict:

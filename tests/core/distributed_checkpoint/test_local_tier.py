@@ -212,6 +212,40 @@ def test_recovery_ignores_other_layouts_and_excluded_copies_and_balances_senders
     assert {d["sources"][2][0], d["sources"][3][0]} == {0, 1}
 
 
+def test_recovery_never_picks_a_step_of_a_timeline_a_later_run_abandoned():
+    """The newest durable step (9, "tB") was committed by another run than the local steps'."""
+    def report(tl, base, steps=(10,)):
+        return [(fp, [(o, s, tl, 100, fp, base) for s in steps for o in (0, 1)]) for fp in ("f0", "f1")]
+
+    def pick(reports, durable_latest, durable_timeline, want=None):
+        d = decide(reports, [0, 0], durable_latest=durable_latest, durable_timeline=durable_timeline, want=want,
+                   excluded=set(), keep=2)
+        return d["step"] if d["kind"] == "local" else "durable"
+
+    # run A (base: no durable step) saved local 10; run B, which never saw it, committed durable 9
+    assert pick(report("tA", (None, None)), 9, "tB") == "durable"
+    assert pick(report("tA", (None, None)), 9, "tB", want=10) == "durable"
+    # ... while durable 8 (run A's own) or 8 (the base run A started from) leave it usable
+    assert pick(report("tA", (None, None)), 8, "tA") == 10
+    assert pick(report("tC", (8, "tA")), 8, "tA") == 10
+    # a run that started from durable 8 and resumed a local step 10 is abandoned once another
+    # run commits 9, whatever its local base was (step numbers alone would keep it)
+    assert pick(report("tC", (8, "tA")), 9, "tB") == "durable"
+    # no durable step at all, or one saved before timelines were recorded: step numbers decide
+    assert pick(report("tA", (None, None)), None, None) == 10
+    assert pick(report("tA", (None, None)), 9, None) == 10
+    assert pick(report("tA", (None, None)), 11, None) == "durable"
+    # files written before the durable base was recorded (5-tuples, or None) count unless a run
+    # that records timelines committed the newest durable step after them
+    old = [(fp, [(o, 10, "tA", 100, fp) for o in (0, 1)]) for fp in ("f0", "f1")]
+    assert pick(old, 8, None) == 10 and pick(report("tA", None), 8, None) == 10
+    assert pick(old, 9, "tB") == "durable" and pick(report("tA", None), 9, "tB") == "durable"
+    # an abandoned timeline's newer step does not hide an older usable one of the current run
+    mixed = [(fp, report("tA", (None, None))[i][1] + report("tB", (8, "tX"), (9,))[i][1])
+             for i, fp in enumerate(("f0", "f1"))]
+    assert pick(mixed, 9, "tB") == 9
+
+
 # ----------------------------------------------------------------------------- one process
 
 
@@ -291,6 +325,21 @@ def test_partial_and_damaged_local_steps_are_never_loaded_and_layout_changes_go_
         assert mgr.local_tier.last_recovery.source == "durable"
 
 
+def test_a_numpy_scalar_in_a_value_is_refused_naming_the_innermost_key(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import UnsupportedValueError
+
+    state = {"w": torch.ones(4), "extra": {"epoch": 1, "hist": [1.0, {"loss_ema": np.float64(0.25)}]}}
+    with CheckpointManager(str(tmp_path / "run"), save_interval_steps=100, local_dir=str(tmp_path / "shm"),
+                           replicas=1) as mgr:
+        with pytest.raises(UnsupportedValueError, match=r"^'extra\.hist\.1\.loss_ema': a numpy\.float64 .*"
+                                                         r"int\(x\) or float\(x\)"):
+            mgr.save(1, state)
+        state["extra"]["hist"][1]["loss_ema"] = 0.25  # float(x): saves
+        mgr.save(2, state)
+        mgr.wait()
+    assert steps_of(str(tmp_path / "shm"), 0) == [2]
+
+
 def test_local_tier_arguments_are_checked(tmp_path):
     d = str(tmp_path / "run")
     for kwargs in ({"local_interval_steps": 0}, {"local_keep": 0}, {"replicas": 0}, {"replication_timeout": 0}):
@@ -298,6 +347,11 @@ def test_local_tier_arguments_are_checked(tmp_path):
             CheckpointManager(d, local_dir=str(tmp_path / "shm"), **kwargs)
     with pytest.raises(ValueError, match="pass local_dir too"):
         CheckpointManager(d, local_interval_steps=5)
+    # every local tier setting off its default needs local_dir (they were silently ignored)
+    for kwargs in ({"local_keep": 3}, {"replicas": 1}, {"node_rank": 0}, {"replication_timeout": 5}):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} configures the local tier.*pass local_dir too"):
+            CheckpointManager(d, **kwargs)
+    CheckpointManager(d, local_keep=2, replicas=2, replication_timeout=60.0).close()  # the defaults: fine
     with CheckpointManager(d, local_dir=str(tmp_path / "shm"), local_interval_steps=2, replicas=1) as mgr:
         assert mgr.local_tier.save(1, {"x": 1}) is False and mgr.local_tier.save(2, {"x": 2}) is True
         with pytest.raises(ValueError, match="steps only go forward"):
@@ -415,6 +469,45 @@ def test_must_show_lose_a_node_resume_from_the_newest_local_step_bit_exact_readi
     assert [r["holder"] for r in results][2:] == [0, 1] and results[2]["fetched"] > 0  # node 1 fetched from node 0
     assert results[0]["holder"] == 0 and results[0]["fetched"] == 0
     assert steps_of(f"{shm}/node1", 2)[-1] == step + 2  # node 1's directory is alive again
+
+
+def rank_elastic_run(rank: int, ws: int, d: str, shm: str, base: int, last: int, force_last: bool) -> dict:
+    """One run of a job on nodes of 2 ranks: load, then save steps up to ``last`` (local every
+    step, durable every 4) with values ``base + step``; returns what the load found."""
+    node = rank // 2
+    mesh = init_device_mesh("cpu", (ws,))
+
+    def state_at(value: int) -> dict:
+        return {"w": make_dtensor(torch.full((8, 4), float(value)), mesh, [Shard(0)]), "value": value}
+
+    target = state_at(-1)
+    with CheckpointManager(d, save_interval_steps=4, local_dir=f"{shm}/node{node}", node_rank=node, timeout=30,
+                           replication_timeout=10) as mgr:
+        start = mgr.load(target)
+        found = {"step": start, "source": mgr.local_tier.last_recovery.source, "value": target["value"],
+                 "w": target["w"].to_local().unique().tolist()}
+        for step in range((start or 0) + 1, last + 1):
+            mgr.save(step, state_at(base + step), force=force_last and step == last)
+        mgr.wait()
+    return found
+
+
+def test_after_an_elastic_scale_down_the_next_run_never_resumes_the_abandoned_runs_local_steps(tmp_path):
+    """A: 4 ranks on 2 nodes, local steps 1-6, durable 4. B: node 1 down, 2 ranks: another world
+    size, so durable 4 loads; B commits durable 5 (and prunes A's files on node 0 only). C: 4
+    ranks, node 1 back with A's step 6 complete in its directory: C must resume B's durable 5,
+    not A's local 6. D: C's own later local steps (after durable 5, which C started from) load."""
+    d, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    a = run_ranks(rank_elastic_run, 4, d, shm, 1000, 6, False)
+    assert a[0]["step"] is None
+    b = run_ranks(rank_elastic_run, 2, d, shm, 2000, 5, True)
+    assert [(r["step"], r["source"], r["value"]) for r in b] == [(4, "durable", 1004)] * 2, b
+    assert [i.step for i in list_steps(d) if i.state == "committed"] == [4, 5]
+    assert all(6 in steps_of(f"{shm}/node1", r) for r in range(4))  # the abandoned run A's step, complete
+    c = run_ranks(rank_elastic_run, 4, d, shm, 3000, 7, False)
+    assert [(r["step"], r["source"], r["value"], r["w"]) for r in c] == [(5, "durable", 2005, [2005.0])] * 4, c
+    dd = run_ranks(rank_elastic_run, 4, d, shm, 4000, 0, False)
+    assert [(r["step"], r["source"], r["value"], r["w"]) for r in dd] == [(7, "local", 3007, [3007.0])] * 4, dd
 
 
 def rank_killed_mid_local_save_or_copy(rank: int, ws: int, d: str, shm: str, where: str) -> None:
