@@ -25,6 +25,7 @@ from .errors import (
     NotACheckpointError,
     RankFailedError,
     StateDictMismatchError,
+    StorageTimeoutError,
     UnsupportedValueError,
 )
 from .filesystem_storage import FileSystemReader, FileSystemWriter
@@ -112,6 +113,7 @@ __all__ = [
     "CheckpointError",
     "CommitError",
     "LostContactError",
+    "StorageTimeoutError",
     "CorruptCheckpointError",
     "MetadataError",
     "NotACheckpointError",

@@ -84,6 +84,14 @@ def _default_reader(path: str) -> StorageReader:
     return reader_for(path)
 
 
+def _bound_calls(storage: Any, coord: Coordinator) -> None:
+    """Bound the storage's calls by the exchange timeout: a stuck store fails the save or load
+    as a stuck peer does (storage not derived from our ABCs may lack the hook)."""
+    hook = getattr(storage, "bound_calls", None)
+    if hook is not None:
+        hook(coord.timeout.total_seconds())
+
+
 def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int, timeout: Any) -> Coordinator:
     return Coordinator(process_group, no_dist, coordinator_rank, timeout)  # which checks timeout
 
@@ -218,6 +226,7 @@ def save(
         if writer is None:
             writer = _default_writer(where, sync_files)
         writer.set_up(coord.rank, coord.is_coordinator)
+        _bound_calls(writer, coord)
         flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
         if hasattr(planner, "group_ranks"):  # mesh ranks are recorded as ranks of the saving group
             planner.group_ranks = coord.group_ranks if coord.world_size > 1 else None
@@ -629,6 +638,7 @@ def load(
         if reader is None:
             reader = _default_reader(where)
         reader.set_up(coord.rank, coord.is_coordinator)
+        _bound_calls(reader, coord)
         flat = flatten(state_dict) if state_dict is not None else None
         if flat is not None:
             materialized.extend(_materialize_meta(flat))

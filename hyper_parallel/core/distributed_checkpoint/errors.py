@@ -39,6 +39,12 @@ class LostContactError(CheckpointError):
     called. The process group used for checkpoint exchanges is unusable afterwards."""
 
 
+class StorageTimeoutError(CheckpointError, TimeoutError):
+    """A storage call (an upload, a ranged read, the metadata commit) got no answer within the
+    save's or load's ``timeout``: the store or its endpoint is stuck. The call's thread is left
+    behind (a blocked socket cannot be interrupted); nothing is committed on its account."""
+
+
 class CommitError(CheckpointError):
     """A save failed at or around its commit point; ``committed`` says what the path holds.
 

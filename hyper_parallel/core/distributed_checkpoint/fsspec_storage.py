@@ -21,14 +21,66 @@ from __future__ import annotations
 import contextlib
 import errno
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-from .errors import CorruptCheckpointError, NotACheckpointError
+from .errors import CorruptCheckpointError, NotACheckpointError, StorageTimeoutError
 from .metadata import METADATA_FILE
 from .storage import Buffer, StorageReader, StorageWriter
 
+T = TypeVar("T")
 _PART_BYTES = 16 << 20  # upload part size; object stores need >= 5 MiB for all but the last
+
+
+class _StuckCall(StorageTimeoutError):
+    """:class:`StorageTimeoutError` with the event the stuck call sets once it returns, if ever."""
+
+    def __init__(self, returned: threading.Event, message: str):
+        super().__init__(message)
+        self.returned = returned
+
+
+class _Bounded:
+    """Runs a storage call on a thread of its own and waits at most ``limit_s`` for it.
+
+    An endpoint that accepts connections and never answers holds a call for as long as the
+    client's own timeouts and retries allow (s3fs retries on top of botocore's: measured over
+    150 s here, up to tens of minutes with the defaults). A save or load must fail within its
+    ``timeout`` instead, as it does for a stuck peer. A blocked socket cannot be interrupted, so
+    the call's (daemon) thread is left behind; what it still does is harmless: a read lands in
+    bytes the caller no longer looks at (the copy into the caller's buffer happens on the
+    caller's thread), and an upload's file is never named by a committed ``.metadata``.
+    """
+
+    def __init__(self, url: str):
+        self.url = url
+        self.limit_s: float | None = None  # None: calls run on the caller's thread, unbounded
+
+    def __call__(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self.limit_s is None:
+            return fn(*args, **kwargs)
+        out: list[Any] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                out.append((True, fn(*args, **kwargs)))
+            except BaseException as exc:  # handed to the caller
+                out.append((False, exc))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="dcp-storage-call", daemon=True).start()
+        if not done.wait(self.limit_s):
+            raise _StuckCall(done,
+                f"{what} ({self.url}): the storage gave no answer within {self.limit_s:g}s (the save's or "
+                "load's timeout); the store or its endpoint is stuck. Nothing was committed on this call's "
+                "account. The client's own limits (for S3: storage options config_kwargs connect_timeout, "
+                "read_timeout, retries) end such calls sooner")
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
 
 
 def _fs(url: str, options: dict[str, Any]) -> tuple[Any, str]:
@@ -46,21 +98,33 @@ class FsspecWriter(StorageWriter):
     def __init__(self, url: str, **storage_options: Any):
         self.url = url
         self.fs, self.root = _fs(url, storage_options)
+        self._call = _Bounded(url)
+
+    def bound_calls(self, seconds: float) -> None:
+        """Fail a storage call with no answer within ``seconds`` (:class:`StorageTimeoutError`)."""
+        self._call.limit_s = seconds
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
     def prepare(self) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)
+        self._call("creating the directory", self.fs.makedirs, self.root, exist_ok=True)
 
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        """Upload ``parts`` (produced on this thread) as file ``name``: each write that sends a
+        part, and the final completion, is one bounded call."""
         total = 0
-        f = self.fs.open(self._path(name), "wb", block_size=_PART_BYTES)
+        what = f"uploading {name}"
+        f = self._call(what, self.fs.open, self._path(name), "wb", block_size=_PART_BYTES)
         try:
             for part in parts:
-                f.write(part)
+                self._call(what, f.write, part)
                 total += memoryview(part).nbytes
-            f.close()  # uploads the last part and completes the upload
+            self._call(what, f.close)  # uploads the last part and completes the upload
+        except _StuckCall as exc:
+            # the stuck call still uses the file (not thread-safe): abandon it once that returns
+            threading.Thread(target=_abandon_after, args=(f, exc.returned), daemon=True).start()
+            raise
         except BaseException:
             _abandon(f)
             raise
@@ -68,17 +132,17 @@ class FsspecWriter(StorageWriter):
 
     def read_committed(self, name: str = METADATA_FILE) -> bytes | None:
         try:
-            return self.fs.cat_file(self._path(name))
+            return self._call(f"reading {name}", self.fs.cat_file, self._path(name))
         except FileNotFoundError:
             return None
 
     def commit(self, metadata: bytes, name: str = METADATA_FILE) -> None:
-        self.fs.pipe_file(self._path(name), metadata)
+        self._call(f"writing {name}", self.fs.pipe_file, self._path(name), metadata)
 
     def remove(self, names: Iterable[str]) -> None:
         for name in names:
             try:
-                self.fs.rm_file(self._path(name))
+                self._call(f"deleting {name}", self.fs.rm_file, self._path(name))
             except FileNotFoundError:
                 pass
 
@@ -92,6 +156,13 @@ def start_io_thread() -> None:
         import fsspec.asyn
 
         fsspec.asyn.get_loop()
+
+
+def _abandon_after(f: Any, returned: threading.Event) -> None:
+    """:func:`_abandon` once the call stuck in ``f`` returns; one that never returns leaves its
+    upload to the store's lifecycle rules for incomplete multipart uploads."""
+    returned.wait()
+    _abandon(f)
 
 
 def _abandon(f: Any) -> None:
@@ -113,9 +184,14 @@ class FsspecReader(StorageReader):
     def __init__(self, url: str, **storage_options: Any):
         self.url = url
         self.fs, self.root = _fs(url, storage_options)
+        self._call = _Bounded(url)
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
+
+    def bound_calls(self, seconds: float) -> None:
+        """Fail a storage call with no answer within ``seconds`` (:class:`StorageTimeoutError`)."""
+        self._call.limit_s = seconds
 
     def _path(self, name: str) -> str:
         if name.startswith("../"):  # a file of an earlier step beside this checkpoint (validated names)
@@ -133,7 +209,7 @@ class FsspecReader(StorageReader):
 
     def read_metadata(self) -> bytes:
         try:
-            return self.fs.cat_file(self._path(METADATA_FILE))
+            return self._call(f"reading {METADATA_FILE}", self.fs.cat_file, self._path(METADATA_FILE))
         except FileNotFoundError:
             raise NotACheckpointError(
                 f"{self.url!r} is not a checkpoint: it has no {METADATA_FILE}"
@@ -144,13 +220,14 @@ class FsspecReader(StorageReader):
             path = self._path(name)
             try:
                 self.fs.invalidate_cache(path)  # a listing made before the files were written may be cached
-                self._sizes[name] = int(self.fs.size(path))
+                self._sizes[name] = int(self._call(f"the size of {name}", self.fs.size, path))
             except FileNotFoundError:
                 raise self._missing(name) from None
         return self._sizes[name]
 
     def list_files(self) -> list[str]:
-        return sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False))
+        return sorted(p.rsplit("/", 1)[-1] for p in self._call("listing the files", self.fs.ls, self.root,
+                                                                detail=False))
 
     def _current_size(self, name: str) -> int | None:
         """:meth:`file_size` asked anew (the cached size is the one the read was planned with)."""
@@ -164,7 +241,9 @@ class FsspecReader(StorageReader):
         if not view.nbytes:
             return
         try:
-            data = self.fs.cat_file(self._path(name), start=offset, end=offset + view.nbytes)
+            # fetched on the bounded call's thread, copied into the caller's buffer on this one
+            data = self._call(f"reading {name}", self.fs.cat_file, self._path(name), start=offset,
+                              end=offset + view.nbytes)
         except FileNotFoundError:
             raise self._missing(name) from None
         except OSError as exc:

@@ -370,6 +370,9 @@ class HuggingFaceStorageReader(StorageReader):
         super().set_up(rank, is_coordinator)
         self.files.set_up(rank, is_coordinator)
 
+    def bound_calls(self, seconds: float) -> None:
+        self.files.bound_calls(seconds)
+
     def _where(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}"
 

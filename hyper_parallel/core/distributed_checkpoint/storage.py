@@ -61,6 +61,10 @@ class StorageWriter(abc.ABC):
         self.rank = rank
         self.is_coordinator = is_coordinator
 
+    def bound_calls(self, seconds: float) -> None:  # noqa: B027 - optional hook
+        """Optional: fail (:class:`~.errors.StorageTimeoutError`) a call that gets no answer from
+        the storage within ``seconds`` (the save's ``timeout``). Called after ``set_up``."""
+
     @abc.abstractmethod
     def prepare(self) -> None:
         """Make the destination exist; every rank calls it, so it must be idempotent and race-safe."""
@@ -124,6 +128,10 @@ class StorageReader(abc.ABC):
     def set_up(self, rank: int, is_coordinator: bool) -> None:
         self.rank = rank
         self.is_coordinator = is_coordinator
+
+    def bound_calls(self, seconds: float) -> None:  # noqa: B027 - optional hook
+        """Optional: fail (:class:`~.errors.StorageTimeoutError`) a call that gets no answer from
+        the storage within ``seconds`` (the load's ``timeout``). Called after ``set_up``."""
 
     @abc.abstractmethod
     def read_metadata(self) -> bytes: ...

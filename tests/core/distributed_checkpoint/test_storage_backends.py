@@ -182,3 +182,49 @@ def test_the_offline_tools_write_to_urls(tmp_path, url_root, monkeypatch):
         offline_transform(f"{url_root}/ot", f"{url_root}/ot/", dst_layout={"tp": 2})
     offline_transform(src, f"{url_root}/ot", dst_layout={"tp": 2}, overwrite=True)
     assert_same(sd, load(path=f"{url_root}/ot", no_dist=True))
+
+
+@pytest.fixture()
+def silent_endpoint():
+    """An HTTP endpoint that accepts connections and never answers (a stuck object store)."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    held, stop = [], threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(srv.accept()[0])  # kept open, never read from or answered
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.getsockname()[1]}"
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    srv.close()
+
+
+def test_a_stuck_object_store_fails_a_save_and_a_load_within_their_timeout(silent_endpoint):
+    # timeout= bounded only the waits between ranks: against an endpoint that never answers a
+    # save was still blocked after 150 s (s3fs retries on top of botocore's 60 s read timeouts)
+    import time
+
+    from hyper_parallel.core.distributed_checkpoint import StorageTimeoutError
+
+    opts = {"client_kwargs": {"endpoint_url": silent_endpoint}, "skip_instance_cache": True,
+            "key": "k", "secret": "s"}
+    for call in (lambda: save(_sd(), storage_writer=FsspecWriter("s3://bucket/ck", **opts), no_dist=True, timeout=2),
+                 lambda: load(_sd(), storage_reader=FsspecReader("s3://bucket/ck", **opts), no_dist=True, timeout=2)):
+        t0 = time.monotonic()
+        with pytest.raises(StorageTimeoutError, match=r"s3://bucket/ck\): the storage gave no answer within 2s"):
+            call()
+        assert time.monotonic() - t0 < 10
