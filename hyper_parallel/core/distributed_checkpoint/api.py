@@ -206,9 +206,9 @@ def save(
         raise ValueError("save() needs a state_dict")
     # an earlier async save to this place must not commit over this one
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_writer))
-    if user_metadata is not None and not md.is_json_value(user_metadata):
-        raise ValueError("user_metadata must hold only JSON-representable values")
     if not use_collectives and not no_dist and _distributed():
+        if user_metadata is not None:
+            md.check_user_metadata(user_metadata)  # no collective here: this rank alone
         return _save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
                                 thread_count, sync_files, user_metadata)
     scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
@@ -223,6 +223,8 @@ def save(
 
     def plan_locally() -> _Summary:
         nonlocal writer
+        if user_metadata is not None:  # inside the exchange: a bad value on one rank fails every rank
+            md.check_user_metadata(user_metadata)
         if writer is None:
             writer = _default_writer(where, sync_files)
         writer.set_up(coord.rank, coord.is_coordinator)

@@ -35,6 +35,7 @@ still in flight (uncommitted): call ``wait()`` (or ``result()``) before it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import inspect
 import os
@@ -486,8 +487,11 @@ class AsyncCheckpointer:
         where = path if path is not None else checkpoint_id
         if where is None and storage_writer is None:
             raise ValueError("say where the checkpoint goes: path=/checkpoint_id= or a storage writer")
-        if user_metadata is not None and not md.is_json_value(user_metadata):
-            raise ValueError("user_metadata must hold only JSON-representable values")
+        if user_metadata is not None:
+            # checked by the background save's first exchange (a bad value on one rank must fail
+            # every rank, not leave the others waiting in a collective); a snapshot of it now
+            with contextlib.suppress(Exception):
+                user_metadata = copy.deepcopy(user_metadata)
         timeout = as_timeout(timeout)  # before any collective, alike on every rank
         where = None if where is None else os.fspath(where)
         given = where

@@ -841,6 +841,29 @@ def is_json_value(v: Any) -> bool:
     return False
 
 
+def check_user_metadata(value: Any) -> None:
+    """Raise ValueError naming the first value of ``user_metadata`` that is not plain JSON-able
+    data (:func:`is_json_value`), e.g. ``'loss': numpy.float32``."""
+    def culprit(v: Any, where: str) -> tuple[str, Any] | None:
+        if type(v) in (list, tuple):
+            return next((c for i, x in enumerate(v) if (c := culprit(x, f"{where}[{i}]"))), None)
+        if type(v) is dict:
+            for k, x in v.items():
+                if type(k) not in (str, int):
+                    return f"{where} key {k!r}", k
+                if (c := culprit(x, f"{where}[{k!r}]")) is not None:
+                    return c
+            return None
+        return None if is_json_value(v) else (where, v)
+
+    found = culprit(value, "user_metadata") if type(value) is dict else ("user_metadata", value)
+    if found is not None:
+        where, bad = found
+        raise ValueError(f"{where} is a {type(bad).__module__}.{type(bad).__qualname__}: user_metadata must be a dict "
+                         "of plain JSON-able values (None, bool, int, float, str, lists, tuples, dicts with str or "
+                         "int keys); convert it first (e.g. float(x) for a numpy scalar)")
+
+
 def encode_value(v: Any) -> Any:
     """Python value -> JSON with type tags; only call when :func:`is_json_value` holds."""
     t = type(v)

@@ -12,7 +12,7 @@ from multiprocess import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from hyper_parallel.core.distributed_checkpoint import RankFailedError, async_save, load, save
+from hyper_parallel.core.distributed_checkpoint import CheckpointError, RankFailedError, async_save, load, save
 
 
 def state(ws: int, step: int) -> dict:
@@ -150,3 +150,33 @@ def test_a_bad_timeout_is_refused_alike_on_every_rank_before_any_collective(tmp_
         save({"w": torch.ones(2)}, str(tmp_path / "one"), no_dist=True, timeout=-1)
     with pytest.raises(TypeError, match="timeout must be a number of seconds > 0"):
         async_save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "two"), no_dist=True, timeout="30")
+
+
+def _bad_user_metadata_on_rank_1(rank: int, ws: int, path: str) -> list[str]:
+    import numpy as np
+
+    from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer
+
+    um = {"loss": np.float32(0.25) if rank == 1 else 0.25, "step": 3}
+    out = []
+    ck = AsyncCheckpointer()
+    for call in (lambda: save({"w": torch.ones(2)}, path, user_metadata=um, timeout=60),
+                 lambda: ck.save({"w": torch.ones(2)}, checkpoint_id=path, user_metadata=um, timeout=60).result()):
+        t0 = time.monotonic()
+        try:
+            call()
+            out.append("saved")
+        except CheckpointError as exc:  # async: AsyncSaveError from the RankFailedError
+            out.append(f"{time.monotonic() - t0 < 20} {exc} | {exc.__cause__}")
+    with pytest.raises(CheckpointError, match="user_metadata"):  # reported once more, on every rank alike
+        ck.close()
+    return out
+
+
+def test_a_bad_user_metadata_on_one_rank_fails_every_rank_at_once(tmp_path):
+    # it was refused on that rank alone, before any exchange: the others waited out the timeout
+    # and then blamed a crashed rank
+    results = run_ranks(_bad_user_metadata_on_rank_1, 2, str(tmp_path / "ck"), timeout_s=100)
+    for out in results:
+        assert len(out) == 2 and all(o.startswith("True") for o in out), out
+        assert all("rank 1" in o and "user_metadata['loss'] is a numpy.float32" in o for o in out), out
