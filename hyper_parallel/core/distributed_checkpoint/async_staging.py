@@ -574,23 +574,31 @@ class AsyncCheckpointer:
     def close(self, timeout: float | None = None) -> None:
         """Wait for saves in flight, then free the staging buffers and the dedicated groups.
 
-        The checkpointer can still be used afterwards (it allocates again).
+        The checkpointer can still be used afterwards (it allocates again). Nothing is freed
+        while a save is still in flight (after ``timeout``, or an interrupt): its group and
+        buffers stay, it goes on, and a later ``close()`` frees them.
 
         Raises:
             AsyncSaveError: as :meth:`wait`.
+            TimeoutError: saves still in flight after ``timeout`` seconds (they go on).
         """
         try:
             self.wait(timeout)
         finally:
-            self._pool.clear()
-            self._stop_threads()
-            for world, group in self._groups.values():
-                if world is dist.group.WORLD:
-                    try:
-                        dist.destroy_process_group(group)
-                    except Exception:  # the world may be gone already; nothing left to free
-                        pass
-            self._groups.clear()
+            if not self.in_flight:
+                self._free()
+
+    def _free(self) -> None:
+        """Free the staging buffers, the threads and the dedicated groups (no save in flight)."""
+        self._pool.clear()
+        self._stop_threads()
+        for world, group in self._groups.values():
+            if world is dist.group.WORLD:
+                try:
+                    dist.destroy_process_group(group)
+                except Exception:  # the world may be gone already; nothing left to free
+                    pass
+        self._groups.clear()
 
     # ------------------------------------------------------------------ internals
 

@@ -775,3 +775,24 @@ def test_one_planner_object_serves_an_async_save_and_a_save_while_it_writes(tmp_
     resp.result()
     assert_same(first, load(path=str(tmp_path / "a")))
     assert torch.equal(load(path=str(tmp_path / "b"))["b0"], torch.ones(4))
+
+
+def _close_with_a_short_timeout(rank: int, ws: int, path: str) -> str:
+    ck = AsyncCheckpointer()
+    sd = {"w": torch.full((4096, 2048), 3.0)}  # 32 MiB: still writing when close gives up
+    resp = ck.save(sd, checkpoint_id=path)
+    if rank == 0:
+        with pytest.raises(TimeoutError, match="still in flight"):
+            ck.close(timeout=0.001)
+    meta = resp.result(timeout=60)  # the save went on: its group was not destroyed under it
+    ck.close()
+    return type(meta).__name__
+
+
+def test_close_that_times_out_leaves_the_save_in_flight_running(tmp_path):
+    # close(timeout=) raised TimeoutError and then destroyed the dedicated group under the save:
+    # it failed on every rank with torch's "group is not registered" (or, with the timeout on one
+    # rank only, the other waited out the group's timeout)
+    path = str(tmp_path / "ck")
+    assert run_ranks(_close_with_a_short_timeout, 2, path, timeout_s=120) == ["Metadata", "Metadata"]
+    assert torch.equal(load(path=path)["w"], torch.full((4096, 2048), 3.0))
