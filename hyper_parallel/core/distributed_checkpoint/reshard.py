@@ -62,6 +62,14 @@ DEFAULT_MAX_MEMORY = 256 << 20
 WRITERS = 4  # destination files one process writes at once (see write_mine)
 
 
+def _plan_digest(plan: ReshardPlan) -> int:
+    """A digest of what a plan writes (entries with their destination grids, ranks, plain
+    values): ranks of one reshard must agree on it before anything is written."""
+    text = repr((plan.ranks, plan.object_rank, plan.objects,
+                 sorted((k, e.kind, e.dtype, e.shape, repr(e.store)) for k, e in plan.entries.items())))
+    return zlib.crc32(text.encode())
+
+
 @dataclass
 class ReshardPlan:
     """What a reshard writes: the new checkpoint's entries (with their grid stores on the
@@ -482,9 +490,9 @@ def reshard(
             raise ValueError(f"dst_path {os.fspath(dst_path)!r} is the source checkpoint; write to a new path")
         # one file per destination rank: thousands of small files sync faster as one batch
         storage_writer = writer_for(dst_path, sync_files, defer_sync=True)
-    if isinstance(timeout, (int, float)):
-        timeout = timedelta(seconds=timeout)
     coord = Coordinator(process_group, process_group is None, coordinator_rank, timeout)
+    target = location(dst_path) if dst_path is not None else f"{type(storage_writer).__name__} " + str(
+        getattr(storage_writer, "path", None) or getattr(storage_writer, "url", None) or "")
     where = f"{os.fspath(src_path) if src_path is not None else 'source'}/{md.METADATA_FILE}"
     raw: list[Any] = []
 
@@ -500,15 +508,23 @@ def reshard(
         coord.exchange("reshard (reading metadata)", read_metadata)
         meta_bytes, save_id = coord.broadcast(raw[0] if raw else None)
 
-        def plan() -> None:
+        def plan() -> tuple[str, str, int]:
             meta = md.Metadata.from_json(meta_bytes, where=where).attach()
             if mapper is not None:
                 meta = renamed(meta, mapper)  # the reader below reads by the new names too
             state["meta"] = meta
             state["plan"] = plan_reshard(meta, dst, src_mesh, rules, where, copy_replicas=copy_replicas)
             storage_writer.prepare()
+            return target, str(dst), _plan_digest(state["plan"])
 
-        coord.exchange("reshard (planning)", plan)
+        seen = coord.exchange("reshard (planning)", plan)
+        if len(set(seen)) > 1:  # every rank sees the same list: every rank raises
+            odd = [f"rank {r}: {t!r} on {m}" for r, (t, m, _) in enumerate(seen) if (t, m) != seen[0][:2]]
+            raise ValueError(
+                "reshard: the ranks of the group were called with different arguments; every rank must pass "
+                f"the same dst_path, dst_mesh, src_mesh, rules and topology_mapper. Rank 0: {seen[0][0]!r} on "
+                f"{seen[0][1]}; " + ("; ".join(odd) if odd else "their plans differ (src_mesh, rules or "
+                                     "topology_mapper)") + ". Nothing was written")
         meta, rplan = state["meta"], state["plan"]
         if coord.is_coordinator and rplan.dropped:
             lost = sorted({n for names in rplan.dropped.values() for n in names})

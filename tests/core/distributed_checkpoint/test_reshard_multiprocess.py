@@ -354,3 +354,28 @@ def test_reshard_with_a_process_group_splits_destination_ranks_and_loads(runs):
         # replicated data has a copy in every rank's file: each rank reads only its own
         assert {f.split("-")[1] for f in read} == {f"r{rank:05d}"}, read
     assert_same(build_plain(), load(path=runs["paths"]["ckpt4_dp2"], no_dist=True))
+
+
+def _reshard_with_disagreeing_ranks(rank: int, ws: int, src: str, dst: str, what: str) -> str:
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))
+    save({"w": make_dtensor(make_tensor((16, 4)), mesh, [Shard(0)])}, src)
+    mine = dst + "-other" if what == "dst" and rank == 1 else dst
+    dp = 3 if what == "mesh" and rank == 1 else 4
+    try:
+        reshard(src, mine, dst_mesh={"dp": dp}, process_group=dist.group.WORLD, timeout=30)
+    except ValueError as exc:
+        return str(exc)
+    return "resharded"
+
+
+@pytest.mark.parametrize("what", ["dst", "mesh"])
+def test_ranks_that_disagree_on_the_destination_write_nothing(tmp_path, what):
+    # each rank had written its share where its own arguments said and the coordinator committed:
+    # a checkpoint missing the other ranks' files (or holding chunks cut for another mesh),
+    # replacing a good one
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    save({"w": make_tensor((16, 4))}, dst, no_dist=True)  # the checkpoint already there stays
+    out = run_ranks(_reshard_with_disagreeing_ranks, 2, src, dst, what)
+    assert out[0] == out[1] and "different arguments" in out[0] and "Nothing was written" in out[0], out
+    assert "rank 1: " in out[0] and ("dst-other" in out[0]) == (what == "dst"), out
+    assert torch.equal(load(path=dst)["w"], make_tensor((16, 4)))
