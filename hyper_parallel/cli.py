@@ -222,6 +222,9 @@ def _mesh_arg(text: str) -> dict[str, int]:
         name, _, size = part.partition("=")
         if not name or not size.isdigit() or int(size) < 1:
             raise argparse.ArgumentTypeError(f"--mesh wants name=size[,name=size...], found {text!r}")
+        if name.strip() in out:
+            raise argparse.ArgumentTypeError(f"--mesh names the dim {name.strip()!r} twice in {text!r}; each mesh dim "
+                                             "needs its own name")
         out[name.strip()] = int(size)
     return out
 

@@ -113,6 +113,9 @@ def test_transform_export_and_import_round_trip(ckpt, tmp_path):
     assert torch.equal(a["model"]["w"], b["model"]["w"]) and torch.equal(a["model"]["b"], b["model"]["b"])
     again = run("transform", ckpt, str(tmp_path / "t"), "--mesh", "tp=2")
     assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
+    twice = run("transform", ckpt, str(tmp_path / "t2"), "--mesh", "dp=2,dp=4")  # the last one had won, silently
+    assert twice.returncode == 2 and "names the dim 'dp' twice" in twice.stderr, twice.stderr
+    assert not os.path.exists(tmp_path / "t2" / ".metadata")
 
 
 def test_import_torch_dcp_requires_trust(tmp_path):
