@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 from . import metadata as md
 from .coordination import Coordinator
-from .errors import CommitError, LostContactError, NotACheckpointError, RankFailedError
+from .errors import CommitError, LostContactError, NotACheckpointError, RankFailedError, StorageTimeoutError
 from .fragments import read_checkpoint_metadata
 from .storage import StorageWriter
 
@@ -192,6 +192,11 @@ def commit_metadata(writer: StorageWriter, meta: md.Metadata, name: str = md.MET
         writer.commit(payload, **other)
         return previous, payload
     except BaseException as exc:
+        if isinstance(exc, StorageTimeoutError):  # the write may still land after any probe now
+            raise CommitError(
+                f"committing .metadata got no answer from the storage in time ({exc}); the write may still "
+                f"land, so the checkpoint is either this save (save id {meta.save_id}) or the previous one, "
+                "both whole (every rank keeps its files). load() decides", None, meta.save_id) from exc
         try:
             now = writer.read_committed(**other)
         except Exception as probe:

@@ -32,14 +32,6 @@ T = TypeVar("T")
 _PART_BYTES = 16 << 20  # upload part size; object stores need >= 5 MiB for all but the last
 
 
-class _StuckCall(StorageTimeoutError):
-    """:class:`StorageTimeoutError` with the event the stuck call sets once it returns, if ever."""
-
-    def __init__(self, returned: threading.Event, message: str):
-        super().__init__(message)
-        self.returned = returned
-
-
 class _Bounded:
     """Runs a storage call on a thread of its own and waits at most ``limit_s`` for it.
 
@@ -49,12 +41,19 @@ class _Bounded:
     ``timeout`` instead, as it does for a stuck peer. A blocked socket cannot be interrupted, so
     the call's (daemon) thread is left behind; what it still does is harmless: a read lands in
     bytes the caller no longer looks at (the copy into the caller's buffer happens on the
-    caller's thread), and an upload's file is never named by a committed ``.metadata``.
+    caller's thread), and a data file uploaded late is never named by a committed
+    ``.metadata``. A ``.metadata`` PUT that times out may still land: the commit then reports
+    the outcome as unknown (:class:`~.errors.CommitError` with ``committed=None``), and every
+    rank keeps its files, so either checkpoint is whole whichever way it ends.
     """
 
     def __init__(self, url: str):
         self.url = url
         self.limit_s: float | None = None  # None: calls run on the caller's thread, unbounded
+
+    def bound(self, seconds: float) -> None:
+        # beyond what threading can wait for (about 292 years) a bound means none
+        self.limit_s = seconds if seconds < threading.TIMEOUT_MAX else None
 
     def __call__(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self.limit_s is None:
@@ -72,11 +71,12 @@ class _Bounded:
 
         threading.Thread(target=run, name="dcp-storage-call", daemon=True).start()
         if not done.wait(self.limit_s):
-            raise _StuckCall(done,
+            exc = StorageTimeoutError(
                 f"{what} ({self.url}): the storage gave no answer within {self.limit_s:g}s (the save's or "
-                "load's timeout); the store or its endpoint is stuck. Nothing was committed on this call's "
-                "account. The client's own limits (for S3: storage options config_kwargs connect_timeout, "
-                "read_timeout, retries) end such calls sooner")
+                "load's timeout); the store or its endpoint is stuck. The client's own limits (for S3: storage "
+                "options config_kwargs connect_timeout, read_timeout, retries) end such calls sooner")
+            exc.returned = done  # set once the stuck call returns, if ever
+            raise exc
         ok, value = out[0]
         if not ok:
             raise value
@@ -102,7 +102,7 @@ class FsspecWriter(StorageWriter):
 
     def bound_calls(self, seconds: float) -> None:
         """Fail a storage call with no answer within ``seconds`` (:class:`StorageTimeoutError`)."""
-        self._call.limit_s = seconds
+        self._call.bound(seconds)
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -121,7 +121,7 @@ class FsspecWriter(StorageWriter):
                 self._call(what, f.write, part)
                 total += memoryview(part).nbytes
             self._call(what, f.close)  # uploads the last part and completes the upload
-        except _StuckCall as exc:
+        except StorageTimeoutError as exc:
             # the stuck call still uses the file (not thread-safe): abandon it once that returns
             threading.Thread(target=_abandon_after, args=(f, exc.returned), daemon=True).start()
             raise
@@ -191,7 +191,7 @@ class FsspecReader(StorageReader):
 
     def bound_calls(self, seconds: float) -> None:
         """Fail a storage call with no answer within ``seconds`` (:class:`StorageTimeoutError`)."""
-        self._call.limit_s = seconds
+        self._call.bound(seconds)
 
     def _path(self, name: str) -> str:
         if name.startswith("../"):  # a file of an earlier step beside this checkpoint (validated names)

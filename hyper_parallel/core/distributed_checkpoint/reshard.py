@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import threading
@@ -53,7 +54,7 @@ from .layout import Layout, TensorLayout, match_layout, placement_to_name
 from .loader import read_box
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, write_plan
-from .storage import StorageReader, StorageWriter, location, reader_for, writer_for
+from .storage import StorageReader, StorageWriter, is_url, location, reader_for, writer_for
 from .topology_mapper import MapperLike, as_topology_mapper, rename_keys
 
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
@@ -63,10 +64,17 @@ WRITERS = 4  # destination files one process writes at once (see write_mine)
 
 
 def _plan_digest(plan: ReshardPlan) -> int:
-    """A digest of what a plan writes (entries with their destination grids, ranks, plain
-    values): ranks of one reshard must agree on it before anything is written."""
-    text = repr((plan.ranks, plan.object_rank, plan.objects,
-                 sorted((k, e.kind, e.dtype, e.shape, repr(e.store)) for k, e in plan.entries.items())))
+    """A digest of what a plan writes (every entry with its destination layout and grid store,
+    the ranks, the plain values): ranks of one reshard must agree on it before anything is
+    written. Built from the metadata records the plan would commit, so nothing is elided."""
+    def plain(o: Any) -> Any:  # numpy arrays whole (a repr elides their middle), records as fields
+        if hasattr(o, "tolist"):
+            return o.tolist()
+        return dataclasses.asdict(o) if dataclasses.is_dataclass(o) else repr(o)
+
+    entries = sorted(((k, e.kind, e.dtype, list(e.shape or ()), e.layout, e.store)
+                      for k, e in plan.entries.items()), key=lambda t: t[0])
+    text = json.dumps([plan.ranks, plan.object_rank, plan.objects, entries], sort_keys=True, default=plain)
     return zlib.crc32(text.encode())
 
 
@@ -491,8 +499,10 @@ def reshard(
         # one file per destination rank: thousands of small files sync faster as one batch
         storage_writer = writer_for(dst_path, sync_files, defer_sync=True)
     coord = Coordinator(process_group, process_group is None, coordinator_rank, timeout)
-    target = location(dst_path) if dst_path is not None else f"{type(storage_writer).__name__} " + str(
-        getattr(storage_writer, "path", None) or getattr(storage_writer, "url", None) or "")
+    # as given (absolute): nodes may reach one shared filesystem through different real paths
+    target = (os.fspath(dst_path) if is_url(dst_path) else os.path.abspath(dst_path)) if dst_path is not None else (
+        f"{type(storage_writer).__name__} "
+        + str(getattr(storage_writer, "path", None) or getattr(storage_writer, "url", None) or ""))
     where = f"{os.fspath(src_path) if src_path is not None else 'source'}/{md.METADATA_FILE}"
     raw: list[Any] = []
 
@@ -514,7 +524,6 @@ def reshard(
                 meta = renamed(meta, mapper)  # the reader below reads by the new names too
             state["meta"] = meta
             state["plan"] = plan_reshard(meta, dst, src_mesh, rules, where, copy_replicas=copy_replicas)
-            storage_writer.prepare()
             return target, str(dst), _plan_digest(state["plan"])
 
         seen = coord.exchange("reshard (planning)", plan)
@@ -525,6 +534,7 @@ def reshard(
                 f"the same dst_path, dst_mesh, src_mesh, rules and topology_mapper. Rank 0: {seen[0][0]!r} on "
                 f"{seen[0][1]}; " + ("; ".join(odd) if odd else "their plans differ (src_mesh, rules or "
                                      "topology_mapper)") + ". Nothing was written")
+        coord.exchange("reshard (preparing the destination)", storage_writer.prepare)
         meta, rplan = state["meta"], state["plan"]
         if coord.is_coordinator and rplan.dropped:
             lost = sorted({n for names in rplan.dropped.values() for n in names})

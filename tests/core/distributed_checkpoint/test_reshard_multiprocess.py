@@ -361,14 +361,17 @@ def _reshard_with_disagreeing_ranks(rank: int, ws: int, src: str, dst: str, what
     save({"w": make_dtensor(make_tensor((16, 4)), mesh, [Shard(0)])}, src)
     mine = dst + "-other" if what == "dst" and rank == 1 else dst
     dp = 3 if what == "mesh" and rank == 1 else 4
+    split = 1 if what == "rules" and rank == 1 else 0
+    rules = {"w": Layout((4,), ("dp",))("dp", "None") if split == 0 else Layout((4,), ("dp",))("None", "dp")}
     try:
-        reshard(src, mine, dst_mesh={"dp": dp}, process_group=dist.group.WORLD, timeout=30)
+        reshard(src, mine, dst_mesh={"dp": dp}, process_group=dist.group.WORLD, timeout=30,
+                rules=rules if what == "rules" else None)
     except ValueError as exc:
         return str(exc)
     return "resharded"
 
 
-@pytest.mark.parametrize("what", ["dst", "mesh"])
+@pytest.mark.parametrize("what", ["dst", "mesh", "rules"])
 def test_ranks_that_disagree_on_the_destination_write_nothing(tmp_path, what):
     # each rank had written its share where its own arguments said and the coordinator committed:
     # a checkpoint missing the other ranks' files (or holding chunks cut for another mesh),
@@ -377,5 +380,6 @@ def test_ranks_that_disagree_on_the_destination_write_nothing(tmp_path, what):
     save({"w": make_tensor((16, 4))}, dst, no_dist=True)  # the checkpoint already there stays
     out = run_ranks(_reshard_with_disagreeing_ranks, 2, src, dst, what)
     assert out[0] == out[1] and "different arguments" in out[0] and "Nothing was written" in out[0], out
-    assert "rank 1: " in out[0] and ("dst-other" in out[0]) == (what == "dst"), out
+    assert ("rank 1: " in out[0]) == (what != "rules") and ("dst-other" in out[0]) == (what == "dst"), out
+    assert not os.path.exists(dst + "-other")  # nothing written, not even a directory
     assert torch.equal(load(path=dst)["w"], make_tensor((16, 4)))

@@ -228,3 +228,34 @@ def test_a_stuck_object_store_fails_a_save_and_a_load_within_their_timeout(silen
         with pytest.raises(StorageTimeoutError, match=r"s3://bucket/ck\): the storage gave no answer within 2s"):
             call()
         assert time.monotonic() - t0 < 10
+
+
+def test_a_metadata_write_slower_than_the_timeout_leaves_a_whole_checkpoint(monkeypatch):
+    # a bounded .metadata PUT that timed out was taken for "not committed": every rank removed
+    # its new files, then the PUT landed and named them (the previous checkpoint was gone too)
+    import time
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from hyper_parallel.core.distributed_checkpoint import CommitError
+
+    url = f"memory://slow-{uuid.uuid4().hex[:8]}/ck"
+    save({"w": torch.ones(4)}, url, no_dist=True)
+    real = MemoryFileSystem.pipe_file
+    landed = []
+
+    def slow(self, path, value, **kw):
+        if path.endswith(".metadata"):
+            time.sleep(1.0)  # a slow endpoint, not a dead one: the write lands after the timeout
+        real(self, path, value, **kw)
+        landed.append(path)
+
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", slow)
+    with pytest.raises(CommitError, match="either this save .* or the previous one") as info:
+        save({"w": torch.full((4,), 2.0)}, url, no_dist=True, timeout=0.3)
+    assert info.value.committed is None
+    deadline = time.monotonic() + 10
+    while not landed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    monkeypatch.setattr(MemoryFileSystem, "pipe_file", real)
+    assert torch.equal(load(path=url, no_dist=True)["w"], torch.full((4,), 2.0))  # whole: its files were kept
