@@ -36,7 +36,7 @@ from .commit import (
     remove_own_files,
     write_and_report,
 )
-from .coordination import Coordinator
+from .coordination import Coordinator, as_timeout
 from .errors import CheckpointError, CommitError, NotACheckpointError, StateDictMismatchError, UnsupportedValueError
 from .flatten import FlatStateDict, flatten, unflatten, update_in_place
 from .fragments import (
@@ -178,8 +178,9 @@ def save(
             applies to this call only.
         thread_count: data files (and writer threads) per rank.
         sync_files: fsync data and metadata before committing (default True).
-        timeout: bound on every cross-rank exchange (seconds or timedelta; default 30 min):
-            a rank that crashed, hung or never called save becomes an error on all ranks.
+        timeout: bound on every cross-rank exchange and on every call to an object store
+            (seconds > 0 or a timedelta; default 30 min): a rank that crashed, hung or never
+            called save, or a store that stopped answering, becomes an error on all ranks.
         user_metadata: a JSON-able dict stored in ``.metadata`` (``Metadata.user``).
         incremental: the checkpoint manager's memory of the previous step (see
             :mod:`.incremental`): chunks whose bytes did not change are referenced in that
@@ -193,9 +194,13 @@ def save(
     Raises:
         RankFailedError: on every rank, when any rank failed before the commit; it names
             each rank and cause. The previous checkpoint at ``path`` is untouched.
-        CommitError: a peer was lost around the commit; ``committed`` says whether the new
-            checkpoint is in place (True), or that only ``load`` can tell (None).
+        CommitError: a peer was lost around the commit, or the store did not answer the
+            ``.metadata`` write in time; ``committed`` says whether the new checkpoint is in
+            place (True), or that only ``load`` can tell (None).
+        StorageTimeoutError: (inside RankFailedError when ranks save together) a call to an
+            object store got no answer within ``timeout``.
         UnsupportedValueError: a value cannot be saved safely (e.g. needs pickle).
+        ValueError / TypeError: a bad argument (``timeout``, ``user_metadata``), named.
 
     Example::
 
@@ -207,6 +212,7 @@ def save(
     # an earlier async save to this place must not commit over this one
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_writer))
     if not use_collectives and not no_dist and _distributed():
+        as_timeout(timeout)  # checked as everywhere, though this rank saves alone
         if user_metadata is not None:
             md.check_user_metadata(user_metadata)  # no collective here: this rank alone
         return _save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
@@ -568,7 +574,9 @@ def load(
             ``"all"``: also require that every checkpoint key is asked for by some rank.
         allow_pickle: permit unpickling values saved with ``allow_pickle=True``.
         thread_count: reader threads per rank (files are read in parallel, each front to back).
-        timeout: bound on every cross-rank exchange (seconds or timedelta; default 30 min).
+        timeout: bound on every cross-rank exchange and on every call to an object store
+            (seconds > 0 or a timedelta; default 30 min); a store that stops answering raises
+            StorageTimeoutError.
         verify: check the crc32c of every byte read (default). A chunk is checked in blocks
             of whole rows, so a load that needs part of each row (e.g. ``Shard(0)`` saved,
             ``Shard(1)`` loaded) reads whole rows. ``verify=False`` reads only the bytes the

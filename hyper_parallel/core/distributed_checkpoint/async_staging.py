@@ -516,8 +516,10 @@ class AsyncCheckpointer:
         save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
                            use_collectives=use_collectives, coordinator_rank=coordinator_rank,
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,
-                           user_metadata=user_metadata, incremental=incremental,  # the timeout went into the group
-                           _mesh_scoped=mesh_scoped)
+                           user_metadata=user_metadata, incremental=incremental,
+                           # with a group, the timeout is the dedicated group's (a timeout here would make
+                           # it a gloo twin of its own); without one, it bounds the storage calls
+                           timeout=timeout if group is None else None, _mesh_scoped=mesh_scoped)
         job = _Job(self, response, save_kwargs, group, started, place=in_flight.place_of(where, storage_writer))
         try:
             self._prepare(job, state_dict)
@@ -956,8 +958,10 @@ def async_save(
 
     Raises:
         AsyncSaveError: the previous async save failed (nothing new is started).
-        ValueError: bad arguments (no destination, unknown ``staging``, ...).
-        Errors of the save itself (e.g. :class:`RankFailedError`) come from ``result()``.
+        ValueError / TypeError: bad arguments (no destination, unknown ``staging``, a
+            ``timeout`` that is not seconds > 0 or a timedelta, ...).
+        Errors of the save itself (e.g. :class:`RankFailedError`, also for a ``user_metadata``
+            that is not JSON-able, checked on every rank alike) come from ``result()``.
 
     Example::
 

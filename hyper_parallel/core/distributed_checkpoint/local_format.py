@@ -72,7 +72,7 @@ from torch.distributed.tensor import DTensor
 from . import metadata as md
 from .errors import CorruptCheckpointError, UnsupportedValueError
 from .flatten import Flat
-from .standard_planner import _culprit, dtensor_box, layout_record
+from .standard_planner import dtensor_box, layout_record
 
 FORMAT_NAME = "hyper-parallel-local"
 FORMAT_VERSION = 1
@@ -165,7 +165,7 @@ def describe(flat: Flat, cache: dict | None = None) -> tuple[list[LocalEntry], l
         elif md.is_json_value(value):
             entry = LocalEntry(key, "object")
         else:
-            where, bad = _culprit(key, value)  # the innermost value at fault, not its container
+            where, bad = md.json_culprit(value, key) or (key, value)  # the innermost value at fault
             raise UnsupportedValueError(
                 f"{where!r}: a {type(bad).__module__}.{type(bad).__qualname__} can only be saved with pickle, "
                 "which the local tier never uses; convert it to tensors/plain values (e.g. int(x) or float(x) "

@@ -216,8 +216,8 @@ class CheckpointManager:
             this manager and reference the earlier files for the rest (the first save, and
             the first after a restart or a failed save, writes everything).
         process_group: the ranks that save together (default: the whole world).
-        timeout: bound on every cross-rank exchange: seconds > 0 or a positive timedelta
-            (default None: 30 min).
+        timeout: bound on every cross-rank exchange and object-store call of a save or load:
+            seconds > 0 or a positive timedelta (default None: 30 min).
         storage_options: options of the fsspec filesystem for a URL ``directory`` (e.g.
             ``{"client_kwargs": {"endpoint_url": ...}}``).
         local_dir: turns on the local tier: this node's directory for it (``/dev/shm/job``

@@ -46,7 +46,7 @@ import json
 import math
 import re
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -841,22 +841,32 @@ def is_json_value(v: Any) -> bool:
     return False
 
 
+def json_culprit(value: Any, where: str, item: Callable[[str, Any], str] | None = None) -> tuple[str, Any] | None:
+    """The first value inside ``value`` that :func:`is_json_value` refuses, and where it sits
+    (``item(where, key)`` names a member; default ``where.key``), so that an error names it
+    rather than its container; a dict key of another type than str or int counts. None when
+    everything is plain."""
+    item = item or (lambda w, k: f"{w}.{k}")
+    if type(value) is dict:
+        for k, v in value.items():
+            if type(k) not in (str, int):
+                return f"{where} (its key {k!r})", k
+            if (found := json_culprit(v, item(where, k), item)) is not None:
+                return found
+        return None
+    if type(value) in (list, tuple):
+        for i, v in enumerate(value):
+            if (found := json_culprit(v, item(where, i), item)) is not None:
+                return found
+        return None
+    return None if is_json_value(value) else (where, value)
+
+
 def check_user_metadata(value: Any) -> None:
     """Raise ValueError naming the first value of ``user_metadata`` that is not plain JSON-able
-    data (:func:`is_json_value`), e.g. ``'loss': numpy.float32``."""
-    def culprit(v: Any, where: str) -> tuple[str, Any] | None:
-        if type(v) in (list, tuple):
-            return next((c for i, x in enumerate(v) if (c := culprit(x, f"{where}[{i}]"))), None)
-        if type(v) is dict:
-            for k, x in v.items():
-                if type(k) not in (str, int):
-                    return f"{where} key {k!r}", k
-                if (c := culprit(x, f"{where}[{k!r}]")) is not None:
-                    return c
-            return None
-        return None if is_json_value(v) else (where, v)
-
-    found = culprit(value, "user_metadata") if type(value) is dict else ("user_metadata", value)
+    data (:func:`is_json_value`), e.g. ``user_metadata['loss'] is a numpy.float32``."""
+    found = (json_culprit(value, "user_metadata", lambda w, k: f"{w}[{k!r}]") if type(value) is dict
+             else ("user_metadata", value))
     if found is not None:
         where, bad = found
         raise ValueError(f"{where} is a {type(bad).__module__}.{type(bad).__qualname__}: user_metadata must be a dict "

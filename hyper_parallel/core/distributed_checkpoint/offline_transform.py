@@ -488,7 +488,9 @@ def _swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], 
     names) so that a crash at any point leaves the old export whole, the new one whole, or a
     directory no reader takes for a checkpoint (never old and new shards under one index):
 
-    1. the old index goes first (shards named ``-of-N`` without an index are refused);
+    1. the old index goes first (shards named ``-of-N`` without an index are refused), and so
+       does an old ``model.safetensors`` the new export does not replace (transformers would
+       take it over the new index);
     2. the new shards take their names, the directory is synced;
     3. the new index is written (the commit; none for a single ``model.safetensors``);
     4. shards of the old export the new index does not name, and debris of killed exports, go.
@@ -498,11 +500,16 @@ def _swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], 
     if os.path.exists(index_path):
         os.remove(index_path)
         _sync_dir(dst_dir)
-    if index is None and stale:  # an old model.safetensors would win over partial shards: it goes too
-        for name in sorted(stale):
+    # Before any rename: what a reader would take instead of the new export. Without a new
+    # index, every old shard (an old model.safetensors or its shards would win over the new
+    # single file, half renamed); with one, an old model.safetensors (transformers looks for
+    # it before the index).
+    early = stale if index is None else stale & {"model.safetensors"}
+    if early:
+        for name in sorted(early):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(dst_dir, name))
-        stale = set()
+        stale -= early
         _sync_dir(dst_dir)
     for tmp, name in written:
         os.replace(tmp, os.path.join(dst_dir, name))

@@ -123,20 +123,6 @@ def bytes_tensor(value: bytes | bytearray) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
 
 
-def _culprit(key: str, value: Any) -> tuple[str, Any]:
-    """The first value inside ``value`` (a plain container stored whole) that is not plain,
-    and where it sits, so an error names it rather than the container."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if not md.is_json_value(v):
-                return _culprit(f"{key}.{k}", v)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            if not md.is_json_value(v):
-                return _culprit(f"{key}.{i}", v)
-    return key, value
-
-
 def _check_saveable(key: str, t: torch.Tensor) -> None:
     """Refuse, naming the key, a tensor the format cannot hold (torch's own errors would not)."""
     if t.is_nested or t.layout != torch.strided:
@@ -331,7 +317,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             elif self.allow_pickle:
                 kind, tensor = "pickle", bytes_tensor(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
             else:
-                where, bad = _culprit(key, value)
+                where, bad = md.json_culprit(value, key) or (key, value)
                 raise UnsupportedValueError(
                     f"{where!r}: a {type(bad).__module__}.{type(bad).__qualname__} can only be "
                     "saved with pickle; convert it to tensors/plain values (e.g. int(x) for a numpy "
