@@ -68,11 +68,22 @@ _PLAN_CACHE_LOCK = threading.Lock()  # async_save's writer thread saves while th
 
 
 def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage: Any) -> str | None:
+    """Where the checkpoint is. With a storage object too, ``checkpoint_id`` wins, as in torch
+    DCP: the storage is pointed there (its ``reset``); one that cannot be and is elsewhere is
+    an error, never a silent save or load at the storage's own place."""
     if path is not None and checkpoint_id is not None and os.fspath(path) != os.fspath(checkpoint_id):
         raise ValueError(f"path={path!r} and checkpoint_id={checkpoint_id!r} disagree; pass one")
     chosen = path if path is not None else checkpoint_id
     if chosen is None and storage is None:
         raise ValueError("say where the checkpoint is: path=/checkpoint_id= or a storage writer/reader")
+    own = getattr(storage, "path", None) or getattr(storage, "url", None) if storage is not None else None
+    if chosen is not None and storage is not None and (
+            own is None or location(os.fspath(own)) != location(os.fspath(chosen))):
+        if callable(getattr(storage, "reset", None)):
+            storage.reset(os.fspath(chosen))
+        elif own is not None:
+            raise ValueError(f"checkpoint_id={os.fspath(chosen)!r}, but the {type(storage).__name__} given "
+                             f"points at {os.fspath(own)!r} and has no reset() to point it there; pass one")
     return None if chosen is None else os.fspath(chosen)
 
 
@@ -96,9 +107,43 @@ def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int, timeo
     return Coordinator(process_group, no_dist, coordinator_rank, timeout)  # which checks timeout
 
 
+# torch DCP's planner hooks, which our protocol does not call, and what to override instead
+_TORCH_HOOKS = {
+    "set_up_planner": "transform_state_dict (rename or drop keys; called on save and on load)",
+    "create_local_plan": "create_local_save_plan / create_local_load_plan",
+    "create_global_plan": "create_global_save_plan",
+    "finish_plan": "create_global_save_plan (the plan each rank writes)",
+    "transform_tensor": "resolve_data (save) or transform the state dict after load",
+    "lookup_tensor": "resolve_data (save) or resolve_target (load)",
+    "commit_tensor": "nothing: change the tensors after load() returns",
+    "resolve_bytes": "nothing: change the values after load() returns",
+    "load_bytes": "nothing: change the values after load() returns",
+}
+
+
+def _refuse_torch_hooks(planner: Any) -> None:
+    """A planner subclass overriding torch DCP's hook names would be silently ignored (our
+    protocol has other names): refuse it, naming the hook and what to override instead."""
+    if type(planner).__module__.startswith("torch.distributed.checkpoint"):
+        raise UnsupportedValueError(
+            f"planner={type(planner).__name__}(): torch.distributed.checkpoint's planners do not fit this library's "
+            "planner protocol; pass StandardPlanner() (or a subclass of it) instead")
+    for cls in type(planner).__mro__:
+        if cls.__module__.startswith(("hyper_parallel.", "torch.")) or cls is object:
+            continue
+        found = sorted(set(vars(cls)) & _TORCH_HOOKS.keys())
+        if found:
+            name = found[0]
+            raise UnsupportedValueError(
+                f"{cls.__qualname__}.{name}: a torch.distributed.checkpoint planner hook, which this library's "
+                f"planners never call (so it would be silently ignored); override {_TORCH_HOOKS[name]} instead "
+                "(see StandardPlanner)")
+
+
 def _for_this_call(planner: Any, allow_pickle: bool) -> Any:
     """The planner to use for one call: ``allow_pickle=True`` applies to this call only, so a
     planner object reused later never inherits it."""
+    _refuse_torch_hooks(planner)
     if allow_pickle and hasattr(planner, "allow_pickle") and not planner.allow_pickle:
         planner = copy.copy(planner)
         planner.allow_pickle = True
@@ -209,6 +254,8 @@ def save(
     where = _resolve_path(path, checkpoint_id, storage_writer)
     if state_dict is None:
         raise ValueError("save() needs a state_dict")
+    if thread_count == 1 and getattr(storage_writer, "thread_count", 1) > 1:  # torch's FileSystemWriter(thread_count=)
+        thread_count = storage_writer.thread_count
     # an earlier async save to this place must not commit over this one
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_writer))
     if not use_collectives and not no_dist and _distributed():

@@ -58,9 +58,9 @@ from torch.distributed.tensor import DTensor
 
 from . import in_flight
 from . import metadata as md
-from .api import _mesh_group, save
+from .api import _mesh_group, _refuse_torch_hooks, save
 from .coordination import as_timeout, group_timeout, is_broken
-from .errors import CheckpointError, LostContactError
+from .errors import CheckpointError, LostContactError, UnsupportedValueError
 from .flatten import FlatStateDict, flatten
 from .fsspec_storage import start_io_thread
 from .planner import SavePlanner
@@ -512,6 +512,8 @@ class AsyncCheckpointer:
         response = AsyncSaveResponse(given, staging, callback, self.wait_timeout_s)
         # the background save plans with a copy: the caller may pass the same planner to a save
         # (or another async save) while this one is still writing, and a planner holds one call's state
+        if planner is not None:
+            _refuse_torch_hooks(planner)  # now, not from result()
         planner = copy.copy(planner) if planner is not None else None
         save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
                            use_collectives=use_collectives, coordinator_rank=coordinator_rank,
@@ -918,6 +920,8 @@ def async_save(
     callback: Callable[..., Any] | None = None,
     checkpointer: AsyncCheckpointer | None = None,
     use_gloo: bool = True,
+    async_checkpointer_type: Any = None,
+    async_stager: Any = None,
 ) -> AsyncSaveResponse:
     """Save like :func:`~.api.save`, but return once a snapshot of the state dict is taken.
 
@@ -950,6 +954,10 @@ def async_save(
         use_gloo: accepted for HyperParallel code. The background save always coordinates on
             a dedicated gloo group (so it never shares a communicator with training, on any
             device); ``use_gloo=False`` changes nothing.
+        async_checkpointer_type: accepted for torch DCP code: the save always runs on
+            background threads of this process (``THREAD``); ``PROCESS`` changes nothing.
+        async_stager: torch DCP's custom stager; not supported (only None): staging is
+            ``staging=`` and the checkpointer's reused buffers.
 
     Returns:
         An :class:`AsyncSaveResponse`: ``result()`` (or ``get_result()``) waits for the commit
@@ -971,6 +979,10 @@ def async_save(
         ...
         resp.result()             # the checkpoint is committed
     """
+    del async_checkpointer_type  # see above
+    if async_stager is not None:
+        raise UnsupportedValueError(f"async_stager={async_stager!r}: torch DCP's stagers are not supported; staging "
+                                    "is staging='eager' or 'lazy' into the checkpointer's reused buffers")
     return (checkpointer or default_checkpointer()).save(
         state_dict, path, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
         process_group=process_group, no_dist=no_dist, use_collectives=use_collectives,

@@ -266,10 +266,19 @@ class _DirectSink:
 class FileSystemWriter(StorageWriter):
     """Writes a checkpoint into a directory on a local or shared (POSIX) filesystem.
 
+    The positional order and keywords are torch DCP's ``FileSystemWriter``'s, so code
+    written for it runs: ``single_file_per_rank``, ``per_thread_copy_ahead`` and
+    ``cache_staged_state_dict`` are accepted (each rank writes one file per writer thread,
+    staged through reused aligned memory, either way).
+
     Args:
         path: the checkpoint directory (created if missing).
         sync_files: fsync data files, metadata and directory before the commit returns, so a
             committed checkpoint survives a power loss. On by default.
+        thread_count: data files (and writer threads) per rank, when ``save`` is not given
+            its own ``thread_count``.
+        overwrite: False refuses to replace a committed checkpoint at ``path``
+            (:class:`CheckpointError` before anything is written).
         direct_io: how data files are written: None (default) chooses O_DIRECT on local
             block filesystems (ext4, xfs, btrfs, ...) and buffered writes elsewhere (tmpfs,
             network and FUSE filesystems) or when O_DIRECT fails with EINVAL; True requires
@@ -284,9 +293,15 @@ class FileSystemWriter(StorageWriter):
         save(sd, storage_writer=FileSystemWriter("/ckpt/step-100", direct_io=False))
     """
 
-    def __init__(self, path: str | os.PathLike, sync_files: bool = True, direct_io: bool | None = None,
-                 defer_sync: bool = False):
+    def __init__(self, path: str | os.PathLike, single_file_per_rank: bool = True, sync_files: bool = True,
+                 thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
+                 overwrite: bool = True, *, direct_io: bool | None = None, defer_sync: bool = False):
+        del single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict  # torch's knobs (see above)
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
         self.path = checkpoint_path(path)
+        self.thread_count = thread_count
+        self.overwrite = overwrite
         self.sync_files = sync_files
         self.defer_sync = defer_sync
         self._unsynced: list[str] = []
@@ -295,9 +310,18 @@ class FileSystemWriter(StorageWriter):
         self.write_calls = 0  # system calls that wrote data (tests and benchmarks read it)
         self._lock = threading.Lock()
 
+    def reset(self, checkpoint_id: str | os.PathLike) -> None:
+        """Point this writer at another checkpoint directory, with the same options (torch DCP's
+        ``StorageWriter.reset``: ``save(checkpoint_id=...)`` calls it)."""
+        self.path = checkpoint_path(checkpoint_id)
+        self._unsynced = []
+        self._direct = None  # decided again for the new place, in prepare()
+
     def prepare(self) -> None:
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path!r} exists and is not a directory; a checkpoint is a directory")
+        if not self.overwrite and os.path.exists(os.path.join(self.path, METADATA_FILE)):
+            raise CheckpointError(f"{self.path!r} already holds a checkpoint and the writer has overwrite=False")
         os.makedirs(self.path, exist_ok=True)
         self._decide()
 
@@ -467,6 +491,13 @@ class FileSystemReader(StorageReader):
         if self._direct is None:
             self._direct = direct_io.direct_io_default(self.path)
         return self._direct
+
+    def reset(self, checkpoint_id: str | os.PathLike) -> None:
+        """Point this reader at another checkpoint directory (torch DCP's
+        ``StorageReader.reset``: ``load(checkpoint_id=...)`` calls it)."""
+        self.close()
+        self.path = checkpoint_path(checkpoint_id)
+        self._direct = None if self.direct_io is None else self.direct_io and bool(O_DIRECT)
 
     def read_metadata(self) -> bytes:
         meta = os.path.join(self.path, METADATA_FILE)

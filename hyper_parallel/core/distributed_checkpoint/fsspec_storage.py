@@ -97,8 +97,16 @@ class FsspecWriter(StorageWriter):
 
     def __init__(self, url: str, **storage_options: Any):
         self.url = url
+        self._options = storage_options
         self.fs, self.root = _fs(url, storage_options)
         self._call = _Bounded(url)
+
+    def reset(self, checkpoint_id: str) -> None:
+        """Point this writer at another URL with the same storage options (torch DCP's
+        ``StorageWriter.reset``: ``save(checkpoint_id=...)`` calls it)."""
+        self.url = checkpoint_id
+        self.fs, self.root = _fs(checkpoint_id, self._options)
+        self._call.url = checkpoint_id
 
     def bound_calls(self, seconds: float) -> None:
         """Fail a storage call with no answer within ``seconds`` (:class:`StorageTimeoutError`)."""
@@ -183,6 +191,7 @@ class FsspecReader(StorageReader):
 
     def __init__(self, url: str, **storage_options: Any):
         self.url = url
+        self._options = storage_options
         self.fs, self.root = _fs(url, storage_options)
         self._call = _Bounded(url)
         self._sizes: dict[str, int] = {}
@@ -192,6 +201,14 @@ class FsspecReader(StorageReader):
     def bound_calls(self, seconds: float) -> None:
         """Fail a storage call with no answer within ``seconds`` (:class:`StorageTimeoutError`)."""
         self._call.bound(seconds)
+
+    def reset(self, checkpoint_id: str) -> None:
+        """Point this reader at another URL with the same storage options (torch DCP's
+        ``StorageReader.reset``: ``load(checkpoint_id=...)`` calls it)."""
+        self.url = checkpoint_id
+        self.fs, self.root = _fs(checkpoint_id, self._options)
+        self._call.url = checkpoint_id
+        self._sizes.clear()
 
     def _path(self, name: str) -> str:
         if name.startswith("../"):  # a file of an earlier step beside this checkpoint (validated names)

@@ -187,6 +187,11 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         enable_plan_caching: reuse the global save plan while the structure is unchanged.
         convert_dtype: on load, fill a target of another dtype through the saved dtype.
         allow_partial_load: HyperParallel's name for ``load(strict=False)``.
+        flatten_state_dict, flatten_sharded_tensors, dedup_replicated_tensors,
+            dedup_save_to_lowest_rank: torch DCP's options, accepted for code written for it
+            (nested state dicts are always flattened; replicated chunks are always written
+            once, by the least-loaded holder); ``remove_redundancy``, ``save_to_minimum_rank``:
+            HyperParallel's names for the same.
         topology_mapper: renames keys after :meth:`transform_state_dict`: on load, each
             target key to the checkpoint key it is read from; on save, each key to the key
             stored (e.g. a pipeline stage's local layer numbers to the whole model's). A
@@ -209,7 +214,17 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def __init__(self, allow_pickle: bool = False, *, enable_plan_caching: bool = True,
                  convert_dtype: bool = True, allow_partial_load: bool = False,
-                 topology_mapper: MapperLike | None = None):
+                 topology_mapper: MapperLike | None = None, flatten_state_dict: bool = True,
+                 flatten_sharded_tensors: bool = True, dedup_replicated_tensors: bool | None = None,
+                 dedup_save_to_lowest_rank: bool = False, remove_redundancy: bool = True,
+                 save_to_minimum_rank: bool = False):
+        # torch DCP's and HyperParallel's planner options, for code written for them: replicated
+        # chunks are always written once (by the least-loaded holder), state dicts always flattened
+        del flatten_sharded_tensors, dedup_replicated_tensors, dedup_save_to_lowest_rank
+        del remove_redundancy, save_to_minimum_rank
+        if flatten_state_dict is not True:
+            raise ValueError("flatten_state_dict=False: this library always flattens nested state dicts (keys "
+                             "'a.b.c'); load returns them nested as they were saved")
         self.allow_pickle = allow_pickle
         self.enable_plan_caching = enable_plan_caching
         self.convert_dtype = convert_dtype

@@ -539,3 +539,75 @@ def test_a_plain_dict_loads_into_the_callers_own_dict(tmp_path):
     save({"cfg": {"lr": 0.5, "nested": {"a": 1}}}, str(tmp_path / "plain"), no_dist=True)
     load(target, str(tmp_path / "plain"), no_dist=True)
     assert target["cfg"]["nested"] is inner and inner == {"a": 1} and target["cfg"]["lr"] == 0.5
+
+
+# ----------------------------------------------------------------------------- torch DCP drop-in
+
+
+def test_checkpoint_id_wins_over_the_storage_objects_own_place_as_in_torch(tmp_path):
+    # save(checkpoint_id=step2, storage_writer=<writer of step1>) had overwritten step1 silently,
+    # and load(checkpoint_id=s3, storage_reader=<reader of s1>) had returned s1's values
+    from hyper_parallel.core.distributed_checkpoint import FileSystemWriter, async_save
+
+    s1, s2, s3 = (str(tmp_path / n) for n in ("step1", "step2", "step3"))
+    writer = FileSystemWriter(s1, sync_files=False)
+    save({"w": torch.ones(2)}, checkpoint_id=s1, storage_writer=writer)
+    save({"w": torch.full((2,), 2.0)}, checkpoint_id=s2, storage_writer=writer)  # the writer goes to step2
+    async_save({"w": torch.full((2,), 3.0)}, checkpoint_id=s3, storage_writer=FileSystemWriter(s1),
+               no_dist=True).result()
+    out = {"w": torch.zeros(2)}
+    for path, value in ((s1, 1.0), (s2, 2.0), (s3, 3.0)):
+        load(out, checkpoint_id=path, storage_reader=FileSystemReader(s1))
+        assert torch.equal(out["w"], torch.full((2,), value)), path
+
+    class Fixed(FileSystemReader):  # a storage object that cannot be pointed elsewhere
+        reset = None
+
+    with pytest.raises(ValueError, match="checkpoint_id=.*step2.* points at .*step1.* no reset"):
+        load(out, checkpoint_id=s2, storage_reader=Fixed(s1))
+
+
+def test_torch_planner_hooks_are_refused_not_silently_ignored(tmp_path):
+    # overrides of torch's hook names were never called: a filtered key was saved anyway, a
+    # commit_tensor post-processing never ran
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class DropSecret(StandardSavePlanner):
+        def set_up_planner(self, state_dict, *args, **kwargs):
+            super().set_up_planner(state_dict, *args, **kwargs)
+
+    class Scale(StandardLoadPlanner):
+        def commit_tensor(self, read_item, tensor):
+            tensor.mul_(10)
+
+    path = str(tmp_path / "ck")
+    with pytest.raises(UnsupportedValueError, match=r"DropSecret.set_up_planner: a torch.distributed.checkpoint "
+                                                    r"planner hook.*override transform_state_dict"):
+        save({"w": torch.ones(2)}, path, planner=DropSecret())
+    save({"w": torch.ones(2)}, path)
+    with pytest.raises(UnsupportedValueError, match=r"Scale.commit_tensor.*after load\(\) returns"):
+        load({"w": torch.zeros(2)}, checkpoint_id=path, planner=Scale())
+    with pytest.raises(UnsupportedValueError, match=r"DefaultSavePlanner\(\).*StandardPlanner"):
+        save({"w": torch.ones(2)}, path, planner=DefaultSavePlanner())
+
+
+def test_torch_writer_and_planner_arguments_are_accepted(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import FileSystemWriter, async_save
+
+    path = str(tmp_path / "ck")
+    writer = FileSystemWriter(path, True, False, 2, 1 << 20)  # torch's order: ..., sync_files, thread_count
+    assert (writer.sync_files, writer.thread_count) == (False, 2)
+    save({"a": torch.ones(64, 64), "b": torch.zeros(64, 64)}, storage_writer=writer,
+         planner=StandardSavePlanner(flatten_state_dict=True, dedup_replicated_tensors=True))
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) == 2  # the writer's thread_count
+    with pytest.raises(CheckpointError, match="overwrite=False"):
+        save({"a": torch.ones(2)}, storage_writer=FileSystemWriter(path, overwrite=False))
+    out = load({"a": torch.zeros(64, 64), "extra": torch.zeros(1)}, checkpoint_id=path,
+               planner=StandardLoadPlanner(flatten_state_dict=True, allow_partial_load=True))
+    assert torch.equal(out["a"], torch.ones(64, 64))
+    with pytest.raises(ValueError, match="flatten_state_dict=False"):
+        StandardSavePlanner(flatten_state_dict=False)
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    async_save({"a": torch.ones(2)}, checkpoint_id=str(tmp_path / "a"), no_dist=True,
+               async_checkpointer_type=AsyncCheckpointerType.THREAD).result()
