@@ -53,9 +53,16 @@ from typing import Any
 import crc32c
 import numpy as np
 import torch
+from torch.distributed.checkpoint.metadata import (  # noqa: F401 - HyperParallel's names (see CHUNK_INFO)
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from .box import Box, first_overlap
-from .errors import MetadataError
+from .errors import MetadataError, UnsupportedValueError
 
 FORMAT_NAME = "hyper-parallel-dcp"
 FORMAT_VERSION = 2
@@ -375,10 +382,7 @@ class Metadata:
 
 def _state_dict_metadata(meta: Metadata) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
         ChunkStorageMetadata,
-        TensorProperties,
-        TensorStorageMetadata,
     )
 
     from .chunks import all_chunks
@@ -839,6 +843,37 @@ def is_json_value(v: Any) -> bool:
     if type(v) is dict:
         return all(type(k) in (str, int) for k in v) and all(is_json_value(x) for x in v.values())
     return False
+
+
+# HyperParallel's names, for code written for it: its metadata classes are torch DCP's (which
+# Metadata.state_dict_metadata returns too), and a plain tensor may carry a ChunkInfo under
+# CHUNK_INFO. Only the whole, replicated case means what it means there (a plain tensor is
+# saved whole and loaded whole); a part of a bigger tensor is refused (use a DTensor).
+CHUNK_INFO = "chunk_info"
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """Where a plain tensor sits in a global tensor, and which ranks hold it (HyperParallel)."""
+
+    chunk: ChunkStorageMetadata
+    global_shape: tuple[int, ...]
+    replica_rank_list: tuple[int, ...] = ()
+
+
+def check_chunk_info(key: str, tensor: Any) -> None:
+    """Refuse a plain tensor whose ``chunk_info`` makes it a part of a bigger tensor."""
+    info = getattr(tensor, CHUNK_INFO, None)
+    if info is None:
+        return
+    shape = tuple(tensor.shape)
+    offsets = tuple(getattr(info.chunk, "offsets", ()))
+    sizes = tuple(getattr(info.chunk, "sizes", ()))
+    if tuple(info.global_shape) != shape or sizes != shape or any(offsets):
+        raise UnsupportedValueError(
+            f"{key!r}: its chunk_info places it at {list(offsets)} (sizes {list(sizes)}) of a global "
+            f"{list(info.global_shape)}; only a whole tensor's chunk_info is supported (a plain tensor is saved and "
+            "loaded whole). Save a part of a bigger tensor as a DTensor")
 
 
 def json_culprit(value: Any, where: str, item: Callable[[str, Any], str] | None = None) -> tuple[str, Any] | None:

@@ -319,6 +319,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                     self._hold(items, key, box, value._local_tensor)
                 continue
             if isinstance(value, torch.Tensor):
+                md.check_chunk_info(key, value)
                 kind, tensor = "tensor", value
             elif isinstance(value, np.ndarray):
                 kind, tensor = "ndarray", numpy_tensor(value, key)
@@ -445,6 +446,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                     f"{key!r} holds a pickled Python object; loading it would run code from the "
                     "checkpoint. Pass allow_pickle=True only if you trust where it came from"
                 )
+            if isinstance(target, torch.Tensor) and not isinstance(target, DTensor):
+                md.check_chunk_info(key, target)
             box, dest = self._destination(key, entry, target)
             if box is None:
                 continue

@@ -379,3 +379,34 @@ def test_importing_a_hyper_parallel_checkpoint_onto_itself_is_refused(tmp_path):
         import_hyper_parallel(src, src + "/", trust=True, overwrite=True)
     assert sorted(os.listdir(src)) == before
     import_hyper_parallel(src, str(tmp_path / "ours"), trust=True)  # still HyperParallel's, whole
+
+
+def test_hyper_parallel_metadata_names_and_a_whole_chunk_info(tmp_path):
+    # HyperParallel's tests import these from the metadata module (ImportError before), and mark
+    # replicated plain tensors with a ChunkInfo covering them whole; a part is refused, not ignored
+    from hyper_parallel.core.distributed_checkpoint import load, save
+    from hyper_parallel.core.distributed_checkpoint.metadata import (
+        CHUNK_INFO,
+        BytesStorageMetadata,
+        ChunkInfo,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    assert {BytesStorageMetadata, MetadataIndex, TensorProperties}  # torch's classes, as HyperParallel's
+    whole = torch.arange(6.0).reshape(2, 3)
+    setattr(whole, CHUNK_INFO, ChunkInfo(ChunkStorageMetadata(offsets=(0, 0), sizes=(2, 3)), (2, 3), (0,)))
+    meta = save({"w": whole}, str(tmp_path / "ck"), no_dist=True)
+    assert isinstance(meta.state_dict_metadata["w"], TensorStorageMetadata)
+    target = torch.zeros(2, 3)
+    setattr(target, CHUNK_INFO, getattr(whole, CHUNK_INFO))
+    load({"w": target}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(target, whole)
+    part = torch.zeros(1, 3)
+    setattr(part, CHUNK_INFO, ChunkInfo(ChunkStorageMetadata(offsets=(1, 0), sizes=(1, 3)), (2, 3), (0,)))
+    with pytest.raises(UnsupportedValueError, match=r"'w': its chunk_info places it at \[1, 0\].*DTensor"):
+        save({"w": part}, str(tmp_path / "ck2"), no_dist=True)
+    with pytest.raises(UnsupportedValueError, match="chunk_info"):
+        load({"w": part}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
