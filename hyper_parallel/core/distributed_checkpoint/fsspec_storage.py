@@ -32,7 +32,7 @@ T = TypeVar("T")
 _PART_BYTES = 16 << 20  # upload part size; object stores need >= 5 MiB for all but the last
 
 
-class _Bounded:
+class BoundedCalls:
     """Runs a storage call on a thread of its own and waits at most ``limit_s`` for it.
 
     An endpoint that accepts connections and never answers holds a call for as long as the
@@ -99,7 +99,7 @@ class FsspecWriter(StorageWriter):
         self.url = url
         self._options = storage_options
         self.fs, self.root = _fs(url, storage_options)
-        self._call = _Bounded(url)
+        self._call = BoundedCalls(url)
 
     def reset(self, checkpoint_id: str) -> None:
         """Point this writer at another URL with the same storage options (torch DCP's
@@ -193,7 +193,7 @@ class FsspecReader(StorageReader):
         self.url = url
         self._options = storage_options
         self.fs, self.root = _fs(url, storage_options)
-        self._call = _Bounded(url)
+        self._call = BoundedCalls(url)
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0

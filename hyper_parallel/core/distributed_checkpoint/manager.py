@@ -90,7 +90,7 @@ from .api import load as _load
 from .api import save as _save
 from .async_staging import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
 from .commit import unreferenced_files
-from .coordination import Coordinator, as_timeout
+from .coordination import DEFAULT_TIMEOUT, Coordinator, as_timeout
 from .errors import CheckpointError, CommitError, CorruptCheckpointError, NotACheckpointError
 from .incremental import IncrementalState
 from .local_tier import LocalTier, new_timeline
@@ -316,6 +316,8 @@ class CheckpointManager:
         self.process_group = process_group
         self.timeout = timeout
         self._root = self._root_for(directory, storage_options)
+        if hasattr(self._root, "bound_calls"):  # an object store: its calls end within the timeout too
+            self._root.bound_calls((timeout or DEFAULT_TIMEOUT).total_seconds())
         self._steps: dict[int, dict[str, Any] | None] = {}  # committed step -> metrics, same on every rank
         # committed step -> the timeline (run) that wrote it; None: written before timelines were recorded
         self._timelines: dict[int, str | None] = {}

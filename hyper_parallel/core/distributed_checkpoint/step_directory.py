@@ -163,9 +163,16 @@ class FsspecDirectory:
             import fsspec
         except ImportError:  # pragma: no cover - exercised only without the extra installed
             raise ImportError("object storage needs fsspec: pip install 'hyper-parallel[s3]'") from None
+        from .fsspec_storage import BoundedCalls
+
         self.url, self.options = url.rstrip("/"), options
         self.fs, root = fsspec.core.url_to_fs(url, **options)
         self.root = root.rstrip("/")
+        self._call = BoundedCalls(self.url)
+
+    def bound_calls(self, seconds: float) -> None:
+        """Fail a call to the store with no answer within ``seconds`` (the manager's timeout)."""
+        self._call.bound(seconds)
 
     def step_path(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -187,7 +194,7 @@ class FsspecDirectory:
     def listing(self) -> dict[str, dict[str, int]]:
         self._forget_cached_listings()
         try:
-            found = self.fs.find(self.root, detail=True)
+            found = self._call("listing the step directories", self.fs.find, self.root, detail=True)
         except FileNotFoundError:
             return {}
         finally:
@@ -204,7 +211,7 @@ class FsspecDirectory:
 
     def read_metadata(self, name: str) -> bytes:
         try:
-            return self.fs.cat_file(self._key(name, md.METADATA_FILE))
+            return self._call(f"reading {name}/{md.METADATA_FILE}", self.fs.cat_file, self._key(name, md.METADATA_FILE))
         except FileNotFoundError:
             raise NotACheckpointError(f"{self.step_path(name)!r} has no {md.METADATA_FILE}") from None
 
@@ -219,33 +226,33 @@ class FsspecDirectory:
         return FsspecReader(self.step_path(name), **self.options)
 
     def make_root(self) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)
+        self._call("creating the directory", self.fs.makedirs, self.root, exist_ok=True)
 
     def uncommit(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._key(name, md.METADATA_FILE))
+            self._call(f"deleting {name}/{md.METADATA_FILE}", self.fs.rm_file, self._key(name, md.METADATA_FILE))
 
     def remove_tree(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self._key(name), recursive=True)
+            self._call(f"deleting {name}", self.fs.rm, self._key(name), recursive=True)
 
     def remove_files(self, name: str, files: Iterable[str]) -> None:
         for f in files:
             with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(self._key(name, f))
+                self._call(f"deleting {name}/{f}", self.fs.rm_file, self._key(name, f))
 
     def read_owner(self) -> bytes | None:
         try:
-            return self.fs.cat_file(self._key(OWNER_FILE))
+            return self._call(f"reading {OWNER_FILE}", self.fs.cat_file, self._key(OWNER_FILE))
         except FileNotFoundError:
             return None
 
     def write_owner(self, data: bytes) -> None:
-        self.fs.pipe_file(self._key(OWNER_FILE), data)
+        self._call(f"writing {OWNER_FILE}", self.fs.pipe_file, self._key(OWNER_FILE), data)
 
     def remove_owner(self) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._key(OWNER_FILE))
+            self._call(f"deleting {OWNER_FILE}", self.fs.rm_file, self._key(OWNER_FILE))
 
 
 Directory = LocalDirectory | FsspecDirectory

@@ -222,12 +222,19 @@ def test_a_stuck_object_store_fails_a_save_and_a_load_within_their_timeout(silen
 
     opts = {"client_kwargs": {"endpoint_url": silent_endpoint}, "skip_instance_cache": True,
             "key": "k", "secret": "s"}
+    from hyper_parallel.core.distributed_checkpoint import CheckpointManager, RankFailedError
+
     for call in (lambda: save(_sd(), storage_writer=FsspecWriter("s3://bucket/ck", **opts), no_dist=True, timeout=2),
                  lambda: load(_sd(), storage_reader=FsspecReader("s3://bucket/ck", **opts), no_dist=True, timeout=2)):
         t0 = time.monotonic()
         with pytest.raises(StorageTimeoutError, match=r"s3://bucket/ck\): the storage gave no answer within 2s"):
             call()
         assert time.monotonic() - t0 < 10
+    # the manager's own calls (listing the steps, its owner file) too
+    t0 = time.monotonic()
+    with pytest.raises((StorageTimeoutError, RankFailedError), match=r"s3://bucket/run\): the storage gave no answer"):
+        CheckpointManager("s3://bucket/run", storage_options=opts, timeout=2)
+    assert time.monotonic() - t0 < 10
 
 
 def test_a_metadata_write_slower_than_the_timeout_leaves_a_whole_checkpoint(monkeypatch):
