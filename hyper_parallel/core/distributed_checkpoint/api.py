@@ -103,10 +103,6 @@ def _bound_calls(storage: Any, coord: Coordinator) -> None:
         hook(coord.timeout.total_seconds())
 
 
-def _coordinator(process_group: Any, no_dist: bool, coordinator_rank: int, timeout: Any) -> Coordinator:
-    return Coordinator(process_group, no_dist, coordinator_rank, timeout)  # which checks timeout
-
-
 # torch DCP's planner hooks, which our protocol does not call, and what to override instead
 _TORCH_HOOKS = {
     "set_up_planner": "transform_state_dict (rename or drop keys; called on save and on load)",
@@ -267,7 +263,7 @@ def save(
     scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
     process_group = process_group if process_group is not None or no_dist else _mesh_group(state_dict)
     scoped = (scoped and process_group is not None) or (_mesh_scoped and not no_dist)
-    coord = _coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
+    coord = Coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
     planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
     scope = _cache_scope(planner, coord)
     writer: StorageWriter = storage_writer  # type: ignore[assignment]
@@ -673,10 +669,10 @@ def load(
     rank_local = not use_collectives and not no_dist and _distributed()
     if rank_local:
         my_rank = dist.get_rank(process_group) if process_group is not None else dist.get_rank()
-        coord = _coordinator(None, True, 0, timeout)
+        coord = Coordinator(None, True, 0, timeout)
     else:
         process_group = process_group if process_group is not None or no_dist else _mesh_group(state_dict)
-        coord = _coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
+        coord = Coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
         my_rank = coord.rank
     planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
     if getattr(planner, "allow_partial_load", False) and strict is True:

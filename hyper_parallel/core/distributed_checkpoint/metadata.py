@@ -53,7 +53,7 @@ from typing import Any
 import crc32c
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import (  # noqa: F401 - HyperParallel's names (see CHUNK_INFO)
+from torch.distributed.checkpoint.metadata import (  # noqa: F401 - also HyperParallel's names (CHUNK_INFO)
     BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
@@ -381,10 +381,6 @@ class Metadata:
 
 
 def _state_dict_metadata(meta: Metadata) -> dict[str, Any]:
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-    )
-
     from .chunks import all_chunks
 
     out: dict[str, Any] = {}
