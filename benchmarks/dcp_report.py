@@ -567,6 +567,8 @@ def markdown(doc: dict) -> str:
         for variant, e in a["variants"].items():
             name = {"ours": "ours", "torch": "torch DCP", "ours_first": "ours, first call (allocates)",
                     "torch_first": "torch DCP, first call",
+                    "ours_bands": "ours, `AsyncCheckpointer(stage_bands=True)` (snapshot laid out as column bands)",
+                    "ours_bands_first": "ours, `stage_bands=True`, first call",
                     "ours_untiled": "ours, `planner.max_tiles = 1` (no column bands to copy)",
                     "ours_untiled_first": "ours, `max_tiles = 1`, first call",
                     "ours_nice0": "ours, `AsyncCheckpointer(background_nice=0)` (threads at the loop's priority)",

@@ -49,6 +49,12 @@ def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
     return lo, max(0, min(length, lo + full) - lo)
 
 
+def band_columns(cols: int, tiles: int) -> list[tuple[int, int]]:
+    """(start, size) of each column band of a box ``cols`` wide, as :meth:`Grid.sub_box` cuts
+    it (torch.chunk's pieces, empty ones included)."""
+    return [_chunk(cols, tiles, k) for k in range(tiles)]
+
+
 def _select(intervals: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
     """The global intervals holding logical positions [lo, hi) of the concatenation ``intervals``."""
     out, pos = [], 0

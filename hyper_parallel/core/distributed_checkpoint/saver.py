@@ -341,7 +341,9 @@ def write_plan(
                 witem, start = witems[i], layout.starts[i]
                 n = 1 if hashes else _band_run(plan, witems, items, layout.starts, i)
                 values = [planner.resolve_data(witem)]
-                if n > 1 and _view_of_more(values[0], n):  # the other bands are views too: cheap
+                # bands of a row-major tensor are strided: gather them in one copy (bands staged
+                # contiguously by an async save are written as they are, one by one)
+                if n > 1 and _view_of_more(values[0], n) and not values[0].is_contiguous():
                     values += [planner.resolve_data(w) for w in witems[i + 1:i + n]]
                     pitch = layout.starts[i + 1] - start
                     bands = _banded(values, pitch)

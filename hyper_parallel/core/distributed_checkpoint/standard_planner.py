@@ -47,6 +47,7 @@ from .planner import (
     SavePlanner,
     WriteItem,
 )
+from .staged_bands import BandedSnapshot
 from .topology_mapper import MapperLike, as_topology_mapper, rename_keys
 
 __all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner", "dtensor_box", "layout_record"]
@@ -234,6 +235,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
         self._held: dict[str, tuple[Box, Any]] = {}
+        self._banded: dict[int, BandedSnapshot] = {}
         self._origin: dict[str, str] = {}
         self._origin_identity = True
 
@@ -298,6 +300,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def set_up_save(self, state_dict: dict[str, Any], is_coordinator: bool) -> None:
         self._paths = dict(getattr(state_dict, "paths", {}))
+        # an async save's snapshot of tensors staged as their column bands, by the meta tensor
+        # standing for each (renaming keys keeps the values)
+        self._banded = {id(b.logical): b for b in getattr(state_dict, "bands", {}).values()}
         self._values = self._transform(state_dict)
         self.is_coordinator = is_coordinator
 
@@ -311,7 +316,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         for key, value in self._values.items():
             path = self._path(key)
             if isinstance(value, DTensor):
-                _check_saveable(key, value._local_tensor)
+                if self._staged(value._local_tensor) is None:
+                    _check_saveable(key, value._local_tensor)
                 box = dtensor_box(value, key)
                 dtype = md.dtype_name(value.dtype)
                 entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value, group_rank))
@@ -339,7 +345,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                     "saved with pickle; convert it to tensors/plain values (e.g. int(x) for a numpy "
                     "scalar), or pass allow_pickle=True to save (and again to load) if you trust the checkpoint"
                 )
-            _check_saveable(key, tensor)
+            if self._staged(tensor) is None:  # a staged one stands for checked bands
+                _check_saveable(key, tensor)
             shape = tuple(tensor.shape)
             entries[key] = EntrySpec(kind, path, md.dtype_name(tensor.dtype), shape)
             if tensor.numel():
@@ -348,7 +355,12 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def _hold(self, items: list[WriteItem], key: str, box: Box, tensor: torch.Tensor) -> None:
         items.append(WriteItem(key, box, box.numel * tensor.element_size()))
-        self._held[key] = (box, tensor)
+        self._held[key] = (box, self._staged(tensor) or tensor)
+
+    def _staged(self, tensor: torch.Tensor) -> BandedSnapshot | None:
+        """The column bands an async save staged for ``tensor`` (its meta stand-in), if any."""
+        banded = self._banded.get(id(tensor)) if self._banded else None
+        return banded if banded is not None and banded.logical is tensor else None
 
     def structure_digest(self, plan: SavePlan) -> str:
         """Equal for ranks whose local plans have the same entries (the boxes follow from them)."""
@@ -393,8 +405,30 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         t = min(self.max_tiles, box_cols, row_bytes // max(1, self.tile_min_band_bytes))
         return 1 << (t.bit_length() - 1) if t >= 1 else 1
 
+    def staging_bands(self, key: str, value: Any) -> int:
+        """Column bands a save with this planner cuts the local chunk of ``value`` into, so
+        that an async save can stage it as those bands (:mod:`.staged_bands`); 1 for none,
+        for a tensor off the CPU, and for a subclass that transforms values or resolves write
+        data its own way (it would not know the staged form)."""
+        cls = type(self)
+        if any(getattr(cls, name) is not getattr(StandardPlanner, name)
+               for name in ("set_up_save", "transform_state_dict", "create_local_save_plan", "resolve_data")):
+            return 1
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if (not isinstance(local, torch.Tensor) or local.device.type != "cpu" or local.dim() < 2
+                or local.is_nested or local.layout != torch.strided or not local.numel()):
+            return 1
+        try:
+            dtype = md.dtype_name(value.dtype)
+            layout = layout_record(value) if isinstance(value, DTensor) else None
+        except Exception:  # the save itself reports what it cannot take
+            return 1
+        return self.tiles(key, EntrySpec("tensor", (key,), dtype, tuple(value.shape), layout))
+
     def resolve_data(self, item: WriteItem) -> torch.Tensor | Any:
         box, value = self._held[item.key]
+        if isinstance(value, BandedSnapshot):
+            return value.region(item.box.relative_to(box))
         if item.box == box or not isinstance(value, torch.Tensor):
             return value
         return value[item.box.relative_to(box)]  # a column band of the held box
