@@ -723,12 +723,6 @@ class AsyncCheckpointer:
                 devices.add(tensor.device)
         job.paths = {key: leaf.path for key, leaf in flat.leaves.items()}
         job.signature, job.templates, job.pinned = tuple(signature), templates, bool(devices)
-        bands = self.stage_bands if self.stage_bands is not None else job.response.staging == "lazy"
-        planner = job.save_kwargs.get("planner")
-        planner = StandardPlanner() if planner is None else planner
-        if bands and hasattr(planner, "staging_bands"):  # the snapshot lays bands out as the file will
-            tiles = ((key, planner.staging_bands(key, templates[key])) for key, _ in signature)
-            job.bands = tuple((key, t) for key, t in tiles if t > 1)
         if job.response.staging == "lazy":
             job.events = {d: _record_event(d) for d in devices if d.type == "cuda"}
 
@@ -737,9 +731,8 @@ class AsyncCheckpointer:
         start = time.perf_counter()
         try:
             if job.error is None and job.signature:
+                job.bands = self._bands(job)
                 job.buffer = self._pool.acquire(job.signature, job.templates, job.pinned, job.bands)
-                for banded in job.buffer.banded.values():
-                    banded.release()  # a put-together copy from an earlier save is stale
                 sources = [(job.buffer.targets[key], _source(job.templates[key])) for key, _ in job.signature]
                 if job.events:
                     self._copy_on_side_streams(job, sources)
@@ -751,6 +744,18 @@ class AsyncCheckpointer:
             job.templates = {}
             job.response.staging_s = time.perf_counter() - start
             job.response._staged.set()
+
+    def _bands(self, job: _Job) -> tuple:
+        """((key, column bands), ...): the host tensors to stage as the bands the save will
+        cut them into (on the stager's thread for a lazy save: it costs per-tensor work)."""
+        wanted = self.stage_bands if self.stage_bands is not None else job.response.staging == "lazy"
+        planner = job.save_kwargs.get("planner")
+        planner = StandardPlanner() if planner is None else planner
+        # a rank-local save (no collectives) stores chunks whole: nothing to cut into bands
+        if not wanted or not job.save_kwargs.get("use_collectives", True) or not hasattr(planner, "staging_bands"):
+            return ()
+        tiles = ((key, planner.staging_bands(key, job.templates[key])) for key, _ in job.signature)
+        return tuple((key, t) for key, t in tiles if t > 1)
 
     def _copy_on_side_streams(self, job: _Job, pairs: list[tuple[Any, Any]]) -> None:
         # Lazy staging from CUDA: copy on a side stream once the training stream has reached
@@ -827,8 +832,6 @@ class AsyncCheckpointer:
                 error.__cause__ = exc
         finally:
             if job.buffer is not None:
-                for banded in job.buffer.banded.values():
-                    banded.release()
                 self._pool.release(job.buffer)
                 job.buffer = None
             job.paths, job.values = {}, {}

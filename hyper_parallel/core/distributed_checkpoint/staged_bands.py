@@ -12,12 +12,11 @@ The staged state dict then holds, for such a tensor, a tensor on the meta device
 tensor's shape and dtype (a DTensor around one for a DTensor), and this module's
 :class:`BandedSnapshot` beside it (``FlatStateDict.bands``): the planner hands out the bands
 as write data. If the save's plan asks for a region that is not one band (a planner that
-decided otherwise), the bands are put back together first, so the data is right either way.
+decided otherwise), that region is put together from the bands, so the data is right either way.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -38,29 +37,23 @@ class BandedSnapshot:
         self.logical = logical
         self.bands = list(bands)
         self.cols = list(cols)
-        self._whole: torch.Tensor | None = None
-        self._lock = threading.Lock()
 
     def region(self, index: tuple[slice, ...]) -> torch.Tensor:
         """The data at ``index`` (slices of the logical tensor): a band when it is one, else
-        a slice of the bands put back together (made once, then kept)."""
+        the parts of the bands it covers put together (a copy of that region only)."""
         shape = self.logical.shape
-        rows_whole = len(index) == len(shape) >= 2 and all(
-            (s.start, s.stop) == (0, n) for s, n in zip(index[:1] + index[2:], shape[:1] + shape[2:], strict=True))
-        if rows_whole:
-            lo, hi = index[1].start, index[1].stop
-            for band, (start, size) in zip(self.bands, self.cols, strict=True):
-                if size and (lo, hi) == (start, start + size):
-                    return band
-        return self.whole()[index]
-
-    def whole(self) -> torch.Tensor:
-        """The tensor, put back together from its bands (a copy, kept for later calls)."""
-        with self._lock:
-            if self._whole is None:
-                self._whole = torch.cat(self.bands, dim=1)
-            return self._whole
-
-    def release(self) -> None:
-        """Forget the put-together copy (the staging buffer outlives this save)."""
-        self._whole = None
+        lo, hi = index[1].start, index[1].stop
+        rest = (index[0], *index[2:])
+        rows_whole = all((s.start, s.stop) == (0, n) for s, n in zip(rest, (shape[0], *shape[2:]), strict=True))
+        pieces = []
+        for band, (start, size) in zip(self.bands, self.cols, strict=True):
+            a, b = max(lo, start), min(hi, start + size)
+            if rows_whole and (a, b) == (start, start + size) == (lo, hi):
+                return band
+            if a < b:
+                pieces.append(band[(index[0], slice(a - start, b - start), *index[2:])])
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            return self.bands[0][(index[0], slice(0, 0), *index[2:])]
+        return torch.cat(pieces, dim=1)

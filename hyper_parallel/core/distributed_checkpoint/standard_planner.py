@@ -408,12 +408,13 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     def staging_bands(self, key: str, value: Any) -> int:
         """Column bands a save with this planner cuts the local chunk of ``value`` into, so
         that an async save can stage it as those bands (:mod:`.staged_bands`); 1 for none,
-        for a tensor off the CPU, and for a subclass that transforms values or resolves write
-        data its own way (it would not know the staged form)."""
+        for a tensor off the CPU, and for a subclass that transforms values, resolves write
+        data or decides bands its own way (it would not know the staged form, or could decide
+        by the renamed key)."""
         cls = type(self)
         if any(getattr(cls, name) is not getattr(StandardPlanner, name)
-               for name in ("set_up_save", "transform_state_dict", "create_local_save_plan", "resolve_data")):
-            return 1
+               for name in ("set_up_save", "transform_state_dict", "create_local_save_plan", "resolve_data", "tiles")):
+            return 1  # (an own tiles() may decide by the checkpoint key, which renaming changes)
         local = value._local_tensor if isinstance(value, DTensor) else value
         if (not isinstance(local, torch.Tensor) or local.device.type != "cpu" or local.dim() < 2
                 or local.is_nested or local.layout != torch.strided or not local.numel()):
@@ -421,9 +422,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         try:
             dtype = md.dtype_name(value.dtype)
             layout = layout_record(value) if isinstance(value, DTensor) else None
+            return self.tiles(key, EntrySpec("tensor", (key,), dtype, tuple(value.shape), layout))
         except Exception:  # the save itself reports what it cannot take
             return 1
-        return self.tiles(key, EntrySpec("tensor", (key,), dtype, tuple(value.shape), layout))
 
     def resolve_data(self, item: WriteItem) -> torch.Tensor | Any:
         box, value = self._held[item.key]
