@@ -8,14 +8,13 @@ in a status exchange, so a failure anywhere fails every rank with the same messa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
 import os
-import threading
 import uuid
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -52,6 +51,7 @@ from .fragments import (
 )
 from .incremental import IncrementalState
 from .loader import read_plan
+from .plan_cache import PLAN_CACHE, CachedSaveResult, entry_key, entry_prefix
 from .planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
 from .saver import build_metadata, data_file_names, write_plan
 from .shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
@@ -60,11 +60,10 @@ from .storage import StorageReader, StorageWriter, location, reader_for, writer_
 
 PathLike = str | os.PathLike
 
-# Global save plans by (planner scope, fingerprint of every rank's local plan). Whether a
-# save uses a cached plan is decided by all ranks together (see _agree_on_plan).
-_PLAN_CACHE: OrderedDict[tuple[Any, str], list[SavePlan]] = OrderedDict()
-_PLAN_CACHE_SIZE = 8
-_PLAN_CACHE_LOCK = threading.Lock()  # async_save's writer thread saves while the caller may too
+# Each rank's save plans by (planner scope, fingerprint of every rank's local plan): bounded and
+# thread-safe (async_save's writer thread saves while the caller may too); see plan_cache.py.
+# Whether a save uses a cached plan is decided by all ranks together (see _agree_on_plan).
+_PLAN_CACHE = PLAN_CACHE
 
 
 def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage: Any) -> str | None:
@@ -141,36 +140,74 @@ def _for_this_call(planner: Any, allow_pickle: bool) -> Any:
     planner object reused later never inherits it."""
     _refuse_torch_hooks(planner)
     if allow_pickle and hasattr(planner, "allow_pickle") and not planner.allow_pickle:
-        planner = copy.copy(planner)
+        planner = planner_copy(planner)
         planner.allow_pickle = True
     return planner
 
 
+def planner_copy(planner: Any) -> Any:
+    """A shallow copy of ``planner`` for one call (a planner holds one call's state, and the
+    caller may use the object meanwhile) whose plan-cache hooks (:mod:`.plan_cache`) still run
+    on the caller's object, where a subclass keeps its counts."""
+    dup = copy.copy(planner)
+    with contextlib.suppress(AttributeError, TypeError):  # a planner that takes no attributes
+        dup._plan_cache_owner = getattr(planner, "_plan_cache_owner", planner)
+    return dup
+
+
 def _cache_scope(planner: Any, coord: Coordinator) -> tuple | None:
-    """Where a planner's global plans may be reused: same planner kind and options, same
-    group (by a token that is never reused), same rank. None: this planner is not cached."""
+    """Where a planner's plans may be reused: same planner kind and options (``cache_key()``,
+    told apart by its ``repr``), same group (by a token that is never reused), same rank.
+    None: this planner is not cached."""
     key = getattr(planner, "cache_key", None)
     if key is None or not getattr(planner, "enable_plan_caching", True):
         return None
     return (type(planner).__module__, type(planner).__qualname__, key(), coord.group_token, coord.rank)
 
 
-def _cached_plans(scope: tuple | None) -> dict[str, list[SavePlan]]:
-    """This rank's cached global plans for ``scope``, by fingerprint (a snapshot)."""
-    if scope is None:
-        return {}
-    with _PLAN_CACHE_LOCK:
-        return {fp: plans for (s, fp), plans in _PLAN_CACHE.items() if s == scope}
+def _cached_plans(scope: tuple | None) -> dict[str, CachedSaveResult]:
+    """This rank's cached plans for ``scope``, by fingerprint (a snapshot)."""
+    return {} if scope is None else _PLAN_CACHE.under(entry_prefix(scope))
 
 
-def _remember_plan(scope: tuple | None, fingerprint: str, plans: list[SavePlan]) -> None:
+def _announce_plan(planner: Any, scope: tuple | None, fingerprint: str, used: CachedSaveResult | None) -> None:
+    """Tell the planner's plan-cache hooks what the ranks agreed (see :mod:`.plan_cache`):
+    ``_cached_plans_key``, then ``get_cached()`` once, returning ``used`` (None: a new plan)."""
     if scope is None:
         return
-    with _PLAN_CACHE_LOCK:
-        _PLAN_CACHE[(scope, fingerprint)] = plans
-        _PLAN_CACHE.move_to_end((scope, fingerprint))
-        while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-            _PLAN_CACHE.popitem(last=False)
+    key = entry_key(scope, fingerprint)
+    if used is not None:
+        _PLAN_CACHE.touch(key)
+    planner = getattr(planner, "_plan_cache_owner", planner)
+    if not hasattr(planner, "get_cached"):
+        return
+    planner._cached_plans_key = key
+    planner._plan_cache_decision = (used,)
+    try:
+        planner.get_cached()
+    finally:
+        planner._plan_cache_decision = None
+
+
+def _remember_plan(planner: Any, scope: tuple | None, fingerprint: str, plan: SavePlan, meta: md.Metadata,
+                   where: str | None) -> None:
+    """After the commit of a save that made a new plan: ``planner.cache_result`` (whose base
+    stores it), or store it directly for a planner without that hook. The save has succeeded,
+    so a hook that raises is a warning."""
+    if scope is None:
+        return
+    key = entry_key(scope, fingerprint)
+    planner = getattr(planner, "_plan_cache_owner", planner)
+    hook = getattr(planner, "cache_result", None)
+    if hook is None:
+        _PLAN_CACHE[key] = CachedSaveResult(plan, meta)
+        return
+    planner._cached_plans_key = key
+    try:
+        hook(plan, meta)
+    except Exception as exc:
+        warnings.warn(f"save to {where or 'storage'} is committed, but {type(planner).__qualname__}.cache_result "
+                      f"raised {type(exc).__name__}: {exc}; the plan may not be cached", stacklevel=3)
 
 
 def save(
@@ -268,7 +305,7 @@ def save(
     scope = _cache_scope(planner, coord)
     writer: StorageWriter = storage_writer  # type: ignore[assignment]
     local: list[SavePlan] = []
-    cached: dict[str, list[SavePlan]] = {}
+    cached: dict[str, CachedSaveResult] = {}
 
     def plan_locally() -> _Summary:
         nonlocal writer
@@ -298,13 +335,13 @@ def save(
     if coord.is_coordinator and coord.world_size > 1:
         _warn_divergent_plain([s.plain for s in summaries], coord)
     save_id = summaries[coord.coordinator_rank].save_id
-    global_plans = _agree_on_plan(coord, planner, local[0], summaries, scope, cached)
-    mine = global_plans[coord.rank]
+    fingerprint, mine, used = _agree_on_plan(coord, planner, local[0], summaries, scope, cached)
     own_files = data_file_names(coord.rank, save_id, thread_count)
     what = f"save to {where or 'storage'}"
     mine_written: list[Any] = []
 
     def write() -> Any:
+        _announce_plan(planner, scope, fingerprint, used)  # in the exchange: a hook that raises fails every rank
         reuse = incremental.reusable(mine.entries) if incremental is not None else None
         result = write_plan(mine, planner, writer, coord.rank, save_id, thread_count,
                             hashes=incremental is not None, reuse=reuse)
@@ -321,6 +358,8 @@ def save(
         if incremental is not None:
             incremental.reset()  # not committed, or not known to be: the next save writes everything
         raise
+    if used is None:
+        _remember_plan(planner, scope, fingerprint, mine, meta, where)
     if incremental is not None:
         done = mine_written[0]
         incremental.committed(mine.entries, done.digests, done.known_reused, meta)
@@ -332,7 +371,7 @@ class _Summary(NamedTuple):
 
     digest: str  # of its structure (StandardPlanner) or its whole local plan
     save_id: str  # the coordinator's is used
-    cached: list[str] | None  # fingerprints of the global plans it has cached
+    cached: list[str] | None  # fingerprints of the plans it has cached (None: caching off)
     place: str | None  # where it saves (:func:`.storage.location`)
     plain: tuple[int, dict[str, int] | None] | None  # :func:`_plain_digests`
 
@@ -519,10 +558,12 @@ def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter |
 
 def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
                    summaries: list[_Summary], scope: tuple | None,
-                   cached: dict[str, list[SavePlan]]) -> list[SavePlan]:
-    """The global plan of this save. A cached plan is used only when EVERY rank has it for
-    this exact set of local plans; a miss anywhere is a miss everywhere (else ranks would
-    run different collectives).
+                   cached: dict[str, CachedSaveResult]) -> tuple[str, SavePlan, CachedSaveResult | None]:
+    """This rank's part of the save's global plan: ``(fingerprint of every rank's local plan,
+    this rank's plan, the cache entry used or None)``. A cached plan is used only when EVERY
+    rank has it for this exact set of local plans; a miss anywhere is a miss everywhere (else
+    ranks would run different collectives). A new plan is cached after the commit
+    (:func:`_remember_plan`), so only plans that made a checkpoint are kept.
 
     A planner with ``structure_digest`` (StandardPlanner) needs only every rank's entries:
     each distinct structure travels once, from the first rank that has it, so the exchange
@@ -532,7 +573,7 @@ def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
     digests = [s.digest for s in summaries]
     fingerprint = hashlib.sha256("|".join(digests).encode()).hexdigest()
     if all(s.cached is not None and fingerprint in s.cached for s in summaries):
-        return cached[fingerprint]
+        return fingerprint, cached[fingerprint].final_plan, cached[fingerprint]
     if hasattr(planner, "structure_digest"):
         first: dict[str, int] = {}
         for rank, d in enumerate(digests):
@@ -549,8 +590,7 @@ def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
     computed: list[list[SavePlan]] = []
     # Every rank computes the same global plan; only the statuses are exchanged.
     coord.exchange("save (global plan)", lambda: computed.append(_numbered(planner.create_global_save_plan(plans))))
-    _remember_plan(scope, fingerprint, computed[0])
-    return computed[0]
+    return fingerprint, computed[0][coord.rank], None
 
 
 def _numbered(plans: list[SavePlan]) -> list[SavePlan]:

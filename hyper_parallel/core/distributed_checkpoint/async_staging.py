@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from . import in_flight
 from . import metadata as md
-from .api import _mesh_group, _refuse_torch_hooks, save
+from .api import _mesh_group, _refuse_torch_hooks, planner_copy, save
 from .coordination import as_timeout, group_timeout, is_broken
 from .errors import CheckpointError, LostContactError, UnsupportedValueError
 from .flatten import FlatStateDict, flatten
@@ -565,7 +565,7 @@ class AsyncCheckpointer:
         # (or another async save) while this one is still writing, and a planner holds one call's state
         if planner is not None:
             _refuse_torch_hooks(planner)  # now, not from result()
-        planner = copy.copy(planner) if planner is not None else None
+        planner = planner_copy(planner) if planner is not None else None
         save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
                            use_collectives=use_collectives, coordinator_rank=coordinator_rank,
                            allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,

@@ -38,6 +38,7 @@ from .errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedV
 from .flatten import renamed_path
 from .grid import Grid, parse_placement, shared_grid
 from .layout import placement_to_name
+from .plan_cache import PLAN_CACHE, CachedSaveResult, PlanCache
 from .planner import (
     EntrySpec,
     LoadPlan,
@@ -292,6 +293,37 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         """Global save plans are reused while this and every rank's structure are unchanged."""
         return (type(self).__qualname__, self.allow_pickle, self.max_tiles, self.tile_min_chunk_bytes,
                 self.tile_min_band_bytes)
+
+    # ------------------------------------------------------------------ plan cache
+    # HyperParallel's hooks (see :mod:`.plan_cache` for when save calls them). Both names are
+    # the one process-wide cache: ``StandardSavePlanner._cached_save_result.clear()`` empties it.
+    _cached_save_result: PlanCache = PLAN_CACHE
+    cached_save_result: PlanCache = PLAN_CACHE  # HyperParallel's older name
+    #: The entry this save's plan is cached under; save sets it before calling the hooks.
+    _cached_plans_key: str | None = None
+    _plan_cache_decision: tuple[CachedSaveResult | None] | None = None  # set by save around get_cached()
+
+    def get_cached(self) -> CachedSaveResult | None:
+        """The cached plan this save uses, or None when it makes a new one.
+
+        ``save`` calls it once per save while plan caching is on, after every rank agreed
+        whether the cached plan is used; this returns what they agreed (overriding it to
+        return something else changes nothing). Called outside a save: the entry under
+        ``_cached_plans_key``, if any.
+        """
+        if self._plan_cache_decision is not None:
+            return self._plan_cache_decision[0]
+        return PLAN_CACHE.get(self._cached_plans_key) if self._cached_plans_key else None
+
+    def cache_result(self, final_plan: SavePlan, metadata: md.Metadata | None) -> None:
+        """Store ``final_plan`` (this rank's plan) under ``_cached_plans_key``, with the
+        committed ``metadata`` of the save that made it.
+
+        ``save`` calls it once per save that made a new plan, after the checkpoint is
+        committed, while plan caching is on. An override that does not call this caches nothing.
+        """
+        if self.enable_plan_caching and self._cached_plans_key:
+            PLAN_CACHE[self._cached_plans_key] = CachedSaveResult(final_plan, metadata)
 
     def _path(self, key: str) -> tuple:
         return self._paths.get(key) or tuple(key.split("."))
