@@ -13,6 +13,7 @@ import copy
 import hashlib
 import math
 import os
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
@@ -64,6 +65,10 @@ PathLike = str | os.PathLike
 # thread-safe (async_save's writer thread saves while the caller may too); see plan_cache.py.
 # Whether a save uses a cached plan is decided by all ranks together (see _agree_on_plan).
 _PLAN_CACHE = PLAN_CACHE
+# Held from setting a planner's ``_cached_plans_key`` until its hook returns: an async save's
+# copy of a planner calls the hooks of the caller's object, which a save of the caller's own
+# may be using at the same time (reentrant: a hook may save).
+_HOOKS_LOCK = threading.RLock()
 
 
 def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage: Any) -> str | None:
@@ -181,12 +186,13 @@ def _announce_plan(planner: Any, scope: tuple | None, fingerprint: str, used: Ca
     planner = getattr(planner, "_plan_cache_owner", planner)
     if not hasattr(planner, "get_cached"):
         return
-    planner._cached_plans_key = key
-    planner._plan_cache_decision = (used,)
-    try:
-        planner.get_cached()
-    finally:
-        planner._plan_cache_decision = None
+    with _HOOKS_LOCK:  # the attributes are per call; another thread's save may share the planner
+        planner._cached_plans_key = key
+        planner._plan_cache_decision = (used,)
+        try:
+            planner.get_cached()
+        finally:
+            planner._plan_cache_decision = None
 
 
 def _remember_plan(planner: Any, scope: tuple | None, fingerprint: str, plan: SavePlan, meta: md.Metadata,
@@ -200,11 +206,12 @@ def _remember_plan(planner: Any, scope: tuple | None, fingerprint: str, plan: Sa
     planner = getattr(planner, "_plan_cache_owner", planner)
     hook = getattr(planner, "cache_result", None)
     if hook is None:
-        _PLAN_CACHE[key] = CachedSaveResult(plan, meta)
+        _PLAN_CACHE[key] = CachedSaveResult(plan, None)
         return
-    planner._cached_plans_key = key
     try:
-        hook(plan, meta)
+        with _HOOKS_LOCK:
+            planner._cached_plans_key = key
+            hook(plan, meta)
     except Exception as exc:
         warnings.warn(f"save to {where or 'storage'} is committed, but {type(planner).__qualname__}.cache_result "
                       f"raised {type(exc).__name__}: {exc}; the plan may not be cached", stacklevel=3)

@@ -1,7 +1,7 @@
 """The save-plan cache: plans kept from one save to the next, and the planner hooks that see it.
 
 What it is: one map per process, :data:`PLAN_CACHE`, from an entry key to a
-:class:`CachedSaveResult` (one rank's plan of one save, and that save's committed metadata).
+:class:`CachedSaveResult` (one rank's plan of one save).
 It is bounded (the least recently used entry goes first) and thread-safe (``async_save``'s
 writer thread saves while the caller may save too). ``StandardPlanner._cached_save_result``
 and ``StandardPlanner.cached_save_result`` are this same object (HyperParallel's names), so
@@ -25,9 +25,15 @@ the order save calls them, only while plan caching is on for the planner:
    decided): to stop caching, pass ``enable_plan_caching=False``.
 2. On a miss, once the new checkpoint is committed: ``planner.cache_result(final_plan,
    metadata)`` with this rank's plan and the committed :class:`~.metadata.Metadata`. Its base
-   implementation is what stores the entry; an override that does not call it caches nothing
+   implementation is what stores the entry (the plan only: the metadata holds the save's plain
+   values, the caller's objects, which the cache would keep alive); an override that does not
+   call it caches nothing
    (the next save misses again). It runs after the commit, so only plans that made a
    committed checkpoint are kept, and an exception from it is a warning: the save succeeded.
+
+Both hooks run under one process-wide lock, held from the moment ``_cached_plans_key`` is set
+until the hook returns: an async save's copy of a planner calls the hooks of the caller's
+object, which a save in the caller's thread may be using at the same time.
 
 A planner without the hooks (another :class:`~.planner.SavePlanner` with a ``cache_key``) has
 its plan stored directly at step 2.
@@ -53,8 +59,8 @@ DEFAULT_SIZE = 8
 @dataclass(frozen=True)
 class CachedSaveResult:
     """One cached plan: this rank's part of a save's global plan (what it writes, with every
-    key's entry), and the committed metadata of the save that made it (for reference: a save
-    reusing the plan builds its own metadata from what it writes)."""
+    key's entry). ``metadata`` is HyperParallel's field; the entries stored here leave it None
+    (a save reusing the plan builds its own metadata from what it writes)."""
 
     final_plan: SavePlan
     metadata: Metadata | None

@@ -316,14 +316,15 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         return PLAN_CACHE.get(self._cached_plans_key) if self._cached_plans_key else None
 
     def cache_result(self, final_plan: SavePlan, metadata: md.Metadata | None) -> None:
-        """Store ``final_plan`` (this rank's plan) under ``_cached_plans_key``, with the
-        committed ``metadata`` of the save that made it.
+        """Store ``final_plan`` (this rank's plan) under ``_cached_plans_key``.
 
         ``save`` calls it once per save that made a new plan, after the checkpoint is
-        committed, while plan caching is on. An override that does not call this caches nothing.
+        committed (``metadata``), while plan caching is on. The entry keeps the plan only: a
+        save's metadata holds its plain values (the caller's objects), which the cache would
+        keep alive. An override that does not call this caches nothing.
         """
         if self.enable_plan_caching and self._cached_plans_key:
-            PLAN_CACHE[self._cached_plans_key] = CachedSaveResult(final_plan, metadata)
+            PLAN_CACHE[self._cached_plans_key] = CachedSaveResult(final_plan, None)
 
     def _path(self, key: str) -> tuple:
         return self._paths.get(key) or tuple(key.split("."))
