@@ -410,3 +410,67 @@ def test_hyper_parallel_metadata_names_and_a_whole_chunk_info(tmp_path):
         save({"w": part}, str(tmp_path / "ck2"), no_dist=True)
     with pytest.raises(UnsupportedValueError, match="chunk_info"):
         load({"w": part}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+
+
+# HyperParallel's pipelined-load system test (dcp_load_pipeline): 4 ranks on a (dp=2, tp=2)
+# mesh, parameters replicated over everyone / sharded over tp / private, loaded into
+# rank-poisoned buffers with broadcast_replicated_tensors=True, three loads in a row with no
+# thread left behind, plain values alongside.
+_PIPE_PLACEMENTS = {"everyone": ("R", "R"), "column": ("R", "S1"), "private": ("S0", "S1")}
+_PIPE_SHARD_OF = {"everyone": lambda r: 0, "column": lambda r: r % 2, "private": lambda r: r}
+_PIPE_SCALARS = {"epoch": 12, "learning_rate": 0.0003, "step": 4500, "tags": ["warmup", "cosine"],
+                 "limits": {"grad_clip": 1.0, "patience": 3}}
+
+
+def _pipeline_job(rank: int, ws: int, root: str) -> dict:
+    import threading
+
+    from hyper_parallel import DTensor
+    from hyper_parallel.core.distributed_checkpoint.util import _MAX_BROADCASTS_IN_FLIGHT
+    from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
+    from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+    from hyper_parallel.platform import get_platform
+
+    platform = get_platform()
+    mesh = init_device_mesh(device_type="cpu", mesh_shape=(2, 2), mesh_dim_names=("dp", "tp"))
+    kinds = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
+
+    def state(specs, poisoned):
+        out = {}
+        for index, (name, kind) in enumerate(specs):
+            value = -100.0 - rank if poisoned else index + 1.0 + _PIPE_SHARD_OF[kind](rank) / 8.0
+            out[name] = DTensor.from_local(torch.full((4, 4), value), mesh,
+                                           [kinds[p] for p in _PIPE_PLACEMENTS[kind]])
+        return out
+
+    shared = [(f"shared{i:02d}", "everyone") for i in range(3 * _MAX_BROADCASTS_IN_FLIGHT)]
+    interleaved = [spec for i in range(_MAX_BROADCASTS_IN_FLIGHT + 2) for spec in (
+        (f"round{i:02d}_a_everyone", "everyone"), (f"round{i:02d}_b_column", "column"),
+        (f"round{i:02d}_c_private", "private"))]
+    results = {}
+    for name, specs, scalars, loads in (("in_flight", shared, False, 1), ("interleaved", interleaved, False, 1),
+                                        ("non_tensor", interleaved[:12], True, 1), ("repeated", shared[:12], False, 3)):
+        path = os.path.join(root, name)
+        saved = state(specs, poisoned=False)
+        expected = {k: v.to_local().clone() for k, v in saved.items()}
+        if scalars:
+            saved.update(_PIPE_SCALARS)
+        save(saved, checkpoint_id=path, use_collectives=True)
+        platform.barrier()
+        threads_before = threading.active_count()
+        ok = True
+        for _ in range(loads):
+            target = state(specs, poisoned=True)
+            if scalars:
+                target.update({"epoch": -1, "learning_rate": -1.0, "step": -1, "tags": ["wrong", "wrong"],
+                               "limits": {"grad_clip": -1.0, "patience": -1}})
+            load(target, checkpoint_id=path, use_collectives=True, broadcast_replicated_tensors=True)
+            ok &= all(torch.equal(target[k].to_local(), v) for k, v in expected.items())
+            ok &= all(target[k] == v for k, v in _PIPE_SCALARS.items()) if scalars else True
+        results[name] = (ok, threading.active_count() <= threads_before)
+    return results
+
+
+def test_hyper_parallels_pipelined_load_test_runs_as_written(tmp_path):
+    for out in run_ranks(_pipeline_job, 4, str(tmp_path), timeout_s=180):
+        assert out == {k: (True, True) for k in ("in_flight", "interleaved", "non_tensor", "repeated")}, out
