@@ -211,7 +211,10 @@ class CheckpointManager:
         best_metric: the key in ``save(..., metrics=)`` that ranks steps; ``best_mode``
             ``"min"`` (a loss) or ``"max"`` (an accuracy).
         async_save: return from ``save`` once a snapshot is taken; a background thread writes
-            and commits (one save in flight; see the module docstring).
+            and commits (one save in flight; see the module docstring). An
+            :class:`~.async_staging.AsyncCheckpointer` (``max_in_flight=1``) instead of True
+            is used for these saves with its settings, e.g. ``AsyncCheckpointer(stage_bands=True)``
+            or ``background_nice=0``; the manager closes it when it closes.
         incremental: write only the chunks that changed since the previous committed step of
             this manager and reference the earlier files for the rest (the first save, and
             the first after a restart or a failed save, writes everything).
@@ -265,7 +268,7 @@ class CheckpointManager:
         keep_best: int | None = None,
         best_metric: str | None = None,
         best_mode: str = "min",
-        async_save: bool = False,
+        async_save: bool | AsyncCheckpointer = False,
         incremental: bool = False,
         process_group: Any = None,
         timeout: timedelta | float | None = None,
@@ -308,7 +311,12 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
-        self.async_save = async_save
+        if isinstance(async_save, AsyncCheckpointer) and async_save.max_in_flight != 1:
+            raise ValueError(f"async_save: the manager keeps one save in flight; pass an AsyncCheckpointer with "
+                             f"max_in_flight=1 (this one has {async_save.max_in_flight})")
+        if not isinstance(async_save, (bool, AsyncCheckpointer)):
+            raise TypeError(f"async_save must be True, False or an AsyncCheckpointer, got {async_save!r}")
+        self.async_save = bool(async_save)
         self.incremental = incremental
         self._inc = IncrementalState() if incremental else None
         self._refs: dict[int, frozenset[tuple[str, str]]] = {}  # coordinator: step -> files of other steps it names
@@ -326,7 +334,9 @@ class CheckpointManager:
         self._timings: deque[SaveTiming] = deque(maxlen=100)
         self._closed = False
         self._token = uuid.uuid4().hex
-        self._async: AsyncCheckpointer | None = AsyncCheckpointer(max_in_flight=1) if async_save else None
+        self._async: AsyncCheckpointer | None = (
+            async_save if isinstance(async_save, AsyncCheckpointer) else AsyncCheckpointer(max_in_flight=1)
+            if async_save else None)
         self._coord = Coordinator(process_group, False, 0, timeout)
         self._deleter = Deleter(self._root) if self._coord.is_coordinator else None
         self._local: LocalTier | None = None

@@ -349,6 +349,40 @@ def test_load_of_a_listed_step_survives_the_retention_of_the_save_it_settles(tmp
     assert on_disk(d) == {3: "committed", 4: "committed"}
 
 
+def test_async_save_takes_a_checkpointer_of_ones_own(tmp_path):
+    """CheckpointManager(async_save=AsyncCheckpointer(...)) saves through that checkpointer,
+    with its settings (here: a snapshot staged as column bands), and closes it."""
+    from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer
+    from hyper_parallel.core.distributed_checkpoint.staged_bands import BandedSnapshot
+
+    d = str(tmp_path / "run")
+    ckpt = AsyncCheckpointer(stage_bands=True)
+    big = {"w": make_tensor((1024, 1024)), "step": 0}
+    seen = []
+    region = BandedSnapshot.region
+    BandedSnapshot.region = lambda self, index: seen.append(index) or region(self, index)
+    try:
+        with CheckpointManager(d, async_save=ckpt, keep_latest=1) as mgr:
+            for s in (1, 2):
+                big["step"] = s
+                expected = big["w"].clone()
+                mgr.save(s, big)
+                big["w"].add_(1)  # right after the snapshot
+            mgr.wait()
+            assert mgr.all_steps() == [2] and ckpt.stats.allocations == 1
+            target = {"w": torch.zeros(1024, 1024), "step": 0}
+            assert mgr.load(target) == 2
+            assert torch.equal(target["w"], expected) and target["step"] == 2
+    finally:
+        BandedSnapshot.region = region
+    assert seen  # the bands were written from the snapshot
+    assert ckpt.in_flight == 0
+    with pytest.raises(ValueError, match="max_in_flight=1"):
+        CheckpointManager(d, async_save=AsyncCheckpointer(max_in_flight=2))
+    with pytest.raises(TypeError, match="async_save"):
+        CheckpointManager(d, async_save="yes")
+
+
 # ----------------------------------------------------------------------------- real ranks
 
 
