@@ -48,6 +48,8 @@ METRICS = [
     ("eager_total", "async eager: total (committed)"),
     ("lazy_blocking", "async lazy: blocking"),
     ("lazy_total", "async lazy: total (committed)"),
+    ("bands_blocking", "async eager, stage_bands=True: blocking"),
+    ("bands_total", "async eager, stage_bands=True: total"),
     ("memcpy", "memcpy of local bytes (torch copy_)"),
     ("memmove", "memcpy of local bytes (libc memmove)"),
     ("torch_blocking", "torch DCP async_save: blocking"),
@@ -108,6 +110,7 @@ def bench_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     ckpt = AsyncCheckpointer()
+    banded = AsyncCheckpointer(stage_bands=True)  # the snapshot laid out as the file's column bands
     times: dict[str, list[float]] = {k: [] for k, _ in METRICS}
     counter = iter(range(1 << 30))
 
@@ -124,7 +127,7 @@ def bench_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict:
     def timed_async(kind: str, staging: str, record: bool) -> None:
         dist.barrier()
         t0 = time.perf_counter()
-        resp = ckpt.save(sd, fresh(kind), staging=staging)
+        resp = (banded if kind == "bands" else ckpt).save(sd, fresh(kind), staging=staging)
         t1 = time.perf_counter()
         resp.result()
         t2 = time.perf_counter()
@@ -159,6 +162,7 @@ def bench_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict:
     # warm-up: page in the buffers, make the dedicated group, cache the plans, start threads
     timed_async("eager", "eager", False)
     timed_async("lazy", "lazy", False)
+    timed_async("bands", "eager", False)
     timed_torch(False)
     timed_copies(False)
     clean()
@@ -169,11 +173,13 @@ def bench_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict:
         times["sync_save"].append(time.perf_counter() - t0)
         timed_async("eager", "eager", True)
         timed_async("lazy", "lazy", True)
+        timed_async("bands", "eager", True)
         timed_torch(True)
         timed_copies(True)
         clean()
     stats = ckpt.stats
     ckpt.close()
+    banded.close()
     return {"times": times, "local_bytes": nbytes, "allocations": stats.allocations}
 
 
