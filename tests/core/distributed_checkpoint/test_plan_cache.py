@@ -22,32 +22,29 @@ from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 
 
-class TraceMinimalCacheSavePlanner(StandardSavePlanner):
-    """HyperParallel's tracing planner, as its system test defines it."""
+class _Recording(StandardSavePlanner):
+    """Records every plan-cache hook call with the entry key it was made for, calling the base
+    hooks as a HyperParallel subclass does (its system tests count hits and misses this way)."""
 
     def __init__(self) -> None:
         super().__init__(enable_plan_caching=True)
-        self.cache_miss_count = 0
-        self.cache_hit_count = 0
-        self.cache_write_keys: list[str] = []
-        self.cache_hit_keys: list[str] = []
+        self.calls: list[tuple[str, str]] = []  # ("hit" | "miss" | "write", entry key)
 
     def get_cached(self):
-        cached = super().get_cached()
-        if cached is None:
-            self.cache_miss_count += 1
-        else:
-            self.cache_hit_count += 1
-            self.cache_hit_keys.append(self._cached_plans_key)
-        return cached
+        found = super().get_cached()
+        self.calls.append(("miss" if found is None else "hit", self._cached_plans_key))
+        return found
 
     def cache_result(self, final_plan, metadata) -> None:
-        self.cache_write_keys.append(self._cached_plans_key)
+        self.calls.append(("write", self._cached_plans_key))
         super().cache_result(final_plan, metadata)
+
+    def keys(self, kind: str) -> list[str]:
+        return [key for what, key in self.calls if what == kind]
 
     @classmethod
     def clear_cache(cls) -> None:
-        cls._cached_save_result.clear()
+        cls._cached_save_result.clear()  # HyperParallel's name for the cache
 
 
 def model_state(step: int, mesh) -> dict:
@@ -89,16 +86,16 @@ def assert_loaded(target: dict, saved: dict) -> None:
             assert got == want, key
 
 
-def counts(planner: TraceMinimalCacheSavePlanner) -> tuple[int, int, int]:
-    return planner.cache_miss_count, planner.cache_hit_count, len(planner.cache_write_keys)
+def counts(planner: _Recording) -> tuple[int, int, int]:
+    return len(planner.keys("miss")), len(planner.keys("hit")), len(planner.keys("write"))
 
 
 # ---------------------------------------------------------------- on 2 gloo ranks
 
 def _repeated_save_hits(rank: int, ws: int, base: str) -> list[str]:
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))
-    TraceMinimalCacheSavePlanner.clear_cache()
-    planner = TraceMinimalCacheSavePlanner()
+    _Recording.clear_cache()
+    planner = _Recording()
     sd = model_state(1, mesh)
     save(sd, checkpoint_id=os.path.join(base, "ckpt1"), planner=planner, use_collectives=True)
     assert counts(planner) == (1, 0, 1)
@@ -106,12 +103,12 @@ def _repeated_save_hits(rank: int, ws: int, base: str) -> list[str]:
     sd.update(model_state(2, mesh))  # same structure, new values
     save(sd, checkpoint_id=os.path.join(base, "ckpt2"), planner=planner, use_collectives=True)
     assert counts(planner) == (1, 1, 1)
-    assert planner.cache_hit_keys == planner.cache_write_keys
+    assert planner.keys("hit") == planner.keys("write")
     target = model_target(mesh)
     load(target, checkpoint_id=os.path.join(base, "ckpt2"))
     assert_loaded(target, sd)
     assert target["io_payload"]["step"] == 2
-    return planner.cache_write_keys
+    return planner.keys("write")
 
 
 def test_a_second_save_of_the_same_structure_hits_the_cache_and_saves_the_new_values(tmp_path):
@@ -121,25 +118,25 @@ def test_a_second_save_of_the_same_structure_hits_the_cache_and_saves_the_new_va
 
 def _structures_have_entries_of_their_own(rank: int, ws: int, base: str) -> None:
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))
-    TraceMinimalCacheSavePlanner.clear_cache()
-    planner = TraceMinimalCacheSavePlanner()
+    _Recording.clear_cache()
+    planner = _Recording()
     model = model_state(10, mesh)
     save(model, checkpoint_id=os.path.join(base, "model"), planner=planner)
     model.clear()
     model.update(model_state(11, mesh))
     save(model, checkpoint_id=os.path.join(base, "model_2"), planner=planner)
     assert counts(planner) == (1, 1, 1)
-    assert planner.cache_hit_keys[0] == planner.cache_write_keys[0]
+    assert planner.keys("hit")[0] == planner.keys("write")[0]
 
     optim = optimizer_state(20)
     save(optim, checkpoint_id=os.path.join(base, "optim"), planner=planner)
     assert counts(planner) == (2, 1, 2)
-    assert planner.cache_write_keys[1] != planner.cache_write_keys[0]
+    assert planner.keys("write")[1] != planner.keys("write")[0]
     optim.clear()
     optim.update(optimizer_state(21))
     save(optim, checkpoint_id=os.path.join(base, "optim_2"), planner=planner)
     assert counts(planner) == (2, 2, 2)
-    assert planner.cache_hit_keys[1] == planner.cache_write_keys[1] != planner.cache_write_keys[0]
+    assert planner.keys("hit")[1] == planner.keys("write")[1] != planner.keys("write")[0]
 
     target = model_target(mesh)
     load(target, checkpoint_id=os.path.join(base, "model_2"))
@@ -157,18 +154,18 @@ def test_differently_structured_state_dicts_use_cache_entries_of_their_own(tmp_p
 
 def _clear_cache_empties_it(rank: int, ws: int, base: str) -> None:
     mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("dp",))
-    planner = TraceMinimalCacheSavePlanner()
+    planner = _Recording()
     sd = model_state(1, mesh)
     save(sd, os.path.join(base, "a"), planner=planner)
     save(sd, os.path.join(base, "b"), planner=planner)
     assert counts(planner) == (1, 1, 1)
-    assert len(TraceMinimalCacheSavePlanner._cached_save_result) >= 1
-    TraceMinimalCacheSavePlanner.clear_cache()
+    assert len(_Recording._cached_save_result) >= 1
+    _Recording.clear_cache()
     assert len(StandardPlanner._cached_save_result) == 0
     sd["dense"] += 1
     save(sd, os.path.join(base, "c"), planner=planner)
     assert counts(planner) == (2, 1, 2)  # missed, made the plan again, cached it
-    assert planner.cache_write_keys[1] == planner.cache_write_keys[0]  # under the same key
+    assert planner.keys("write")[1] == planner.keys("write")[0]  # under the same key
     save(sd, os.path.join(base, "d"), planner=planner)
     assert counts(planner) == (2, 2, 2)
     StandardSavePlanner.cached_save_result.clear()  # HyperParallel's older name: the same cache
@@ -184,7 +181,7 @@ def test_clear_cache_empties_the_plan_cache_so_the_next_save_misses(tmp_path):
 
 
 def _one_rank_without_the_entry(rank: int, ws: int, base: str) -> None:
-    planner = TraceMinimalCacheSavePlanner()
+    planner = _Recording()
     sd = optimizer_state(1)
     save(sd, os.path.join(base, "a"), planner=planner)
     if rank == 1:
@@ -211,14 +208,14 @@ def _empty_cache():
 
 def test_both_hyper_parallel_names_are_the_one_process_wide_cache():
     assert StandardSavePlanner._cached_save_result is StandardSavePlanner.cached_save_result is PLAN_CACHE
-    assert TraceMinimalCacheSavePlanner._cached_save_result is PLAN_CACHE
+    assert _Recording._cached_save_result is PLAN_CACHE
 
 
 def test_get_cached_returns_what_the_ranks_agreed_and_its_key_names_the_entry(tmp_path):
-    planner = TraceMinimalCacheSavePlanner()
+    planner = _Recording()
     sd = optimizer_state(1)
     save(sd, str(tmp_path / "a"), planner=planner, no_dist=True)
-    key = planner.cache_write_keys[0]
+    key = planner.keys("write")[0]
     assert isinstance(key, str) and list(PLAN_CACHE) == [key]
     entry = PLAN_CACHE[key]
     assert isinstance(entry, CachedSaveResult)
@@ -228,9 +225,9 @@ def test_get_cached_returns_what_the_ranks_agreed_and_its_key_names_the_entry(tm
 
 
 def test_a_subclass_whose_cache_result_skips_super_caches_nothing(tmp_path):
-    class NoCache(TraceMinimalCacheSavePlanner):
+    class NoCache(_Recording):
         def cache_result(self, final_plan, metadata):
-            self.cache_write_keys.append(self._cached_plans_key)
+            self.calls.append(("write", self._cached_plans_key))  # and no super(): nothing stored
 
     planner = NoCache()
     for i in range(3):
@@ -240,7 +237,7 @@ def test_a_subclass_whose_cache_result_skips_super_caches_nothing(tmp_path):
 
 
 def test_no_hook_is_called_when_plan_caching_is_off(tmp_path):
-    class Off(TraceMinimalCacheSavePlanner):
+    class Off(_Recording):
         def __init__(self):
             super().__init__()
             self.enable_plan_caching = False
@@ -306,29 +303,16 @@ def test_a_planner_without_the_hooks_is_still_cached(tmp_path):
     assert load(path=str(tmp_path))["optim_state"]["step"] == 2
 
 
-class _SharedTrace(TraceMinimalCacheSavePlanner):
-    """Counts into lists the planner's copies share (async_save plans with a copy)."""
-
-    def __init__(self):
-        super().__init__()
-        self.outcomes: list[str] = []
-
-    def get_cached(self):
-        cached = super().get_cached()
-        self.outcomes.append("miss" if cached is None else "hit")
-        return cached
-
-
 def test_async_saves_call_the_hooks_of_the_callers_planner(tmp_path):
-    planner = _SharedTrace()
+    planner = _Recording()
     for step in range(2):
         async_save(optimizer_state(step), checkpoint_id=str(tmp_path / str(step)), planner=planner,
                    no_dist=True).result()
-    assert planner.outcomes == ["miss", "hit"]
+    assert [what for what, _ in planner.calls] == ["miss", "write", "hit"]
     # async_save plans with a copy of the planner, but the hooks run on the caller's object
-    assert len(planner.cache_write_keys) == 1
-    assert (planner.cache_miss_count, planner.cache_hit_count) == (1, 1)
-    assert planner.cache_hit_keys == planner.cache_write_keys
+    assert len(planner.keys("write")) == 1
+    assert (len(planner.keys("miss")), len(planner.keys("hit"))) == (1, 1)
+    assert planner.keys("hit") == planner.keys("write")
     assert load(path=str(tmp_path / "1"))["optim_state"]["step"] == 1
 
 
