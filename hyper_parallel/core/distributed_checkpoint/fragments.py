@@ -213,8 +213,9 @@ def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> 
     for key, parts in rows.items():
         entry = entries[key]
         ndim = len(entry.shape or ())
-        entry.store = md.TableStore(np.concatenate([p[0] for p in parts]).reshape(-1, ndim),
-                                    np.concatenate([p[1] for p in parts]).reshape(-1, ndim),
+        n = sum(len(p[2]) for p in parts)  # chunks (a 0-d tensor's boxes have no columns: not -1)
+        entry.store = md.TableStore(np.concatenate([p[0] for p in parts]).reshape(n, ndim),
+                                    np.concatenate([p[1] for p in parts]).reshape(n, ndim),
                                     np.concatenate([p[2] for p in parts]).astype(np.int32),
                                     subs=np.concatenate([p[3] for p in parts]).astype(np.int32))
     if differ:

@@ -375,3 +375,20 @@ def test_a_world_group_load_where_one_rank_has_an_empty_target_fails_naming_it(t
     # others wait for it until their timeout: the error says that is a possible cause
     out = run_ranks(rank_loads_nothing, 2, str(tmp_path / "ck"), timeout_s=90)
     assert out[1] == "loaded" and "empty target" in out[0], out
+
+
+def rank_local_scalars(rank: int, ws: int, path: str) -> dict:
+    save({"step_t": torch.tensor(7.0), "w": torch.arange(4.0), "n": 3}, path, use_collectives=False)
+    dist.barrier()  # rank-local saves do not wait for each other
+    target = {"step_t": torch.zeros(()), "w": torch.zeros(4), "n": 0}
+    load(target, path)  # the fragments read as one checkpoint
+    return {"step_t": target["step_t"].item(), "w": target["w"].tolist(), "n": target["n"]}
+
+
+def test_a_rank_local_checkpoint_with_0_d_tensors_reads_as_one(tmp_path):
+    """Merging the ranks' fragments reshaped a 0-d tensor's (empty) boxes with -1 columns."""
+    path = str(tmp_path / "ck")
+    for out in run_ranks(rank_local_scalars, 2, path):
+        assert out == {"step_t": 7.0, "w": [0.0, 1.0, 2.0, 3.0], "n": 3}
+    whole = load(path=path, no_dist=True)
+    assert whole["step_t"].item() == 7.0 and whole["step_t"].shape == ()
