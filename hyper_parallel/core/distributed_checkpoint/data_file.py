@@ -59,6 +59,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
+    if flat.stride(0) != 1:  # one element whose size-1 dims had other strides: contiguous, but not stride 1
+        flat = flat.as_strided((1,), (1,))
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 

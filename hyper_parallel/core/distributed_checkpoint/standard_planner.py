@@ -156,7 +156,7 @@ def _check_writable(key: str, t: torch.Tensor) -> None:
                                      "written outside it; load into a tensor made outside inference mode")
     if t.layout != torch.strided or t.is_nested:
         raise StateDictMismatchError(f"{key!r}: the target is a {t.layout} tensor; load into a dense tensor")
-    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+    if t.numel() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
         raise StateDictMismatchError(f"{key!r}: several elements of the target share memory (an expand()ed "
                                      "or broadcast view); load into a tensor of its own (t.clone())")
 

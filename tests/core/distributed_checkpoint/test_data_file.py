@@ -63,3 +63,13 @@ def test_an_index_entry_pointing_past_the_payloads_is_refused_on_both_paths():
     for item in items[:data_file.TABLE_AFTER + 2]:
         with pytest.raises(CorruptCheckpointError, match="points outside"):
             index.find(item.key, item.sub, item.box.sizes, item.nbytes)
+
+
+def test_tensor_bytes_of_one_element_whose_size_1_dims_have_other_strides():
+    import torch
+
+    w = torch.arange(6.0).reshape(1, 6)
+    x = w[:, 3]  # shape (1,), stride (6,): torch calls it contiguous
+    assert x.is_contiguous() and x.stride() == (6,)
+    assert bytes(data_file.tensor_bytes(x)) == torch.tensor([3.0]).numpy().tobytes()
+    assert bytes(data_file.tensor_bytes(w[:1, 5:6])) == torch.tensor([5.0]).numpy().tobytes()

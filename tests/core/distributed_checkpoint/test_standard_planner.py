@@ -92,3 +92,19 @@ def test_a_numpy_entry_loaded_into_a_torch_target_stays_a_torch_tensor(tmp_path)
     target = {"arr": torch.zeros(4, dtype=torch.int64)}
     load(target, str(tmp_path))
     assert isinstance(target["arr"], torch.Tensor) and target["arr"].tolist() == [0, 1, 2, 3]
+
+
+def test_empty_targets_with_zero_strides_load_and_one_element_views_save(tmp_path):
+    """An empty tensor has no elements to share memory: torch ops (and numpy, always) give
+    empty results zero strides; a one-element view of a wider row is saved as its value."""
+    src = torch.randn(3, 2, 0, 1) * 3
+    arr = np.zeros((6, 1, 0, 2), np.int32)
+    assert 0 in src.stride() and arr.strides == (0, 0, 0, 0)
+    row = torch.arange(6.0).reshape(1, 6)
+    save({"t": src, "a": arr, "x": row[:, 3], "b": torch.ones(3, 2)}, str(tmp_path), no_dist=True)
+    target = {"t": torch.zeros_like(src), "a": np.zeros_like(arr), "x": torch.zeros(1)}
+    load(target, str(tmp_path), no_dist=True)
+    assert target["t"].shape == src.shape and target["a"].shape == arr.shape
+    assert torch.equal(target["x"], torch.tensor([3.0]))
+    with pytest.raises(StateDictMismatchError, match="share memory"):  # a non-empty broadcast view still is
+        load({"b": torch.zeros(3, 1).expand(3, 2)}, str(tmp_path), no_dist=True, strict=False)
