@@ -888,8 +888,15 @@ def _apply(flat: Any, values: dict[str, Any], planner: Any, materialized: list[A
             update_in_place(leaf.value, value)  # the caller may hold it (a data position)
         elif leaf.set is not None:
             leaf.set(value)
-    for leaf in materialized:  # loaded in place into the tensors that replace meta targets
-        if id(leaf) in filled:  # (one strict=False skipped stays on meta)
+    missing = {(original(k) if original is not None else k) or k for k in getattr(planner, "missing_keys", ())}
+    replaced = {id(leaf) for leaf in materialized}
+    for key, leaf in flat.leaves.items():  # the tensors that replace meta targets, loaded in place
+        if id(leaf) not in replaced:
+            continue
+        local = leaf.value._local_tensor if isinstance(leaf.value, DTensor) else leaf.value
+        # one strict=False skipped stays on meta; an empty shard (a rank holding none of an
+        # uneven Shard, a size-0 tensor) had nothing to read but is loaded all the same
+        if id(leaf) in filled or (not local.numel() and key not in missing):
             leaf.set(leaf.value)
     for obj, inner in flat.statefuls:
         obj.load_state_dict(inner)

@@ -392,3 +392,52 @@ def test_a_rank_local_checkpoint_with_0_d_tensors_reads_as_one(tmp_path):
         assert out == {"step_t": 7.0, "w": [0.0, 1.0, 2.0, 3.0], "n": 3}
     whole = load(path=path, no_dist=True)
     assert whole["step_t"].item() == 7.0 and whole["step_t"].shape == ()
+
+
+def rank_empty_shards(rank: int, ws: int, root: str) -> dict:
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    src = {"w": distribute_tensor(torch.arange(4.0).reshape(1, 4), mesh, [Shard(0)]),  # rank 1 holds no row
+           "v": distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)]),
+           "empty": distribute_tensor(torch.zeros(0, 4), mesh, [Shard(0)])}
+    save(src, root)
+    with torch.device("meta"):  # a model built on meta, loaded with assign=True afterwards
+        target = {k: distribute_tensor(torch.empty(v.shape), mesh, [Shard(0)]) for k, v in src.items()}
+    load(target, root)
+    return {k: (v.to_local().device.type, torch.equal(v.to_local(), src[k].to_local())) for k, v in target.items()}
+
+
+def test_meta_targets_whose_shard_is_empty_are_materialized_too(tmp_path):
+    for out in run_ranks(rank_empty_shards, 2, str(tmp_path / "ck")):
+        assert out == {"w": ("cpu", True), "v": ("cpu", True), "empty": ("cpu", True)}, out
+
+
+def rank_fsdp_tp_empty(rank: int, ws: int, root: str) -> list:
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    from hyper_parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    m = torch.nn.Module()
+    m.w = torch.nn.Linear(1, 3, bias=False)  # Shard(1) of one column: tp rank 1 holds none of it
+    full = m.w.weight.detach().clone()
+    parallelize_module(m, mesh["tp"], {"w": RowwiseParallel()})
+    fully_shard(m, mesh=mesh["dp"])
+    sd = m.state_dict()
+    mine = sd["w.weight"].to_local().clone()
+    save(sd, os.path.join(root, "fsdp_tp"))
+    with torch.no_grad():
+        sd["w.weight"].to_local().zero_()
+    load(sd, os.path.join(root, "fsdp_tp"))
+    whole = load(path=os.path.join(root, "fsdp_tp"), no_dist=True)["w.weight"]
+    return [tuple(mine.shape), torch.equal(sd["w.weight"].to_local(), mine), torch.equal(whole, full)]
+
+
+def test_fsdp2_tp_ranks_holding_no_part_of_a_tensor_save_and_load(tmp_path):
+    """FSDP2 gives a rank with none of a TP shard a (0, 0) local tensor, not the (n, 0) its
+    placements describe: nothing to save or read, which was refused as a shape mismatch."""
+    outs = run_ranks(rank_fsdp_tp_empty, 4, str(tmp_path), timeout_s=180)
+    assert [o[1:] for o in outs] == [[True, True]] * 4
+    assert sorted(o[0] for o in outs) == [(0, 0), (0, 0), (1, 1), (2, 1)]
