@@ -157,32 +157,33 @@ class _StagingBuffer:
         self.signature = signature
         self.key = (signature, bands)
         tiles = dict(bands)  # key -> column bands it is staged as (absent: row-major)
-        offsets, pos = [], 0
+        layout, pos = [], 0  # per leaf: its column bands (None: row-major), (offset, bytes) of each part
         for key, spec in signature:
-            places = []
-            for n in _band_bytes(spec, tiles.get(key, 1)):
-                pos += -pos % (PAGE_ALIGN if n >= PAGE_ALIGN_MIN or key in tiles else ALIGN)
-                places.append(pos)
+            cols = band_columns(spec[2][1], tiles[key]) if key in tiles else None
+            parts = []
+            for n in _part_bytes(spec, cols):
+                pos += -pos % (PAGE_ALIGN if n >= PAGE_ALIGN_MIN or cols else ALIGN)
+                parts.append((pos, n))
                 pos += n
-            offsets.append(places)
+            layout.append((cols, parts))
         self.nbytes = pos
         self.flat = _allocate(pos, pinned)
         self.pinned = self.flat.is_pinned() if pos else pinned
         self.targets: dict[str, Any] = {}
         self.staged: dict[str, Any] = {}
         self.banded: dict[str, BandedSnapshot] = {}
-        for (key, spec), places in zip(signature, offsets, strict=True):
-            kind, dtype, shape, n = spec[0], spec[1], spec[2], _nbytes(spec)
-            if key in tiles:  # band k of every row, contiguously, each band on a page boundary
-                cols = band_columns(shape[1], tiles[key])
+        for (key, spec), (cols, parts) in zip(signature, layout, strict=True):
+            kind, dtype, shape = spec[0], spec[1], spec[2]
+            if cols:  # band k of every row, contiguously, each band on a page boundary
                 views = [self.flat[off:off + m].view(dtype).view(shape[0], size, *shape[2:])
-                         for off, m, (_, size) in zip(places, _band_bytes(spec, tiles[key]), cols, strict=True)]
+                         for (off, m), (_, size) in zip(parts, cols, strict=True)]
                 logical = torch.empty(shape, dtype=dtype, device="meta")
                 self.targets[key] = _Bands(views, cols)
                 self.banded[key] = BandedSnapshot(logical, views, cols)
                 self.staged[key] = _wrap_dtensor(logical, templates[key]) if kind == "dtensor" else logical
                 continue
-            raw = self.flat[places[0]:places[0] + n]
+            (off, n), = parts
+            raw = self.flat[off:off + n]
             if kind == "ndarray":
                 view = raw.numpy().view(dtype).reshape(shape)
                 self.targets[key] = self.staged[key] = view
@@ -192,13 +193,13 @@ class _StagingBuffer:
             self.staged[key] = _wrap_dtensor(view, templates[key]) if kind == "dtensor" else view
 
 
-def _band_bytes(spec: tuple, tiles: int) -> list[int]:
-    """Bytes of each part a leaf is staged as: itself, or each of its column bands."""
-    if tiles <= 1:
+def _part_bytes(spec: tuple, cols: list[tuple[int, int]] | None) -> list[int]:
+    """Bytes of each part a leaf is staged as: itself, or each of its column bands ``cols``."""
+    if not cols:
         return [_nbytes(spec)]
     shape = spec[2]
     per_col = spec[1].itemsize * int(np.prod((shape[0], *shape[2:]), dtype=np.int64))
-    return [size * per_col for _, size in band_columns(shape[1], tiles)]
+    return [size * per_col for _, size in cols]
 
 
 class _Bands(NamedTuple):
