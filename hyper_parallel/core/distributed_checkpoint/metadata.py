@@ -363,6 +363,8 @@ class Metadata:
         try:
             with paused_gc():
                 doc = json.loads(raw)
+        except RecursionError:  # hostile nesting ("[" * 100_000): refused, never a raw RecursionError
+            raise _too_deep(where) from None
         except (ValueError, UnicodeDecodeError) as exc:
             if raw[:1] == b"\x80":  # a pickle's PROTO opcode
                 raise MetadataError(
@@ -376,8 +378,16 @@ class Metadata:
             ) from None
         if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME:
             _check_own_crc(raw, doc, where)
-        with paused_gc():
-            return _parse(doc, where).attach()
+        try:
+            with paused_gc():
+                return _parse(doc, where).attach()
+        except RecursionError:  # nesting json.loads still took, deeper than the parser's decoding goes
+            raise _too_deep(where) from None
+
+
+def _too_deep(where: str) -> MetadataError:
+    return MetadataError(f"{where} is nested too deeply to parse (more levels of [ and {{ than Python's recursion "
+                         "limit); it is corrupt or hostile, not written by hyper-parallel")
 
 
 def _state_dict_metadata(meta: Metadata) -> dict[str, Any]:

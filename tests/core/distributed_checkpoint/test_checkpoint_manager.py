@@ -293,6 +293,45 @@ def test_a_failed_synchronous_save_raises_and_leaves_no_step_behind(tmp_path):
         assert mgr.save(3, plain(3)) and mgr.all_steps() == [1, 3]
 
 
+# ----------------------------------------------------------------------------- hostile metadata
+
+
+def _reseal(path: str, edit) -> bytes:
+    """Rewrite the ``.metadata`` at ``path`` through ``edit(body) -> body`` (its JSON without
+    the crc member), with a valid crc again: only the content is hostile, not the checksum."""
+    import crc32c
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    member = b',"crc32c":'
+    body = edit(raw[:raw.rfind(member)] + b"}")
+    sealed = body[:-1] + member + b"%d}" % crc32c.crc32c(body)
+    with open(path, "wb") as f:
+        f.write(sealed)
+    return sealed
+
+
+def test_deeply_nested_metadata_is_a_metadata_error_and_the_manager_still_starts(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import MetadataError
+    from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+
+    d = str(tmp_path / "run")
+    with CheckpointManager(d) as mgr:
+        for s in (1, 2):
+            mgr.save(s, plain(s))
+    deep = b"[" * 100_000 + b"]" * 100_000
+    raw = _reseal(os.path.join(d, step_dir_name(2), ".metadata"), lambda body: body[:-1] + b',"x":' + deep + b"}")
+    with pytest.raises(MetadataError, match="nested"):
+        Metadata.from_json(raw)
+    with pytest.raises(MetadataError, match="nested"):
+        load(path=os.path.join(d, step_dir_name(2)), no_dist=True)
+    with pytest.warns(UserWarning, match="step 2 is ignored"):
+        mgr = CheckpointManager(d)
+    with mgr:
+        assert mgr.all_steps() == [1] and mgr.load(plain(0)) == 1
+    assert on_disk(d) == {1: "committed", 2: "unreadable"}
+
+
 def test_an_fsspec_directory_memory_filesystem(tmp_path):
     url = f"memory://hp-manager/{uuid.uuid4().hex}"
     with CheckpointManager(url, keep_latest=2) as mgr:
@@ -585,7 +624,6 @@ def test_the_manager_on_an_s3_server(s3_bucket):
     import s3fs
 
     assert not s3fs.S3FileSystem(**opts).exists(f"{bucket}/run/{OWNER_FILE}")  # released at close
-
 
 
 def late_once(rank: int, ws: int, root: str, use_async: bool) -> list:
