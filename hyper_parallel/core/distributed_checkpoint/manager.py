@@ -32,8 +32,16 @@ never loaded, swept at the next start.
 **Sweep at start.** The coordinator removes (in the background) every step directory that
 has no ``.metadata`` (a crashed save, a failed save, a deletion cut short) and, inside
 committed steps, the data files their ``.metadata`` does not name (debris of an interrupted
-save). A step whose ``.metadata`` exists but does not parse (corrupt, or written by a newer
-version) is neither counted nor deleted: a warning names it.
+save). A step whose ``.metadata`` exists but cannot be read (corrupt, nested too deeply, or
+written by a newer version) is neither counted nor deleted nor overwritten: a warning names
+it at start, and ``save`` of that step refuses (:class:`CheckpointError` naming the file and
+why) until it is moved away.
+
+**Failed saves.** The coordinator removes what a save that did not commit left in its step
+directory: the data files and temporary metadata this library writes that no ``.metadata``
+there names, then the directory if nothing else is in it; any other file stays. A step path
+that is a symbolic link is never written, deleted or walked: ``save`` refuses it (a failed
+save's cleanup would otherwise empty whatever the link points at).
 
 **One writer.** The manager assumes it is the only writer of its directory while it is
 open: that is what makes the sweep safe (nothing else can be in flight). The coordinator
@@ -422,6 +430,8 @@ class CheckpointManager:
 
         Raises:
             ValueError: ``step`` is older than the newest committed step, or ranks disagree.
+            CheckpointError: the step's path is a symbolic link, or holds a ``.metadata`` this
+                manager cannot read (see the module docstring); nothing is written or removed.
             AsyncSaveError: the previous async save failed (nothing new is started).
             RankFailedError / CommitError / LostContactError: a synchronous save failed (as
                 :func:`save`).
@@ -463,7 +473,7 @@ class CheckpointManager:
             # Not committed unless a CommitError says it may be: the coordinator (alone deleting)
             # clears the step's debris; a CommitError step is left for the next start to judge.
             if self._deleter is not None and not isinstance(exc, CommitError):
-                self._deleter.submit("step", name)
+                self._deleter.submit("failed", name, keep=self._kept_files(name))
             self._timings.append(SaveTiming(step, time.perf_counter() - started, None))
             raise
         elapsed = time.perf_counter() - started
@@ -679,12 +689,32 @@ class CheckpointManager:
                 self._check_owner()
                 if step is not None and what == "save":
                     self._deleter.wait_for(step_dir_name(step))  # type: ignore[union-attr]
+                    self._check_writable(step)
             return step
 
         steps = self._coordinator().exchange(f"manager {what} (step {step})", check)
         if len(set(steps)) > 1:
             raise ValueError(f"CheckpointManager.{what}: the ranks passed different steps {steps} (by rank); "
                              "every rank must call it with the same step")
+
+    def _check_writable(self, step: int) -> None:
+        """Refuse to save ``step`` into a symbolic link, or over a ``.metadata`` this manager
+        cannot read (a newer version's, a corrupt one): a failed save would delete that step,
+        a good one replace it, and it may be the only copy of someone's checkpoint."""
+        name = step_dir_name(step)
+        self._root.check_step(name)
+        try:
+            raw = self._root.read_metadata(name)
+        except NotACheckpointError:
+            return  # nothing committed there (the usual case: no directory yet)
+        where = f"{self._root.step_path(name)}/{md.METADATA_FILE}"
+        try:
+            md.Metadata.from_json(raw, where=where)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"not saving step {step}: {exc}. The manager neither counts, deletes nor overwrites a step whose "
+                f"{md.METADATA_FILE} it cannot read; move {self._root.step_path(name)!r} away (or load it with the "
+                "hyper-parallel that wrote it), then save again") from None
 
     def _settle(self, protect: Iterable[int] = ()) -> None:
         """Every rank learns the outcome of the last save; the coordinator updates the steps,
@@ -747,7 +777,7 @@ class CheckpointManager:
             for name in plan.get("release", []):
                 self._deleter.submit("step", name)
             if plan.get("cleanup"):
-                self._deleter.submit("step", name)
+                self._deleter.submit("failed", name, keep=self._kept_files(name))
         failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
         if not failures:
             return

@@ -18,12 +18,13 @@ import socket
 import threading
 import uuid
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from . import metadata as md
+from .commit import unreferenced_files
 from .errors import CheckpointError, NotACheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
 from .storage import StorageReader, StorageWriter, is_url, location
@@ -102,40 +103,70 @@ class LocalDirectory:
     def make_root(self) -> None:
         os.makedirs(self.path, exist_ok=True)
 
+    def check_step(self, name: str) -> None:
+        """Raise if the step's path is a symbolic link: the manager never writes through one."""
+        step = self.step_path(name)
+        if os.path.islink(step):
+            raise CheckpointError(
+                f"{step!r} is a symbolic link (to {os.readlink(step)!r}); the manager never saves, deletes or "
+                "overwrites through one, so the data it points at stays safe. Remove the link, or save that "
+                "step elsewhere")
+
+    @contextlib.contextmanager
+    def _step_dir(self, name: str) -> Iterator[int | None]:
+        """The step directory opened without following a symbolic link (None: it is missing), so a
+        deletion acts on the directory listed, never on where a link (swapped in meanwhile) points."""
+        try:
+            fd = os.open(self.step_path(name), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield None
+            return
+        except OSError:
+            self.check_step(name)  # ELOOP: a link, said so
+            raise
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
     def uncommit(self, name: str) -> None:
         """Remove the step's ``.metadata`` durably: from now on the step does not count."""
-        step = self.step_path(name)
-        try:
-            os.unlink(os.path.join(step, md.METADATA_FILE))
-        except FileNotFoundError:
-            return
-        with contextlib.suppress(OSError):  # so the unlink reaches the disk before the data goes
-            fd = os.open(step, os.O_RDONLY)
+        with self._step_dir(name) as fd:
+            if fd is None:
+                return
             try:
+                os.unlink(md.METADATA_FILE, dir_fd=fd)
+            except FileNotFoundError:
+                return
+            with contextlib.suppress(OSError):  # so the unlink reaches the disk before the data goes
                 os.fsync(fd)
-            finally:
-                os.close(fd)
 
     def remove_tree(self, name: str) -> None:
         """Remove an uncommitted step directory and everything in it (missing is fine)."""
-        step = self.step_path(name)
-        try:
-            entries = list(os.scandir(step))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            with contextlib.suppress(FileNotFoundError):
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
+        with self._step_dir(name) as fd:
+            if fd is None:
+                return
+            for entry in list(os.scandir(fd)):
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.name, dir_fd=fd)
+                    else:
+                        os.unlink(entry.name, dir_fd=fd)
         with contextlib.suppress(FileNotFoundError):
-            os.rmdir(step)
+            os.rmdir(self.step_path(name))  # a link swapped in meanwhile: ENOTDIR, nothing removed
 
     def remove_files(self, name: str, files: Iterable[str]) -> None:
-        for f in files:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.step_path(name), f))
+        with self._step_dir(name) as fd:
+            if fd is None:
+                return
+            for f in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f, dir_fd=fd)
+
+    def remove_if_empty(self, name: str) -> None:
+        """Remove the step directory if nothing is left in it (a failed save's, once cleaned)."""
+        with contextlib.suppress(OSError):  # ENOTEMPTY: someone else's files stay; ENOTDIR: a link
+            os.rmdir(self.step_path(name))
 
     def read_owner(self) -> bytes | None:
         try:
@@ -240,6 +271,15 @@ class FsspecDirectory:
         for f in files:
             with contextlib.suppress(FileNotFoundError):
                 self._call(f"deleting {name}/{f}", self.fs.rm_file, self._key(name, f))
+
+    def check_step(self, name: str) -> None:
+        """Object stores have no symbolic links: nothing to refuse."""
+
+    def remove_if_empty(self, name: str) -> None:
+        """Drop the step's directory marker, if a filesystem keeps one, once no file is left."""
+        with contextlib.suppress(FileNotFoundError):
+            if not self._call(f"listing {name}", self.fs.find, self._key(name)):
+                self._call(f"deleting {name}", self.fs.rm, self._key(name), recursive=True)
 
     def read_owner(self) -> bytes | None:
         try:
@@ -412,13 +452,33 @@ class Deleter:
 
     def submit(self, kind: str, name: str, files: Iterable[str] = (), keep: Iterable[str] = ()) -> None:
         """``kind`` "step": remove a whole step (``.metadata`` first) except the data files in
-        ``keep`` (later steps name them); "files": only ``files``."""
+        ``keep`` (later steps name them); "files": only ``files``; "failed": what a save that
+        did not commit left (see :meth:`_clean_failed`), except ``keep``."""
         with self._cond:
             self._pending[name] = self._pending.get(name, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hp-dcp-manager-delete", daemon=True)
                 self._thread.start()
         self._jobs.put((kind, name, tuple(files) if kind == "files" else tuple(keep)))
+
+    def _clean_failed(self, name: str, keep: tuple[str, ...]) -> None:
+        """After a save of step directory ``name`` that did not commit: remove the files this
+        library writes there that no ``.metadata`` in it names (data files, temporary metadata),
+        then the directory if nothing else is left; nothing else, and nothing at all when a
+        ``.metadata`` there cannot be read (what it names is unknown)."""
+        present = self.root.listing().get(name)  # a step path that is a symbolic link is never listed
+        if present is None:
+            return
+        referenced = list(keep)
+        if md.METADATA_FILE in present:
+            try:
+                referenced += md.Metadata.from_json(self.root.read_metadata(name)).file_names()
+            except NotACheckpointError:
+                pass
+            except CheckpointError:
+                return
+        self.root.remove_files(name, unreferenced_files(Listed(present), referenced))
+        self.root.remove_if_empty(name)
 
     def _run(self) -> None:
         while True:
@@ -434,6 +494,8 @@ class Deleter:
                         self.root.remove_files(name, [f for f in present if f not in files])
                     else:
                         self.root.remove_tree(name)
+                elif kind == "failed":
+                    self._clean_failed(name, files)
                 else:
                     self.root.remove_files(name, files)
             except Exception as exc:  # the step stays: the next start finds it and tries again

@@ -332,6 +332,100 @@ def test_deeply_nested_metadata_is_a_metadata_error_and_the_manager_still_starts
     assert on_disk(d) == {1: "committed", 2: "unreadable"}
 
 
+# ----------------------------------------------------------------------------- never delete what it did not write
+
+
+def snapshot(path: str) -> dict[str, bytes]:
+    out = {}
+    for where, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(where, name), "rb") as f:
+                out[os.path.relpath(os.path.join(where, name), path)] = f.read()
+    return out
+
+
+def test_a_step_path_that_is_a_symlink_is_refused_and_its_target_never_touched(tmp_path):
+    d, victim = str(tmp_path / "run"), str(tmp_path / "victim")
+    from hyper_parallel.core.distributed_checkpoint import save
+
+    save(plain(9), victim, no_dist=True)  # a checkpoint someone keeps elsewhere
+    with open(os.path.join(victim, "notes.txt"), "w") as f:
+        f.write("precious")
+    before = snapshot(victim)
+    os.makedirs(d)
+    os.symlink(victim, os.path.join(d, step_dir_name(5)))
+    with CheckpointManager(d) as mgr:
+        # a value that fails planning: the failed save's cleanup used to empty victim/
+        with pytest.raises(CheckpointError, match=r"step_00000005.* is a symbolic link"):
+            mgr.save(5, {"bad": object()})
+        # a good state too: it would write (and commit) through the link
+        with pytest.raises(CheckpointError, match="symbolic link"):
+            mgr.save(5, plain(5))
+        mgr.wait()
+        assert mgr.all_steps() == [] and mgr.save(6, plain(6))
+    assert os.path.islink(os.path.join(d, step_dir_name(5))) and snapshot(victim) == before
+
+
+def test_the_deleter_never_walks_a_symlinked_step_directory(tmp_path):
+    # were a step directory swapped for a link after the manager listed it, deleting that
+    # step removes nothing behind the link
+    d, victim = tmp_path / "run", tmp_path / "victim"
+    victim.mkdir()
+    for name in (".metadata", "data-r00000-0-0123456789abcdef.safetensors", "notes.txt"):
+        (victim / name).write_bytes(b"keep")
+    d.mkdir()
+    os.symlink(victim, d / step_dir_name(3))
+    root = LocalDirectory(str(d))
+    for remove in (lambda: root.uncommit(step_dir_name(3)), lambda: root.remove_tree(step_dir_name(3)),
+                   lambda: root.remove_files(step_dir_name(3), [".metadata", "notes.txt"])):
+        with pytest.raises(CheckpointError, match="symbolic link"):
+            remove()
+    assert sorted(os.listdir(victim)) == [".metadata", "data-r00000-0-0123456789abcdef.safetensors", "notes.txt"]
+
+
+def test_a_failed_save_removes_only_its_own_files(tmp_path):
+    d = str(tmp_path / "run")
+    step = os.path.join(d, step_dir_name(2))
+    with Hooked(d, bad_steps=(2,)) as mgr:
+        mgr.save(1, plain(1))
+        os.makedirs(step)
+        with open(os.path.join(step, "notes.txt"), "w") as f:  # not the save's: it stays
+            f.write("mine")
+        with pytest.raises(OSError, match="injected"):
+            mgr.save(2, plain(2))
+        mgr.wait()
+    assert os.listdir(step) == ["notes.txt"]
+
+
+def _newer_version(body: bytes) -> bytes:
+    doc = json.loads(body)
+    doc["version"] = 99
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def test_a_step_whose_metadata_cannot_be_read_is_neither_counted_nor_deleted_nor_overwritten(tmp_path):
+    d = str(tmp_path / "run")
+    with CheckpointManager(d) as mgr:
+        for s in (1, 2):
+            mgr.save(s, plain(s))
+    meta = os.path.join(d, step_dir_name(2), ".metadata")
+    _reseal(meta, _newer_version)  # written by a newer hyper-parallel
+    before = snapshot(os.path.join(d, step_dir_name(2)))
+    with pytest.warns(UserWarning, match="step 2 is ignored"):
+        mgr = CheckpointManager(d, keep_latest=1)
+    with mgr:
+        assert mgr.all_steps() == [1]
+        for sd in ({"bad": object()}, plain(2)):  # a failing save used to delete it, a good one to replace it
+            with pytest.raises(CheckpointError, match=r"step_00000002/\.metadata.*version 99 is newer"):
+                mgr.save(2, sd)
+        for s in (3, 4):  # retention never deletes it either
+            mgr.save(s, plain(s))
+        mgr.wait()
+        assert mgr.all_steps() == [4]
+    assert snapshot(os.path.join(d, step_dir_name(2))) == before
+    assert on_disk(d) == {2: "unreadable", 4: "committed"}
+
+
 def test_an_fsspec_directory_memory_filesystem(tmp_path):
     url = f"memory://hp-manager/{uuid.uuid4().hex}"
     with CheckpointManager(url, keep_latest=2) as mgr:
