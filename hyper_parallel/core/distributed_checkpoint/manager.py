@@ -45,11 +45,18 @@ save's cleanup would otherwise empty whatever the link points at).
 
 **One writer.** The manager assumes it is the only writer of its directory while it is
 open: that is what makes the sweep safe (nothing else can be in flight). The coordinator
-records itself in ``.manager-owner.json``; a manager refuses to start while that file names
-a live process on this host (another job, or another open manager in this process), takes
-over otherwise (the previous job is gone), and raises at its next save if another manager
-has taken over meanwhile. A writer on another host cannot be checked for liveness: do not
-point two running jobs at one directory.
+claims the directory in ``.manager-owner.json`` before it lists or sweeps anything; a
+manager refuses to start while that file names a live process on this host (another job, or
+another open manager in this process), takes over otherwise (the previous job is gone), and
+raises at its next save if another manager has taken over meanwhile. The claim is atomic:
+on local and shared filesystems every claim holds an exclusive ``flock`` of the owner file
+while it reads, decides and writes; on S3 it is a conditional put (created only if absent,
+a stale record replaced only if unchanged since read). Of managers started at the same
+moment exactly one wins; the others raise :class:`CheckpointError` before they touch
+anything, so no sweep of theirs meets a step the winner writes. Limits: a writer on another
+host cannot be checked for liveness (do not point two running jobs at one directory); a
+filesystem without locks (a warning says so) and fsspec stores other than S3 make the
+claim a plain read-then-write.
 
 **Async saves** (``async_save=True``): at most one save is in flight. ``save`` of the next
 step first waits for the previous one and settles it (every rank learns whether it
@@ -115,6 +122,7 @@ from .step_directory import (
     metrics_of,
     open_directory,
     owner_alive,
+    parse_owner,
     process_start,
     scan,
     step_dir_name,
@@ -253,7 +261,8 @@ class CheckpointManager:
     Raises:
         ValueError / TypeError: a bad argument (named in the message), on every rank alike
             and before any collective.
-        CheckpointError: another open manager (a live process on this host) owns ``directory``.
+        CheckpointError: another open manager (a live process on this host) owns ``directory``,
+            or claimed it at the same moment.
         RankFailedError: listing the directory failed on the coordinator (on every rank).
 
     Example::
@@ -648,38 +657,41 @@ class CheckpointManager:
         return tuple(sorted({f for refs in self._refs.values() for d, f in refs if d == name}))
 
     def _claim(self) -> None:
-        """Become the directory's owner (coordinator), or refuse while a live owner holds it."""
-        raw = self._root.read_owner()
-        if raw is not None:
-            try:
-                owner = json.loads(raw)
-            except ValueError:
-                owner = {}
-            if isinstance(owner, dict) and owner_alive(owner):
-                raise CheckpointError(
-                    f"{self.directory!r} is in use by another CheckpointManager (pid {owner.get('pid')} on "
-                    f"{owner.get('host')}, since {owner.get('since')}): one job writes a directory at a time. "
-                    "Close that manager or use another directory")
+        """Become the directory's owner (coordinator), or refuse while a live owner holds it.
+        Atomic (see ``claim_owner``): of managers starting at once, one wins, and the others
+        raise here, before their start-up sweep could touch a step the winner writes."""
         pid = os.getpid()
-        self._root.write_owner(json.dumps({
+        record = json.dumps({
             "host": socket.gethostname(), "pid": pid, "started": process_start(pid), "token": self._token,
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
+        # open before the record lands: a manager of this process claiming next sees it alive
         OPEN_TOKENS.add(self._token)
         # a manager dropped without close() (a notebook cell run again) no longer holds the directory
         weakref.finalize(self, OPEN_TOKENS.discard, self._token)
+        self._root.claim_owner(record, self._refuse_if_held)
+
+    def _refuse_if_held(self, raw: bytes | None) -> None:
+        owner = parse_owner(raw)
+        if owner is not None and owner.get("token") != self._token and owner_alive(owner):
+            raise CheckpointError(
+                f"{self.directory!r} is in use by another CheckpointManager (pid {owner.get('pid')} on "
+                f"{owner.get('host')}, since {owner.get('since')}): one job writes a directory at a time. "
+                "Close that manager or use another directory")
+
+    def _owns(self, raw: bytes) -> bool:
+        owner = parse_owner(raw)
+        return owner is not None and owner.get("token") == self._token
 
     def _check_owner(self) -> None:
         raw = self._root.read_owner()
-        try:
-            owner = json.loads(raw) if raw is not None else None
-        except ValueError:
-            owner = None
-        if not isinstance(owner, dict) or owner.get("token") != self._token:
-            who = (f"pid {owner.get('pid')} on {owner.get('host')}" if isinstance(owner, dict)
-                   else "someone (the owner file is gone)")
-            raise CheckpointError(
-                f"another writer took over {self.directory!r} ({who}); this manager stops saving there. "
-                "Two jobs must not share a checkpoint directory")
+        if raw is not None and self._owns(raw):
+            return
+        owner = parse_owner(raw)
+        who = (f"pid {owner.get('pid')} on {owner.get('host')}" if owner is not None
+               else "someone (the owner file is gone)")
+        raise CheckpointError(
+            f"another writer took over {self.directory!r} ({who}); this manager stops saving there. "
+            "Two jobs must not share a checkpoint directory")
 
     def _agree(self, what: str, step: int | None) -> None:
         """Every rank names the same ``step`` (the coordinator also checks it still owns the
@@ -826,9 +838,7 @@ class CheckpointManager:
                 self._deleter.wait_for()
                 self._deleter.stop()
                 with contextlib.suppress(Exception):
-                    raw = self._root.read_owner()
-                    if raw is not None and json.loads(raw).get("token") == self._token:
-                        self._root.remove_owner()
+                    self._root.release_owner(self._owns)
             OPEN_TOKENS.discard(self._token)
 
     def __repr__(self) -> str:

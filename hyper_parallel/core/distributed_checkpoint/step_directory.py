@@ -10,15 +10,17 @@ fsspec URLs (``s3://...``) use one recursive listing. The layout is in ``docs/fo
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import queue
 import re
 import shutil
 import socket
 import threading
-import uuid
+import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -175,15 +177,50 @@ class LocalDirectory:
         except FileNotFoundError:
             return None
 
-    def write_owner(self, data: bytes) -> None:
-        tmp = os.path.join(self.path, f"{OWNER_FILE}.tmp-{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, os.path.join(self.path, OWNER_FILE))
+    def claim_owner(self, record: bytes, refuse: Callable[[bytes | None], None]) -> None:
+        """Put ``record`` in the owner file unless ``refuse(what it holds now)`` raises, as one
+        step: every claim holds an exclusive lock (``flock``) on the owner file while it reads,
+        decides and writes, so of managers starting at the same moment one writes and the
+        others read its record."""
+        with self._owner_locked(create=True) as fd:
+            refuse(_read_fd(fd) or None)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+            os.fsync(fd)
 
-    def remove_owner(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.path, OWNER_FILE))
+    def release_owner(self, mine: Callable[[bytes], bool]) -> None:
+        """Remove the owner file if ``mine(its record)`` (under the claim's lock)."""
+        with self._owner_locked(create=False) as fd:
+            if fd is not None and mine(_read_fd(fd)):
+                os.unlink(os.path.join(self.path, OWNER_FILE))
+
+    @contextlib.contextmanager
+    def _owner_locked(self, create: bool) -> Iterator[int | None]:
+        """The owner file, open and locked exclusively (None: absent and ``create`` False). A
+        file removed or replaced while we waited for its lock is not the owner file any more:
+        lock the one in place then."""
+        path = os.path.join(self.path, OWNER_FILE)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        deadline = time.monotonic() + _OWNER_LOCK_WAIT_S
+        while True:
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileNotFoundError:
+                yield None
+                return
+            try:
+                if _lock(fd, path, deadline):
+                    try:
+                        now = os.stat(path, follow_symlinks=False)
+                    except FileNotFoundError:
+                        now = None
+                    here = os.fstat(fd)
+                    if now is None or (now.st_dev, now.st_ino) != (here.st_dev, here.st_ino):
+                        continue  # (the finally closes it, which unlocks it)
+                yield fd
+                return
+            finally:
+                os.close(fd)
 
 
 class FsspecDirectory:
@@ -287,12 +324,68 @@ class FsspecDirectory:
         except FileNotFoundError:
             return None
 
-    def write_owner(self, data: bytes) -> None:
-        self._call(f"writing {OWNER_FILE}", self.fs.pipe_file, self._key(OWNER_FILE), data)
+    def claim_owner(self, record: bytes, refuse: Callable[[bytes | None], None]) -> None:
+        """Put ``record`` as the owner object unless ``refuse(what it holds now)`` raises, with
+        a conditional put, so of managers starting at the same moment one writes and the others
+        fail: created only if absent (If-None-Match), replaced only if unchanged since read
+        (If-Match on its ETag, S3). Stores without If-Match replace a stale record
+        unconditionally: there, two jobs taking over one directory at once are not told apart."""
+        key = self._key(OWNER_FILE)
+        for _ in range(3):
+            etag, raw = self._read_owner_tagged(key)
+            refuse(raw)
+            try:
+                self._put_owner(key, record, etag, replace=raw is not None)
+                return
+            except Exception as exc:
+                if not _lost_race(exc, replacing=raw is not None):
+                    raise
+            finally:
+                self._forget_cached_listings()
+            # another manager's put came first: its record is fresh, so it is alive whatever
+            # its host; only a record that is gone again (that manager closed) is tried anew
+            _, now = self._read_owner_tagged(key)
+            if now is not None:
+                refuse(now)
+                raise CheckpointError(f"{self.url!r} was claimed by another CheckpointManager at the same moment "
+                                      f"({_who(now)}): one job writes a directory at a time")
+        raise CheckpointError(f"{self.url!r}: could not claim the directory (its owner record changed at every try)")
 
-    def remove_owner(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._call(f"deleting {OWNER_FILE}", self.fs.rm_file, self._key(OWNER_FILE))
+    def _put_owner(self, key: str, record: bytes, etag: str | None, replace: bool) -> None:
+        """One put of the owner record, conditional where the store allows (see claim_owner)."""
+        try:
+            if not replace:
+                self._call(f"creating {OWNER_FILE}", self.fs.pipe_file, key, record, mode="create")
+            elif etag is not None and hasattr(self.fs, "call_s3"):
+                bucket, path, _ = self.fs.split_path(key)
+                self._call(f"replacing {OWNER_FILE}", self.fs.call_s3, "put_object", Bucket=bucket, Key=path,
+                           Body=record, IfMatch=etag)
+            else:
+                self._call(f"writing {OWNER_FILE}", self.fs.pipe_file, key, record)
+        except Exception as exc:
+            if not _no_conditional_put(exc):
+                raise
+            warnings.warn(f"CheckpointManager: {self.url!r}: the store refuses conditional puts ({exc}); claiming "
+                          "the directory is not atomic there: do not start two jobs on one directory at once",
+                          stacklevel=5)
+            self._call(f"writing {OWNER_FILE}", self.fs.pipe_file, key, record)
+
+    def _read_owner_tagged(self, key: str) -> tuple[str | None, bytes | None]:
+        """(ETag, bytes) of the owner object, or (None, None). The ETag is read first: a record
+        that changes in between fails the If-Match put, never passes it with stale content."""
+        self._forget_cached_listings()
+        try:
+            etag = self._call(f"reading {OWNER_FILE}", self.fs.info, key).get("ETag")
+            return etag, self._call(f"reading {OWNER_FILE}", self.fs.cat_file, key)
+        except FileNotFoundError:
+            return None, None
+
+    def release_owner(self, mine: Callable[[bytes], bool]) -> None:
+        """Remove the owner object if ``mine(its record)``."""
+        raw = self.read_owner()
+        if raw is not None and mine(raw):
+            with contextlib.suppress(FileNotFoundError):
+                self._call(f"deleting {OWNER_FILE}", self.fs.rm_file, self._key(OWNER_FILE))
 
 
 Directory = LocalDirectory | FsspecDirectory
@@ -526,6 +619,69 @@ class Deleter:
 # ----------------------------------------------------------------------------- ownership
 
 OPEN_TOKENS: set[str] = set()  # owner tokens of the managers open in this process
+_OWNER_LOCK_WAIT_S = 60.0  # a claim holds the lock for one read and one write
+
+
+def _read_fd(fd: int) -> bytes:
+    chunks, offset = [], 0
+    while chunk := os.pread(fd, 1 << 16, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _lock(fd: int, path: str, deadline: float) -> bool:
+    """Lock ``fd`` exclusively, waiting until ``deadline``; False where the filesystem has no
+    locks (then the claim is a plain read and write, and a warning says so)."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"{path!r} stayed locked for {_OWNER_LOCK_WAIT_S:g}s: another CheckpointManager is starting "
+                    "or closing there and does not finish (a stuck filesystem?)") from None
+            time.sleep(0.005)
+        except OSError as exc:  # e.g. ENOLCK, EOPNOTSUPP: a filesystem mounted without locks
+            warnings.warn(f"CheckpointManager: cannot lock {path!r} ({exc}); claiming the directory is not atomic "
+                          "on this filesystem: do not start two jobs on one directory at once", stacklevel=4)
+            return False
+
+
+def _store_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an exception (s3fs chains the botocore error as the cause)."""
+    response = getattr(exc.__cause__, "response", None) or getattr(exc, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
+def _lost_race(exc: BaseException, replacing: bool) -> bool:
+    """Whether a conditional put failed because the object changed meanwhile: it appeared, or
+    (``replacing`` a record) it went or changed."""
+    return (isinstance(exc, FileExistsError) or (replacing and isinstance(exc, FileNotFoundError))
+            or _store_code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"))
+
+
+def _no_conditional_put(exc: BaseException) -> bool:
+    """Whether a put failed because the filesystem or store has no conditional puts (an fsspec
+    filesystem without ``mode="create"``, an S3-compatible store answering 501)."""
+    return (isinstance(exc, TypeError) and "mode" in str(exc)) or _store_code(exc) in ("NotImplemented", "501")
+
+
+def parse_owner(raw: bytes | None) -> dict[str, Any] | None:
+    """An owner record (None: none, or not one: it does not parse)."""
+    if raw is None:
+        return None
+    try:
+        owner = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _who(raw: bytes | None) -> str:
+    owner = parse_owner(raw) or {}
+    return f"pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('since')}"
 
 
 def process_start(pid: int) -> str | None:
