@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 
 from hyper_parallel.core.distributed_checkpoint import (
     CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
     Layout,
     load,
     offline_transform,
@@ -298,3 +300,64 @@ def test_verify_reports_a_forged_size_as_a_problem_of_the_file(laid_out, tmp_pat
         report = verify_checkpoint(tampered(src, str(tmp_path / case.replace(" ", "_")), mutate))
         assert not report.ok and any(".safetensors" in p for p in report.problems), (case, report.problems)
 
+
+def _incremental_run(base: str) -> tuple[str, str, dict]:
+    """A manager directory with steps 1 and 2, step 2 naming a file of step 1 (incremental)."""
+    run = os.path.join(base, "run")
+    sd = {"frozen": make_tensor((64, 8)), "lora": make_tensor((4,), seed=1)}
+    with CheckpointManager(run, incremental=True) as mgr:
+        mgr.save(1, sd)
+        sd["lora"] = sd["lora"] + 1
+        mgr.save(2, sd)
+    step2 = os.path.join(run, "step_00000002")
+    with open(os.path.join(step2, METADATA_FILE)) as f:
+        assert json.load(f)["dirs"] == ["", "step_00000001"]
+    return run, step2, sd
+
+
+def _rewrite_dirs(step_dir: str, dirs: list[str]) -> None:
+    path = os.path.join(step_dir, METADATA_FILE)
+    with open(path) as f:
+        doc = json.load(f)
+    doc["dirs"] = dirs
+    with open(path, "wb") as f:
+        f.write(seal_json(doc))
+
+
+def test_dirs_naming_anything_but_a_step_directory_is_refused(tmp_path):
+    """``dirs`` in ``.metadata`` holds step directories of the manager and nothing else: a plain
+    name that is a link to a directory outside the manager's is refused before a file is opened."""
+    run, step2, _ = _incremental_run(str(tmp_path))
+    outside = str(tmp_path / "outside")
+    shutil.move(os.path.join(run, "step_00000001"), outside)  # the bytes step 2 needs, elsewhere
+    os.symlink(outside, os.path.join(run, "lnk"))
+    _rewrite_dirs(step2, ["", "lnk"])
+    with pytest.raises(MetadataError, match=r"'dirs' names 'lnk', which is not a step directory"):
+        load(path=step2)
+    for name in ("step_1", "step_0000001", "step_000000010x", ".", "step_00000001/..", 7):
+        _rewrite_dirs(step2, ["", name])
+        with pytest.raises(MetadataError, match="'dirs'"):
+            load(path=step2)
+
+
+def test_a_step_directory_that_is_a_symbolic_link_is_not_followed(tmp_path):
+    """A sibling step directory that is a link (to a copy outside the manager's directory) is
+    refused by name, though ``O_NOFOLLOW`` on the file alone would have followed it."""
+    run, step2, _ = _incremental_run(str(tmp_path))
+    outside = str(tmp_path / "outside")
+    shutil.move(os.path.join(run, "step_00000001"), outside)
+    os.symlink(outside, os.path.join(run, "step_00000001"))
+    with pytest.raises(CorruptCheckpointError, match=r"step_00000001/data-.*symbolic link"):
+        load(path=step2)
+    report = verify_checkpoint(step2)
+    assert any("symbolic link" in p for p in report.problems), report.problems
+
+
+def test_an_incremental_step_loads_through_a_linked_checkpoint_path(tmp_path):
+    """The caller's own path may be a link: the sibling is found beside the step's real directory."""
+    run, step2, sd = _incremental_run(str(tmp_path))
+    latest = str(tmp_path / "latest")
+    os.symlink(step2, latest)
+    out = load(path=latest)
+    assert torch.equal(out["frozen"], sd["frozen"]) and torch.equal(out["lora"], sd["lora"])
+    assert verify_checkpoint(latest).ok
