@@ -160,7 +160,7 @@ def test_ls_does_not_call_files_a_committed_step_uses_debris(tmp_path):
 
 def test_gc_of_a_retired_step_keeps_the_files_a_committed_step_reads(tmp_path):
     # gc of the step ls says not to delete had removed the chunk committed step 2 reads from it
-    from hyper_parallel.core.distributed_checkpoint import CheckpointManager, load
+    from hyper_parallel.core.distributed_checkpoint import CheckpointError, CheckpointManager, load
 
     d = str(tmp_path / "run")
     with CheckpointManager(d, incremental=True, keep_latest=1) as mgr:  # step 2 reuses step 1's "w"
@@ -191,7 +191,9 @@ def test_gc_of_a_retired_step_keeps_the_files_a_committed_step_reads(tmp_path):
     os.symlink(vol / "step_00000001", step1)
     out = run("gc", step1)
     assert out.returncode == 0 and "removed 0 " in out.stdout, out.stdout + out.stderr
-    assert torch.equal(load(path=os.path.join(d, "step_00000002"))["w"], torch.ones(100))
+    # ...but a load never follows a linked step directory (issue 30: it could lead anywhere)
+    with pytest.raises(CheckpointError, match="step_00000001/data-.*symbolic link"):
+        load(path=os.path.join(d, "step_00000002"))
     with open(os.path.join(d, "step_00000002", ".metadata"), "r+b") as f:  # unreadable: refuse, delete nothing
         f.write(b"garbage")
     out = run("gc", step1)

@@ -98,3 +98,35 @@ def test_structural_faults_are_detected(saved, tmp_path, fault):
     with pytest.raises(CheckpointError):
         load(path=dst)
     assert not marker.exists(), "loading must never execute code from the checkpoint"
+
+
+def _forge_single_file(path: str, dst: str, how: str) -> None:
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack_from("<Q", raw)
+    if how == "header length of 2**40":
+        forged = struct.pack("<Q", 1 << 40) + raw[8:]
+    else:  # a tensor of 2**58 bytes in a file of a few hundred
+        header = json.loads(raw[8:8 + n])
+        header["model.w"] = {"dtype": "F32", "shape": [1 << 28, 1 << 28], "data_offsets": [0, 1 << 58]}
+        text = json.dumps(header).encode()
+        forged = struct.pack("<Q", len(text)) + text + raw[8 + n:]
+    with open(dst, "wb") as f:
+        f.write(forged)
+
+
+@pytest.mark.parametrize("how", ["header length of 2**40", "shape of 2**56 elements"])
+def test_a_single_file_checkpoint_with_forged_sizes_is_refused_naming_the_file(tmp_path, how):
+    """HyperParallel's single-file loader checks the safetensors header against the file's size
+    first: safetensors' own error ("header too large") names neither the file nor the tensor."""
+    from hyper_parallel.core.distributed_checkpoint import CorruptCheckpointError
+    from hyper_parallel.core.distributed_checkpoint.single_file import load_checkpoint, save_checkpoint
+
+    good, bad = str(tmp_path / "good.safetensors"), str(tmp_path / "bad.safetensors")
+    save_checkpoint({"model": {"w": make_tensor((3, 4))}}, good)
+    _forge_single_file(good, bad, how)
+    with pytest.raises(CorruptCheckpointError, match="bad.safetensors"):
+        load_checkpoint(bad)

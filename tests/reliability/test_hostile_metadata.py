@@ -24,7 +24,16 @@ from helpers import make_tensor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel.core.distributed_checkpoint import CheckpointError, Layout, load, offline_transform, save
+from hyper_parallel.core.distributed_checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    Layout,
+    load,
+    offline_transform,
+    save,
+    verify_checkpoint,
+)
 from hyper_parallel.core.distributed_checkpoint.metadata import METADATA_FILE, MetadataError, seal_json
 from hyper_parallel.core.distributed_checkpoint.reshard import reshard
 
@@ -217,3 +226,138 @@ def test_metadata_error_names_the_layout_field(laid_out, tmp_path):
     path = tampered(src, str(tmp_path / "c"), HOSTILE_LAYOUTS["mesh of 2**40 ranks"])
     with pytest.raises(MetadataError, match=r"key 'w': layout mesh"):
         load(path=path)
+
+
+# ---------------------------------------------------------------------------- sizes and places
+
+SIZES_PROBE = textwrap.dedent("""
+    import resource, sys, time
+    resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+    from hyper_parallel.core.distributed_checkpoint import export_torch_dcp, load, offline_transform
+    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+    path, out = sys.argv[1:3]
+    calls = {{
+        "load": lambda: load(path=path),
+        "reshard": lambda: reshard(path, out + "-r", dst_mesh={{"tp": 4}}),
+        "offline_transform": lambda: offline_transform(path, out + "-t", dst_layout={{"tp": 3}}),
+        "export_torch_dcp": lambda: export_torch_dcp(path, out + "-e"),
+    }}
+    for what, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            call()
+        except Exception as exc:
+            print(f"{{what}} REFUSED {{type(exc).__name__}}: {{exc}}".replace(chr(10), " "))
+        else:
+            print(f"{{what}} ACCEPTED")
+        print(f"{{what}} SECONDS {{time.monotonic() - t0:.2f}}", flush=True)
+""")
+
+
+def probe_sizes(path: str, out: str) -> dict[str, tuple[str, float]]:
+    """The entry points that read data, on ``path``, in one fresh memory-limited process."""
+    code = SIZES_PROBE.format(limit=MEMORY_LIMIT)
+    done = subprocess.run([sys.executable, "-c", code, path, out], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    results = {}
+    for what in ("load", "reshard", "offline_transform", "export_torch_dcp"):
+        outcome = next((ln for ln in lines if ln.startswith(f"{what} ") and " SECONDS " not in ln), "")
+        seconds = next((float(ln.split()[-1]) for ln in lines if ln.startswith(f"{what} SECONDS")), None)
+        assert seconds is not None, f"{what} never finished (memory limit or crash?):\n{done.stdout}{done.stderr}"
+        results[what] = (outcome, seconds)
+    return results
+
+
+def _file_record(doc):
+    return doc["files"][0]
+
+
+HOSTILE_SIZES = {
+    # the index of a data file at 8 GiB, 8 GiB long, in a file said to be 32 GiB
+    "index range of 2**33": lambda d: _file_record(d).__setitem__(slice(3, 7), [1 << 33, 1 << 33, 0, 1 << 35]),
+    # a forged shape: 2**56 bytes of float32 that no file holds
+    "shape of 2**56 bytes": lambda d: d["entries"]["w"].update(shape=[1 << 27, 1 << 27]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_SIZES))
+def test_a_forged_size_is_checked_against_the_files_before_anything_is_allocated(laid_out, tmp_path, case):
+    """Sizes a ``.metadata`` states (index ranges, shapes) are compared with the real sizes of
+    the files before a buffer of that size is allocated: every entry point that reads data
+    refuses with CorruptCheckpointError naming the file (or the tensor), in seconds."""
+    src, _ = laid_out
+    path = tampered(src, str(tmp_path / "c"), HOSTILE_SIZES[case])
+    for what, (outcome, seconds) in probe_sizes(path, str(tmp_path / "out")).items():
+        assert "REFUSED CorruptCheckpointError" in outcome, (what, outcome)
+        assert ".safetensors" in outcome or "'w'" in outcome, (what, outcome)
+        assert seconds < 10, f"{what} took {seconds} s"
+
+
+def test_verify_reports_a_forged_size_as_a_problem_of_the_file(laid_out, tmp_path):
+    """verify collects problems instead of raising, a chunk that lies outside its file included."""
+    src, _ = laid_out
+    for case, mutate in HOSTILE_SIZES.items():
+        report = verify_checkpoint(tampered(src, str(tmp_path / case.replace(" ", "_")), mutate))
+        assert not report.ok and any(".safetensors" in p for p in report.problems), (case, report.problems)
+
+
+def _incremental_run(base: str) -> tuple[str, str, dict]:
+    """A manager directory with steps 1 and 2, step 2 naming a file of step 1 (incremental)."""
+    run = os.path.join(base, "run")
+    sd = {"frozen": make_tensor((64, 8)), "lora": make_tensor((4,), seed=1)}
+    with CheckpointManager(run, incremental=True) as mgr:
+        mgr.save(1, sd)
+        sd["lora"] = sd["lora"] + 1
+        mgr.save(2, sd)
+    step2 = os.path.join(run, "step_00000002")
+    with open(os.path.join(step2, METADATA_FILE)) as f:
+        assert json.load(f)["dirs"] == ["", "step_00000001"]
+    return run, step2, sd
+
+
+def _rewrite_dirs(step_dir: str, dirs: list[str]) -> None:
+    path = os.path.join(step_dir, METADATA_FILE)
+    with open(path) as f:
+        doc = json.load(f)
+    doc["dirs"] = dirs
+    with open(path, "wb") as f:
+        f.write(seal_json(doc))
+
+
+def test_dirs_naming_anything_but_a_step_directory_is_refused(tmp_path):
+    """``dirs`` in ``.metadata`` holds step directories of the manager and nothing else: a plain
+    name that is a link to a directory outside the manager's is refused before a file is opened."""
+    run, step2, _ = _incremental_run(str(tmp_path))
+    outside = str(tmp_path / "outside")
+    shutil.move(os.path.join(run, "step_00000001"), outside)  # the bytes step 2 needs, elsewhere
+    os.symlink(outside, os.path.join(run, "lnk"))
+    _rewrite_dirs(step2, ["", "lnk"])
+    with pytest.raises(MetadataError, match=r"'dirs' names 'lnk', which is not a step directory"):
+        load(path=step2)
+    for name in ("step_1", "step_0000001", "step_000000010x", ".", "step_00000001/..", 7):
+        _rewrite_dirs(step2, ["", name])
+        with pytest.raises(MetadataError, match="'dirs'"):
+            load(path=step2)
+
+
+def test_a_step_directory_that_is_a_symbolic_link_is_not_followed(tmp_path):
+    """A sibling step directory that is a link (to a copy outside the manager's directory) is
+    refused by name, though ``O_NOFOLLOW`` on the file alone would have followed it."""
+    run, step2, _ = _incremental_run(str(tmp_path))
+    outside = str(tmp_path / "outside")
+    shutil.move(os.path.join(run, "step_00000001"), outside)
+    os.symlink(outside, os.path.join(run, "step_00000001"))
+    with pytest.raises(CorruptCheckpointError, match=r"step_00000001/data-.*symbolic link"):
+        load(path=step2)
+    report = verify_checkpoint(step2)
+    assert any("symbolic link" in p for p in report.problems), report.problems
+
+
+def test_an_incremental_step_loads_through_a_linked_checkpoint_path(tmp_path):
+    """The caller's own path may be a link: the sibling is found beside the step's real directory."""
+    run, step2, sd = _incremental_run(str(tmp_path))
+    latest = str(tmp_path / "latest")
+    os.symlink(step2, latest)
+    out = load(path=latest)
+    assert torch.equal(out["frozen"], sd["frozen"]) and torch.equal(out["lora"], sd["lora"])
+    assert verify_checkpoint(latest).ok

@@ -457,7 +457,8 @@ class FileSystemReader(StorageReader):
     """Reads a checkpoint directory; data files are opened once and read with ``preadv``.
 
     Symbolic links are refused (``O_NOFOLLOW``), so a checkpoint cannot point a reader at
-    files outside its directory.
+    files outside its directory; an earlier step's file (``../<step dir>/<file>``, incremental
+    checkpoints) is opened one directory at a time, none of them followed if it is a link.
 
     Args:
         path: the checkpoint directory.
@@ -524,14 +525,35 @@ class FileSystemReader(StorageReader):
 
     def _open(self, name: str, extra: int = 0) -> int:
         full = os.path.join(self.path, name)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | extra
         try:
-            return os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | extra)
+            if "/" not in name:
+                return os.open(full, flags)
+            return self._open_below(name, flags)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"data file {full!r} is missing; the checkpoint is incomplete") from None
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptCheckpointError(f"data file {full!r} is a symbolic link; refused") from None
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CorruptCheckpointError(
+                    f"data file {full!r} is a symbolic link, or a directory on its path is a link or no directory; "
+                    "refused (a checkpoint reads only files of its own and its sibling steps' directories)") from None
             raise
+
+    def _open_below(self, name: str, flags: int) -> int:
+        """Open ``name`` (``../<step dir>/<file>``: an earlier step's file) one component at a
+        time from the checkpoint's directory, none of them followed if it is a symbolic link:
+        ``O_NOFOLLOW`` alone covers only the last one, and a linked step directory would lead
+        the reader outside the manager's directory."""
+        parts = name.split("/")
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the path the caller gave
+        try:
+            for part in parts[:-1]:  # ".." is the directory's real parent, never a link
+                below = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = below
+            return os.open(parts[-1], flags, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def _fd(self, name: str) -> int:
         fd = self._fds.get(name)

@@ -473,11 +473,14 @@ class HuggingFaceStorageReader(StorageReader):
         """Where each tensor of ``record``'s file starts, from its header (checked against the metadata)."""
         where = self._where(record.path)
         size = self.files.file_size(record.path)
-        raw = bytearray(record.index_length)
-        self.files.read_into(record.path, record.index_offset, memoryview(raw))
-        if size != record.size or crc32c.crc32c(raw) != record.index_crc:
+        if size != record.size or record.index_offset + record.index_length > size:  # before allocating
             raise CorruptCheckpointError(f"{where} changed since the load read its header ({size} bytes now, "
                                          f"{record.size} then); load again")
+        raw = bytearray(record.index_length)
+        self.files.read_into(record.path, record.index_offset, memoryview(raw))
+        if crc32c.crc32c(raw) != record.index_crc:
+            raise CorruptCheckpointError(f"{where} changed since the load read its header (its header's checksum "
+                                         "differs); load again")
         header = parse_safetensors_header(raw, size, where)
         return UncheckedIndex({(k, 0): (t.start, t.shape, t.nbytes) for k, t in header.tensors.items()}, where)
 

@@ -53,7 +53,15 @@ class IncrementalState:
     step_dir: str | None = None  # the directory the save in progress writes
 
     def begin(self, step_dir: str) -> None:
-        """A save into ``step_dir`` starts (the manager calls it before each save)."""
+        """A save into ``step_dir`` starts (the manager calls it before each save).
+
+        Raises ValueError unless ``step_dir`` is a step directory name
+        (:func:`~.metadata.step_dir_name`): the next step names it in ``dirs``, where readers
+        accept nothing else.
+        """
+        if md.step_of(step_dir) is None:
+            raise ValueError(f"incremental saves go into step directories named like {md.step_dir_name(1)!r} "
+                             f"(the next step references this one by that name), not {step_dir!r}")
         self.step_dir = step_dir
 
     def reset(self) -> None:

@@ -40,7 +40,7 @@ from .data_file import FileIndex, UncheckedIndex, check_index, tensor_bytes
 from .errors import CorruptCheckpointError
 from .host_copy import copy_into
 from .planner import LoadPlan, ReadItem
-from .storage import StorageReader
+from .storage import StorageReader, check_range
 from .streams import StreamFence
 
 DEFAULT_BUFFER_BYTES = 96 << 20  # scratch memory per file being read (runs in flight included)
@@ -372,12 +372,19 @@ class TargetResolver(Protocol):
     def resolve_target(self, key: str) -> torch.Tensor: ...
 
 
-@dataclass
-class _Fixed:
-    dest: torch.Tensor
+class _Lazy:
+    """One destination, allocated when the first read needs it: after ``read_plan`` has checked
+    every chunk against its file, so a forged shape cannot allocate more than the files hold."""
+
+    def __init__(self, sizes: tuple[int, ...], dtype: torch.dtype, dest: torch.Tensor | None = None):
+        self.sizes, self.dtype, self.dest = sizes, dtype, dest
+        self._lock = threading.Lock()
 
     def resolve_target(self, key: str) -> torch.Tensor:
-        return self.dest
+        with self._lock:
+            if self.dest is None:
+                self.dest = torch.empty(self.sizes, dtype=self.dtype)
+            return self.dest
 
 
 class IndexCache:
@@ -398,6 +405,7 @@ class IndexCache:
             return found
         index = self.reader.file_index(f)  # a reader of foreign files supplies its own
         if index is None:
+            check_range(self.reader, f.path, f.index_offset, f.index_length, "its index")
             raw = bytearray(f.index_length)
             self.reader.read_into(f.path, f.index_offset, memoryview(raw))
             check_index(raw, f.index_crc, f.path)
@@ -554,7 +562,7 @@ def read_box(
         raise ValueError(f"read_box({entry.key!r}): pass meta= (the checkpoint's Metadata)")
     shape = tuple(entry.shape or ())
     box = box if box is not None else Box.full(shape)
-    dest = out if out is not None else torch.empty(box.sizes, dtype=md.torch_dtype(entry.dtype))
+    dest = _Lazy(box.sizes, md.torch_dtype(entry.dtype), out)
     reads, covered = [], 0
     for ref in overlapping(meta, entry, box):
         region = ref.box.intersect(box)
@@ -564,9 +572,31 @@ def read_box(
         raise CorruptCheckpointError(
             f"{entry.key!r}: saved chunks cover {covered} of the {box.numel} elements of region {box}; "
             "the checkpoint is missing data for this key")
-    stats = read_plan(LoadPlan(reads, {entry.key: box}), _Fixed(dest), reader, thread_count=1,
+    stats = read_plan(LoadPlan(reads, {entry.key: box}), dest, reader, thread_count=1,
                       buffer_bytes=buffer_bytes, verify=verify)
-    return dest, stats
+    return dest.resolve_target(entry.key), stats  # allocated here when nothing was read (an empty box)
+
+
+def check_files_hold(meta: md.Metadata, reader: StorageReader, where: str) -> None:
+    """Refuse a checkpoint whose tensors need more bytes than all its data files hold.
+
+    Every element of a tensor is stored at least once, in some data file, and payloads do
+    not overlap: a larger total is a forged shape. Tools that plan from shapes before they
+    read a byte (reshard's row slabs, export's chunks) call it first, so a forged shape fails
+    here instead of planning (or allocating) what it says. One ``file_size`` per data file.
+
+    Raises CorruptCheckpointError naming the largest tensor.
+    """
+    need = sum(e.nbytes for e in meta.entries.values())
+    if not need:
+        return
+    held = sum(reader.file_size(f.path) for f in meta.files)
+    if need > held:
+        big = max(meta.entries.values(), key=lambda e: e.nbytes)
+        raise CorruptCheckpointError(
+            f"{where}: its tensors need {need} bytes, its {len(meta.files)} data file(s) hold {held} in all "
+            f"(the largest, {big.key!r}, is {big.dtype} of shape {list(big.shape or ())}); the metadata is damaged "
+            "or forged")
 
 
 def read_metadata(reader: StorageReader, where: str | None = None) -> md.Metadata:

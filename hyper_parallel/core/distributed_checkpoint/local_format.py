@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -470,8 +471,10 @@ def read_into(man: Manifest, entries: list[LocalEntry], targets: list[Any]) -> t
                     raise CorruptCheckpointError(f"{man.path}: ndarray entry {e.key!r} has dtype "
                                                  f"{rec.get('dtype')!r}") from None
                 shape = rec.get("shape")
-                if dtype.hasobject or not isinstance(shape, list) or not all(_int(s) for s in shape) \
-                        or int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != nbytes:
+                # math.prod of Python ints: numpy's int64 product wraps, and a forged shape whose
+                # product wraps to the recorded size would allocate whatever it says
+                if dtype.hasobject or not isinstance(shape, list) or len(shape) > 64 \
+                        or not all(_int(s) for s in shape) or math.prod(shape) * dtype.itemsize != nbytes:
                     raise CorruptCheckpointError(f"{man.path}: ndarray entry {e.key!r} is malformed")
                 arr = np.empty(shape, dtype=dtype)
                 buf = memoryview(arr.reshape(-1).view(np.uint8)).cast("B")

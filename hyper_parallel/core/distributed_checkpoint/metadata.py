@@ -538,10 +538,33 @@ def _parse(doc: Any, where: str) -> Metadata:
     return meta
 
 
+_STEP_NAME = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of ``step`` in a CheckpointManager's directory: ``step_`` + the number
+    zero-padded to 8 digits. The only names ``dirs`` may hold besides ``""``."""
+    return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory name stands for, or None when it is not a (canonical) step name."""
+    m = _STEP_NAME.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if name == step_dir_name(step) else None
+
+
 def _parse_dirs(raw: Any, where: str) -> list[str]:
     if not isinstance(raw, list) or not raw or raw[0] != "" or len(raw) > 1 << 16:
         raise MetadataError(f"{where}: 'dirs' must be a list starting with \"\" (this checkpoint)")
-    dirs = [""] + [validate_file_name(d, where) for d in raw[1:]]
+    for d in raw[1:]:  # sibling step directories of a CheckpointManager (incremental checkpoints), nothing else
+        if not isinstance(d, str) or step_of(d) is None:
+            raise MetadataError(f"{where}: 'dirs' names {d!r:.80}, which is not a step directory of a "
+                                f"CheckpointManager ({step_dir_name(1)!r}, ...); a checkpoint reads files only "
+                                "from itself and its sibling steps")
+    dirs = list(raw)
     if len(set(dirs)) != len(dirs):
         raise MetadataError(f"{where}: 'dirs' repeats a directory")
     return dirs

@@ -36,7 +36,7 @@ from .box import Box
 from .chunks import largest_chunk_bytes
 from .commit import commit_and_agree, write_and_report
 from .coordination import Coordinator
-from .errors import CheckpointError, UnsupportedValueError
+from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .flatten import path_from_parts
 from .hf_storage import check_safetensors_file
 from .layout import Layout, LayoutStrategy, TensorLayout, load_layout
@@ -786,6 +786,55 @@ def _st_dtype(st: str, name: str, path: str) -> str:
 IMPORT_BATCH_BYTES = 256 << 20  # torch-DCP import: tensors loaded per torch load call
 
 
+def _check_torch_chunks(key: str, m: Any, dtype: str, storage: Mapping[Any, Any], src: str,
+                        file_sizes: dict[str, int]) -> None:
+    """Check a tensor of torch's ``.metadata`` against the files before a buffer of its shape is
+    allocated: its chunks lie inside the shape and cover it, and each chunk's stored bytes
+    lie inside an existing file and (unless a storage transform, e.g. compression, wrote
+    them) are at least the chunk's bytes. A forged shape or size then fails here, naming the
+    key, instead of allocating whatever it says.
+
+    Raises CorruptCheckpointError (MetadataError for a file name that is not a plain name).
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    where = f"{src}/{md.METADATA_FILE}: {key!r}"
+    shape = tuple(m.size)
+    if len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
+        raise CorruptCheckpointError(f"{where}: shape {list(shape)[:8]} is no tensor shape")
+    held = 0
+    for c in m.chunks:
+        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or not all(
+                type(v) is int for v in offsets + sizes) or any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+            raise CorruptCheckpointError(f"{where}: chunk at {list(offsets)} of sizes {list(sizes)} lies outside "
+                                         f"its shape {list(shape)}")
+        numel = math.prod(sizes)
+        held += numel
+        if not numel:
+            continue
+        info = storage.get(MetadataIndex(key, c.offsets))
+        if info is None:
+            raise CorruptCheckpointError(f"{where}: chunk at {list(offsets)} has no storage record")
+        name = md.validate_file_name(info.relative_path, f"{src}/{md.METADATA_FILE}")
+        if name not in file_sizes:
+            try:
+                file_sizes[name] = os.stat(os.path.join(src, name)).st_size
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{src}/{name} is missing: {key!r} is stored there") from None
+        nbytes = numel * md.itemsize(dtype)
+        if (info.offset < 0 or info.length < 0 or info.offset + info.length > file_sizes[name]
+                or (not getattr(info, "transform_descriptors", None) and info.length < nbytes)):
+            raise CorruptCheckpointError(
+                f"{where}: chunk at {list(offsets)} ({nbytes} bytes) is stored at bytes {info.offset}.."
+                f"{info.offset + info.length} of {src}/{name}, which has {file_sizes[name]}; the metadata is "
+                "damaged or does not belong to these files")
+    if held < math.prod(shape):
+        raise CorruptCheckpointError(f"{where}: its chunks hold {held} of the {math.prod(shape)} elements of shape "
+                                     f"{list(shape)}; the checkpoint is incomplete or its metadata damaged")
+
+
 def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *, trust: bool = False,
                      overwrite: bool = False) -> md.Metadata:
     """Convert a checkpoint written by ``torch.distributed.checkpoint`` into this format.
@@ -817,10 +866,12 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
         p = paths.get(key)
         return path_from_parts(p) or (key,)
 
+    file_sizes: dict[str, int] = {}
     for key, m in tmeta.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
             dtype = md.dtype_name(m.properties.dtype)
             shape = tuple(m.size)
+            _check_torch_chunks(key, m, dtype, tmeta.storage_data, os.fspath(src_path), file_sizes)
             entries[key] = EntrySpec("tensor", path_of(key), dtype, shape)
             nbytes = md.itemsize(dtype)
             for s in shape:

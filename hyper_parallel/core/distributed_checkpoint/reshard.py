@@ -51,7 +51,7 @@ from .flatten import renamed_path
 from .fragments import read_checkpoint_metadata
 from .grid import Grid
 from .layout import Layout, TensorLayout, match_layout, placement_to_name
-from .loader import read_box
+from .loader import check_files_hold, read_box
 from .planner import EntrySpec, SavePlan, WriteItem
 from .saver import WriteResult, build_metadata, data_file_names, write_plan
 from .storage import StorageReader, StorageWriter, is_url, location, reader_for, writer_for
@@ -520,6 +520,8 @@ def reshard(
 
         def plan() -> tuple[str, str, int]:
             meta = md.Metadata.from_json(meta_bytes, where=where).attach()
+            if coord.is_coordinator:  # before slabs are planned from the shapes it gives
+                check_files_hold(meta, storage_reader, where)
             if mapper is not None:
                 meta = renamed(meta, mapper)  # the reader below reads by the new names too
             state["meta"] = meta

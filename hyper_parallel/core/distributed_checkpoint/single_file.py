@@ -118,6 +118,8 @@ def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         ValueError: the path names no file with an extension.
         FileNotFoundError: no such file.
+        CorruptCheckpointError: the safetensors header is damaged or describes more bytes
+            than the file has (the message names the file and the tensor).
 
     Example::
 
@@ -126,6 +128,8 @@ def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    from .hf_storage import check_safetensors_file
+
     path = _valid_file_path(file_path, "load_checkpoint")
     if not path.is_file():
         raise FileNotFoundError(f"load_checkpoint: no file {os.fspath(path)!r}")
@@ -133,6 +137,9 @@ def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
         # a file object: torch would read a path ending in .safetensors as safetensors
         with open(path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
+    # header length, shapes and data offsets checked against the file's size, with errors
+    # naming the file and the tensor (safetensors' own name neither)
+    check_safetensors_file(os.fspath(path))
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     flat = load_file(str(path))

@@ -14,7 +14,6 @@ import fcntl
 import json
 import os
 import queue
-import re
 import shutil
 import socket
 import threading
@@ -29,6 +28,7 @@ from . import metadata as md
 from .commit import unreferenced_files
 from .errors import CheckpointError, NotACheckpointError
 from .filesystem_storage import FileSystemReader, FileSystemWriter
+from .metadata import step_dir_name, step_of  # the format's naming rule (``dirs``)
 from .storage import StorageReader, StorageWriter, is_url, location
 
 __all__ = ["StepInfo", "files_other_steps_use", "list_steps", "step_dir_name", "references_of"]
@@ -36,22 +36,7 @@ __all__ = ["StepInfo", "files_other_steps_use", "list_steps", "step_dir_name", "
 PathLike = str | os.PathLike
 OWNER_FILE = ".manager-owner.json"
 USER_KEY = "checkpoint_manager"  # where a step's own facts live in Metadata.user
-_STEP_NAME = re.compile(r"^step_(\d{8,})$")
 _READ_THREADS = 8  # parallel .metadata reads at start (object stores have latency)
-
-
-def step_dir_name(step: int) -> str:
-    """The directory name of ``step``: ``step_`` + the number zero-padded to 8 digits."""
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step a directory name stands for, or None when it is not a (canonical) step name."""
-    m = _STEP_NAME.match(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if name == step_dir_name(step) else None
 
 
 # ----------------------------------------------------------------------------- storage

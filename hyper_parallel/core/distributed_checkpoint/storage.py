@@ -28,7 +28,9 @@ StorageReader — the loader calls:
    ``__index__`` itself. Readers of foreign files (:mod:`.hf_storage`) build it from the
    file's own header.
 3. ``file_size(name)`` and ``read_into(name, offset, buffer)`` on every rank, from any
-   number of threads: fill the writable ``buffer`` with the bytes at ``offset``.
+   number of threads: fill the writable ``buffer`` with the bytes at ``offset``. Every
+   range a file record names is checked against ``file_size`` before a buffer is allocated
+   for it (:func:`check_range`).
 4. ``close()`` on every rank.
 
 ``bytes_read`` counts the bytes returned by ``read_into`` (benchmarks and tests use it).
@@ -40,6 +42,8 @@ import abc
 import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from .errors import CorruptCheckpointError
 
 if TYPE_CHECKING:  # storage backends need no torch at run time
     from .data_file import FileIndex, UncheckedIndex
@@ -137,10 +141,23 @@ class StorageReader(abc.ABC):
     def read_metadata(self) -> bytes: ...
 
     @abc.abstractmethod
-    def file_size(self, name: str) -> int: ...
+    def file_size(self, name: str) -> int:
+        """The size in bytes of data file ``name`` (a path relative to the checkpoint, as the
+        metadata names it), as the storage holds it: ``fstat`` of the open file, an object's
+        size. Raises :class:`~.errors.CorruptCheckpointError` when the file is missing.
+
+        Every byte range a file record or header names is compared with it before a buffer
+        is allocated for the range (the loader: :func:`check_range`; ``verify`` and the
+        foreign-format readers: the sizes they record), so a forged offset or length fails
+        with an error naming the file instead of allocating whatever size it says. Called
+        from any number of threads.
+        """
 
     @abc.abstractmethod
-    def read_into(self, name: str, offset: int, buffer: Buffer) -> None: ...
+    def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
+        """Fill the writable ``buffer`` with the bytes of file ``name`` at ``offset``. Raises
+        :class:`~.errors.CorruptCheckpointError` when the file ends before the buffer is full.
+        Called from any number of threads."""
 
     def file_index(self, record: FileRecord) -> FileIndex | UncheckedIndex | None:
         """The index of data file ``record``, or None: the loader then reads and checks the
@@ -175,6 +192,23 @@ class StorageReader(abc.ABC):
         """Names of the files in the checkpoint's directory (optional; used by ``verify``
         and ``gc`` to find unreferenced files). Raises NotImplementedError if unsupported."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its files")
+
+
+def check_range(reader: StorageReader, name: str, offset: int, length: int, what: str = "the range") -> int:
+    """Check that bytes ``[offset, offset + length)`` lie inside file ``name`` before a buffer
+    of ``length`` bytes is allocated for them; return the file's size.
+
+    Raises CorruptCheckpointError naming the file (and ``what`` the range holds) when they do
+    not: the file is truncated, or the metadata or header that points there is damaged.
+    """
+    size = reader.file_size(name)
+    if offset < 0 or length < 0 or offset + length > size:
+        root = getattr(reader, "path", None) or getattr(reader, "url", None)
+        where = f"{root.rstrip('/')}/{name}" if isinstance(root, str) else name
+        raise CorruptCheckpointError(
+            f"data file {where!r}: {what} (bytes {offset}..{offset + length}) lies beyond its end ({size} bytes); "
+            "the file is truncated, or the metadata that points there is damaged")
+    return size
 
 
 def checkpoint_path(path: str | os.PathLike) -> str:

@@ -66,7 +66,7 @@ from .errors import CheckpointError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader
 from .flatten import unflatten
 from .layout import TensorLayout
-from .loader import read_box, read_metadata
+from .loader import check_files_hold, read_box, read_metadata
 from .offline_transform import parse_size
 from .storage import StorageReader, location, reader_for
 
@@ -386,6 +386,8 @@ def export_torch_dcp(
     if os.path.exists(os.path.join(dst, md.METADATA_FILE)) and not overwrite:
         raise CheckpointError(f"{dst!r} already holds a checkpoint; pass overwrite=True to replace it")
     meta = read_metadata(reader)
+    check_files_hold(meta, reader, md.METADATA_FILE if isinstance(src, StorageReader)
+                     else f"{os.fspath(src)}/{md.METADATA_FILE}")
     pickled = [k for k, e in meta.entries.items() if e.kind == "pickle"]
     if pickled and not allow_pickle:
         raise UnsupportedValueError(

@@ -147,6 +147,7 @@ def test_table_stored_keys_reuse_earlier_files_and_load(tmp_path):
     from hyper_parallel.core.distributed_checkpoint import StandardPlanner, save
     from hyper_parallel.core.distributed_checkpoint.incremental import IncrementalState
     from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
+    from hyper_parallel.core.distributed_checkpoint.step_directory import step_dir_name
 
     class Tables(StandardPlanner):
         def create_global_save_plan(self, plans):
@@ -159,13 +160,15 @@ def test_table_stored_keys_reuse_earlier_files_and_load(tmp_path):
 
     sd = model(256)
     inc = IncrementalState()
+    with pytest.raises(ValueError, match="step directories named like 'step_00000001'"):
+        inc.begin("step_1")  # the next step's 'dirs' could not name it
     for step in (1, 2):
         if step == 2:
             sd["lora"] = sd["lora"] + 1
-        inc.begin(f"step_{step}")
-        save(sd, str(tmp_path / f"step_{step}"), planner=Tables(), incremental=inc, no_dist=True)
-    second = str(tmp_path / "step_2")
-    assert data_bytes(second) < data_bytes(str(tmp_path / "step_1")) / 4
+        inc.begin(step_dir_name(step))
+        save(sd, str(tmp_path / step_dir_name(step)), planner=Tables(), incremental=inc, no_dist=True)
+    second = str(tmp_path / step_dir_name(2))
+    assert data_bytes(second) < data_bytes(str(tmp_path / step_dir_name(1))) / 4
     out = load(path=second)
     assert [k for k in ("base", "emb", "lora", "exp_avg") if not torch.equal(out[k], sd[k])] == []
     assert verify_checkpoint(second).ok

@@ -325,6 +325,37 @@ def test_partial_and_damaged_local_steps_are_never_loaded_and_layout_changes_go_
         assert mgr.local_tier.last_recovery.source == "durable"
 
 
+def test_an_ndarray_shape_whose_int64_product_wraps_is_refused_before_allocating(tmp_path):
+    """A manifest's ndarray shape is checked with exact arithmetic: [2**62, 4] elements make 0 in
+    int64, which matched a recorded size of 0 bytes and reached ``np.empty`` (a raw ValueError)."""
+    import json
+    import struct
+
+    from hyper_parallel.core.distributed_checkpoint import CorruptCheckpointError
+    from hyper_parallel.core.distributed_checkpoint import local_format as lf
+
+    arr = np.arange(4.0)
+    entry = lf.LocalEntry("arr", "ndarray", arr.dtype.str, arr.shape)
+    manifest = {"format": lf.FORMAT_NAME, "version": lf.FORMAT_VERSION, "step": 1, "rank": 0, "world_size": 1,
+                "timeline": "t", "directory": str(tmp_path), "node": "n", "fingerprint": "f"}
+    shard = lf.build_shard_file(manifest, [entry], {"arr": 0}, lf.payload_bytes(arr), {})
+    path = str(tmp_path / lf.shard_file_name(1, "t"))
+    lf.write_shard_file(path, [memoryview(shard.header), shard.body])
+    assert lf.read_into(read_manifest(path), [entry], [None])[0]["arr"].tolist() == arr.tolist()
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack_from("<Q", raw)
+    header = json.loads(raw[8:8 + n])
+    man = json.loads(header["__metadata__"][lf.MANIFEST_KEY])
+    man["entries"]["arr"].update(shape=[1 << 62, 4], nbytes=0)
+    header["__metadata__"][lf.MANIFEST_KEY] = json.dumps(man)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(CorruptCheckpointError, match="ndarray entry 'arr' is malformed"):
+        lf.read_into(read_manifest(path), [entry], [None])
+
+
 def test_a_numpy_scalar_in_a_value_is_refused_naming_the_innermost_key(tmp_path):
     from hyper_parallel.core.distributed_checkpoint import UnsupportedValueError
 

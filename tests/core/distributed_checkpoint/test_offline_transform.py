@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel.core.distributed_checkpoint import (
     CheckpointError,
+    CorruptCheckpointError,
     Layout,
     UnsupportedValueError,
     convert_full_checkpoint_to_dcp,
@@ -234,6 +235,51 @@ def test_torch_dcp_checkpoints_import_with_trust(tmp_path):
     out = load(path=str(tmp_path / "ours"))
     assert torch.equal(out["w"], make_tensor((9, 4))) and torch.equal(out["b"], make_tensor((3,), seed=1))
     assert out["extra"]["step"] == 7
+
+
+def _forged_torch_dcp(path: str, forge) -> None:
+    """A one-process torch DCP checkpoint whose pickled ``.metadata`` ``forge`` rewrites."""
+    import pickle
+
+    import torch.distributed.checkpoint as tdcp
+
+    with pytest.warns(UserWarning):  # torch: no process group, one process
+        tdcp.save({"w": make_tensor((6, 4)), "b": make_tensor((3,), seed=1)}, checkpoint_id=path, no_dist=True)
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        meta = pickle.load(f)
+    forge(meta.state_dict_metadata["w"], meta.storage_data)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _grow(m, storage, shape, chunk=None):
+    m.size = torch.Size(shape)
+    if chunk is not None:
+        m.chunks[0].sizes = torch.Size(chunk)
+
+
+FORGED_TORCH_METADATA = {
+    # 2**58 bytes: allocated before torch read a byte
+    "shape and chunk of 2**56 elements": (lambda m, s: _grow(m, s, [1 << 28, 1 << 28], [1 << 28, 1 << 28]),
+                                          r"'w': chunk at \[0, 0\] \(\d+ bytes\) is stored at bytes"),
+    "shape of 2**56 elements": (lambda m, s: _grow(m, s, [1 << 28, 1 << 28]), r"'w': its chunks hold 24 of"),
+    # rows 6..11 are in no chunk: imported as whatever memory torch.empty gave
+    "shape twice what the chunks hold": (lambda m, s: _grow(m, s, [12, 4]), r"'w': its chunks hold 24 of the 48"),
+    "chunk outside the shape": (lambda m, s: _grow(m, s, [6, 4], [7, 4]), r"'w': chunk at \[0, 0\] of sizes \[7, 4\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED_TORCH_METADATA))
+def test_torch_dcp_import_checks_sizes_against_the_files_before_allocating(tmp_path, case):
+    """A torch DCP ``.metadata`` is trusted not to run code (``trust=True``), not to say the truth
+    about sizes: each tensor's chunks must cover its shape and lie inside their files before a
+    buffer of the shape is allocated."""
+    forge, message = FORGED_TORCH_METADATA[case]
+    src = str(tmp_path / "torch")
+    _forged_torch_dcp(src, forge)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        import_torch_dcp(src, str(tmp_path / "ours"), trust=True)
+    assert not os.path.exists(os.path.join(tmp_path, "ours", ".metadata"))
 
 
 def test_exported_hf_directory_loads_with_transformers(tmp_path):
