@@ -36,7 +36,7 @@ import torch
 
 from . import metadata as md
 from .box import Box, first_overlap
-from .errors import CheckpointError, MetadataError, UnsupportedValueError
+from .errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from .flatten import path_from_parts
 from .offline_transform import write_streaming
 from .planner import EntrySpec, WriteItem
@@ -405,24 +405,34 @@ class _SourceFiles:
         self.src, self.name, self.handle, self.tensors = src, None, None, None
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        path = os.path.join(self.src, name)
         if name != self.name:
             self.close()
-            path = os.path.join(self.src, name)
             if is_torch_zip(path):
                 with open(path, "rb") as f:  # weights_only: tensors and plain containers, nothing else
-                    self.tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=False)
+                    try:
+                        self.tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=False)
+                    except Exception as exc:  # a damaged archive fails in zip, pickle or torch code
+                        raise CorruptCheckpointError(f"{path}: not a readable torch.save archive "
+                                                     f"({type(exc).__name__}: {exc!s:.200})") from None
                 if not isinstance(self.tensors, dict):
                     raise CheckpointError(f"{path}: holds a {type(self.tensors).__name__}, expected a dict")
             else:
-                from safetensors import safe_open
-
-                self.handle = safe_open(path, framework="pt")
+                try:  # the library checks the header (negative dims, offsets); its errors name no file
+                    self.handle = safe_open(path, framework="pt")
+                except SafetensorError as exc:
+                    raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
                 self.handle.__enter__()
             self.name = name
         if self.handle is not None:
             if key not in self.handle.keys():
-                raise CheckpointError(f"{os.path.join(self.src, name)}: no tensor {key!r} in it")
-            return self.handle.get_tensor(key)
+                raise CheckpointError(f"{path}: no tensor {key!r} in it")
+            try:
+                return self.handle.get_tensor(key)
+            except SafetensorError as exc:
+                raise CorruptCheckpointError(f"{path}: tensor {key!r} cannot be read ({exc})") from None
         t = self.tensors.get(key)
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{os.path.join(self.src, name)}: no tensor {key!r} in it")

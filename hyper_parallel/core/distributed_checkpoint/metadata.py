@@ -69,10 +69,10 @@ FORMAT_VERSION = 2
 METADATA_FILE = ".metadata"
 
 KINDS = ("tensor", "ndarray", "bytes", "pickle", "object")
-_MAX_NDIM = 64
+MAX_NDIM = 64
 _MAX_ELEMENTS = 1 << 56  # far beyond any real tensor; stops overflow games early
 MAX_WORLD = 1 << 20  # ranks; beyond any job, small enough that a mesh of it can be walked
-_MAX_MESH_NDIM = 8
+MAX_MESH_NDIM = 8
 _MAX_TILES = 4096
 _PLACEMENT_NAME = re.compile(r"^(?:R|S\((-?\d{1,3})\)|_S\((-?\d{1,3}),(\d{1,7})\))$")
 
@@ -475,9 +475,25 @@ def _int(v: Any, where: str, key: str | None, what: str, lo: int = 0, hi: int | 
 
 
 def _int_list(v: Any, where: str, key: str, what: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or len(v) > _MAX_NDIM:
-        raise _fail(where, key, f"{what} must be a list of at most {_MAX_NDIM} integers, found {v!r}")
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise _fail(where, key, f"{what} must be a list of at most {MAX_NDIM} integers, found {v!r}")
     return tuple(_int(x, where, key, what) for x in v)
+
+
+def check_shape(shape: Any, where: str, key: str | None = None) -> tuple[int, ...]:
+    """A tensor shape this format holds: at most 64 integers >= 0, at most 2**56 elements.
+
+    Every entry read from ``.metadata`` and every entry a save builds goes through it, so a
+    shape the reader would refuse (``[-1, 0]`` from a foreign file) is never written.
+    Raises MetadataError naming ``where`` and ``key``.
+    """
+    if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        raise _fail(where, key, f"shape must be a list of at most {MAX_NDIM} integers >= 0, found {shape!r:.200}")
+    dims = tuple(shape)
+    if math.prod(dims) > _MAX_ELEMENTS:
+        raise _fail(where, key, f"shape {list(dims)} is absurdly large")
+    return dims
 
 
 def _parse(doc: Any, where: str) -> Metadata:
@@ -594,9 +610,7 @@ def _parse_common(key: str, e: Any, where: str) -> Entry:
     dtype = e.get("dtype")
     if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise _fail(where, key, f"dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
-    shape = _int_list(e.get("shape"), where, key, "shape")
-    if math.prod(shape) > _MAX_ELEMENTS:
-        raise _fail(where, key, f"shape {list(shape)} is absurdly large")
+    shape = check_shape(e.get("shape"), where, key)
     if kind == "bytes" and len(shape) != 1:
         raise _fail(where, key, "bytes entries must be 1-d")
     return Entry(key, kind, path, dtype, shape)
@@ -756,8 +770,8 @@ def validate_layout_record(rec: Any, ndim: int, where: str = METADATA_FILE, key:
     if not isinstance(rec, dict):
         raise _fail(where, key, f"layout must be an object, found {type(rec).__name__}")
     mesh = rec.get("mesh_shape")
-    if not isinstance(mesh, list) or not 1 <= len(mesh) <= _MAX_MESH_NDIM:
-        raise _fail(where, key, f"layout mesh_shape must be a list of 1 to {_MAX_MESH_NDIM} sizes, found {mesh!r:.100}")
+    if not isinstance(mesh, list) or not 1 <= len(mesh) <= MAX_MESH_NDIM:
+        raise _fail(where, key, f"layout mesh_shape must be a list of 1 to {MAX_MESH_NDIM} sizes, found {mesh!r:.100}")
     mesh = [_int(m, where, key, "layout mesh size", lo=1, hi=MAX_WORLD) for m in mesh]
     ranks = math.prod(mesh)
     if ranks > MAX_WORLD:

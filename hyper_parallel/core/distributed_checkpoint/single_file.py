@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .errors import CorruptCheckpointError
+
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 _NESTING_KEY = "hyper_parallel.nesting"
@@ -118,12 +120,14 @@ def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         ValueError: the path names no file with an extension.
         FileNotFoundError: no such file.
+        CorruptCheckpointError: the file is no readable safetensors file (e.g. a negative dim in
+            its header), or its nesting record does not match its tensors.
 
     Example::
 
         sd = load_checkpoint("out/model.safetensors")["model_state_dict"]
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     path = _valid_file_path(file_path, "load_checkpoint")
@@ -133,16 +137,23 @@ def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
         # a file object: torch would read a path ending in .safetensors as safetensors
         with open(path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=True)
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    flat = load_file(str(path))
+    try:  # the safetensors library checks the header (negative dims, offsets); its errors name no file
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        flat = load_file(str(path))
+    except SafetensorError as exc:
+        raise CorruptCheckpointError(f"{os.fspath(path)}: not a readable safetensors file ({exc})") from None
     nesting = meta.get(_NESTING_KEY)
     if not nesting:
         return flat
     out: dict[str, Any] = {}
-    for parts in json.loads(nesting):
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = flat[".".join(parts)]
+    try:
+        for parts in json.loads(nesting):
+            node = out
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = flat[".".join(parts)]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{os.fspath(path)}: its {_NESTING_KEY!r} metadata does not describe its "
+                                     f"tensors ({type(exc).__name__}: {exc!s:.100}); the file is damaged") from None
     return out
