@@ -456,14 +456,22 @@ def _decode_value(raw: bytes, key: str, where: str, allow_pickle: bool) -> tuple
                 f"{where}: the value {key!r} is a pickle that needs {need.args[0]}; pass allow_pickle=True "
                 "to carry it over still pickled (load it with allow_pickle=True), or re-save it as "
                 "tensors / plain values") from None
-        if md.is_json_value(value):
+        except Exception as exc:  # well-formed opcodes that do not build a value (a bad memo, say)
+            raise CorruptCheckpointError(f"{where}: the value {key!r} is a damaged pickle ({type(exc).__name__}: "
+                                         f"{exc})") from None
+        # a cycle, deep nesting or shared lists (2**45 JSON items in 287 bytes) are no plain
+        # value: found in bounded steps, they stay pickled (with allow_pickle) or are refused
+        fault = md.plain_value_problem(value)
+        if fault is None:
             return "object", value
         if isinstance(value, (bytes, bytearray)):
             return "bytes", bytes(value)
         if allow_pickle:
             return "pickle", raw
-        raise UnsupportedValueError(f"{where}: the value {key!r} is a {type(value).__name__}, which this format "
-                                    "stores only pickled; pass allow_pickle=True to carry it over")
+        where_in = "".join(f"[{k!r}]" for k in fault.path)
+        raise UnsupportedValueError(
+            f"{where}: the value {key!r} is a {type(value).__name__} that this format stores only pickled: "
+            f"{key}{where_in}: {fault.why}; pass allow_pickle=True to carry it over still pickled")
     return "bytes", raw  # HyperParallel writes bytes values as they are
 
 

@@ -48,7 +48,7 @@ import re
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -844,15 +844,88 @@ def _decode_path_part(p: Any, where: str, key: str) -> Any:
 # ---------------------------------------------------------------------------- typed values
 
 
+# A plain value is written into .metadata as JSON, each shared list or dict once per use, so
+# its size is bounded by what JSON writes, not by its objects: 45 levels of ``[x, x]`` are 91
+# objects and 2**45 JSON items. Both bounds are far beyond real values (a step, a config).
+MAX_VALUE_DEPTH = 64  # containers inside containers; encoded, at most 3 JSON levels each
+MAX_VALUE_ITEMS = 1 << 20  # items as JSON writes them (a shared container counts at each use)
+_LEAVES = (bool, int, float, str)
+
+
+class ValueFault(NamedTuple):
+    """Why a value is not plain data: ``kind`` is ``"type"`` (``culprit`` is a value of a type
+    JSON cannot hold), ``"key"`` (``culprit`` is a dict key other than str or int) or ``"shape"``
+    (``culprit`` is a container that holds itself, nests too deep or holds too many items);
+    ``path`` holds the keys/indices leading to it."""
+
+    kind: str
+    path: tuple[Any, ...]
+    culprit: Any
+    why: str
+
+
+class _Fault(Exception):
+    def __init__(self, kind: str, culprit: Any, why: str):
+        super().__init__(why)
+        self.fault = ValueFault(kind, (), culprit, why)
+        self.path: list[Any] = []  # keys from the culprit up, added as the walk unwinds
+
+
+def plain_value_problem(v: Any) -> ValueFault | None:
+    """None when ``v`` round-trips exactly through :func:`encode_value`; else its first fault.
+
+    The walk stops at the first fault (a reference cycle, nesting deeper than MAX_VALUE_DEPTH,
+    more than MAX_VALUE_ITEMS items, a type or key JSON cannot hold), so any value, hostile or
+    not, costs at most MAX_VALUE_ITEMS steps and MAX_VALUE_DEPTH frames.
+    """
+    items = 1
+    on_path: set[int] = set()  # ids of the containers being walked: one met again is a cycle
+
+    def walk(x: Any, depth: int) -> None:
+        nonlocal items
+        t = type(x)
+        if t is dict:
+            for k in x:
+                if type(k) is not str and type(k) is not int:
+                    raise _Fault("key", k, f"its dict key {k!r:.80} is a {type(k).__name__}, not a str or int")
+            members: Any = x.items()
+        elif t is list or t is tuple:
+            members = enumerate(x)
+        elif x is None or t in _LEAVES:
+            return
+        else:
+            raise _Fault("type", x, f"a {t.__module__}.{t.__qualname__} is not plain data")
+        if id(x) in on_path:
+            raise _Fault("shape", x, "it contains itself (a reference cycle)")
+        if depth >= MAX_VALUE_DEPTH:
+            raise _Fault("shape", x, f"it nests lists, tuples or dicts more than {MAX_VALUE_DEPTH} deep")
+        items += len(x)
+        if items > MAX_VALUE_ITEMS:
+            raise _Fault("shape", x, f"it holds more than {MAX_VALUE_ITEMS} items as JSON writes them (a list or "
+                                     "dict used in several places counts at each use)")
+        on_path.add(id(x))
+        for k, m in members:
+            if m is not None and type(m) not in _LEAVES:
+                try:
+                    walk(m, depth + 1)
+                except _Fault as fault:
+                    fault.path.append(k)
+                    raise
+        on_path.discard(id(x))
+
+    try:
+        walk(v, 0)
+    except _Fault as fault:
+        return fault.fault._replace(path=tuple(reversed(fault.path)))
+    return None
+
+
 def is_json_value(v: Any) -> bool:
-    """True when ``v`` round-trips exactly through :func:`encode_value`."""
-    if v is None or type(v) in (bool, int, float, str):
+    """True when ``v`` round-trips exactly through :func:`encode_value` (within the bounds of
+    :func:`plain_value_problem`: no cycles, nesting and size bounded)."""
+    if v is None or type(v) in _LEAVES:
         return True
-    if type(v) in (list, tuple):
-        return all(is_json_value(x) for x in v)
-    if type(v) is dict:
-        return all(type(k) in (str, int) for k in v) and all(is_json_value(x) for x in v.values())
-    return False
+    return plain_value_problem(v) is None
 
 
 # HyperParallel's names, for code written for it: its metadata classes are torch DCP's (which
@@ -892,19 +965,16 @@ def json_culprit(value: Any, where: str, item: Callable[[str, Any], str] | None 
     rather than its container; a dict key of another type than str or int counts. None when
     everything is plain."""
     item = item or (lambda w, k: f"{w}.{k}")
-    if type(value) is dict:
-        for k, v in value.items():
-            if type(k) not in (str, int):
-                return f"{where} (its key {k!r})", k
-            if (found := json_culprit(v, item(where, k), item)) is not None:
-                return found
+    found = plain_value_problem(value)
+    if found is None:
         return None
-    if type(value) in (list, tuple):
-        for i, v in enumerate(value):
-            if (found := json_culprit(v, item(where, i), item)) is not None:
-                return found
-        return None
-    return None if is_json_value(value) else (where, value)
+    for k in found.path:
+        where = item(where, k)
+    if found.kind == "key":
+        return f"{where} (its key {found.culprit!r})", found.culprit
+    if found.kind == "type":  # the culprit's type says what is wrong
+        return where, found.culprit
+    return f"{where} ({found.why})", found.culprit
 
 
 def check_user_metadata(value: Any) -> None:
