@@ -35,6 +35,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     verify_checkpoint,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import METADATA_FILE, MetadataError, seal_json
+from hyper_parallel.core.distributed_checkpoint.offline_transform import write_streaming
+from hyper_parallel.core.distributed_checkpoint.planner import EntrySpec
 from hyper_parallel.core.distributed_checkpoint.reshard import reshard
 
 MEMORY_LIMIT = 4 << 30  # address space of each probe process: far above what a refusal needs
@@ -361,3 +363,19 @@ def test_an_incremental_step_loads_through_a_linked_checkpoint_path(tmp_path):
     out = load(path=latest)
     assert torch.equal(out["frozen"], sd["frozen"]) and torch.equal(out["lora"], sd["lora"])
     assert verify_checkpoint(latest).ok
+
+
+# ---------------------------------------------------------------------------- what a save must never write
+
+
+@pytest.mark.parametrize("shape", [(-1, 0), (1,) * 65, (1 << 40, 1 << 40)])
+def test_a_shape_the_reader_refuses_is_never_written(tmp_path, shape):
+    # every write path (save, imports, transforms) builds its entries in one place, which checks
+    # each shape as the reader will; before, an import of a [-1, 0] tensor committed a
+    # checkpoint whose .metadata its own reader refused
+    dst = str(tmp_path / "c")
+    entries = {"w": EntrySpec("tensor", ("w",), "float32", shape), "step": EntrySpec("object", ("step",))}
+    with pytest.raises(MetadataError, match=r"the checkpoint being written, key 'w': shape"):
+        write_streaming(dst, entries, [[]], lambda item: 7)
+    assert not os.path.exists(os.path.join(dst, METADATA_FILE))
+

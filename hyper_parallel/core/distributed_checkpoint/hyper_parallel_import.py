@@ -36,7 +36,7 @@ import torch
 
 from . import metadata as md
 from .box import Box, first_overlap
-from .errors import CheckpointError, MetadataError, UnsupportedValueError
+from .errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from .flatten import path_from_parts
 from .offline_transform import write_streaming
 from .planner import EntrySpec, WriteItem
@@ -405,24 +405,34 @@ class _SourceFiles:
         self.src, self.name, self.handle, self.tensors = src, None, None, None
 
     def tensor(self, name: str, key: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        path = os.path.join(self.src, name)
         if name != self.name:
             self.close()
-            path = os.path.join(self.src, name)
             if is_torch_zip(path):
                 with open(path, "rb") as f:  # weights_only: tensors and plain containers, nothing else
-                    self.tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=False)
+                    try:
+                        self.tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=False)
+                    except Exception as exc:  # a damaged archive fails in zip, pickle or torch code
+                        raise CorruptCheckpointError(f"{path}: not a readable torch.save archive "
+                                                     f"({type(exc).__name__}: {exc!s:.200})") from None
                 if not isinstance(self.tensors, dict):
                     raise CheckpointError(f"{path}: holds a {type(self.tensors).__name__}, expected a dict")
             else:
-                from safetensors import safe_open
-
-                self.handle = safe_open(path, framework="pt")
+                try:  # the library checks the header (negative dims, offsets); its errors name no file
+                    self.handle = safe_open(path, framework="pt")
+                except SafetensorError as exc:
+                    raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
                 self.handle.__enter__()
             self.name = name
         if self.handle is not None:
             if key not in self.handle.keys():
-                raise CheckpointError(f"{os.path.join(self.src, name)}: no tensor {key!r} in it")
-            return self.handle.get_tensor(key)
+                raise CheckpointError(f"{path}: no tensor {key!r} in it")
+            try:
+                return self.handle.get_tensor(key)
+            except SafetensorError as exc:
+                raise CorruptCheckpointError(f"{path}: tensor {key!r} cannot be read ({exc})") from None
         t = self.tensors.get(key)
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{os.path.join(self.src, name)}: no tensor {key!r} in it")
@@ -446,14 +456,22 @@ def _decode_value(raw: bytes, key: str, where: str, allow_pickle: bool) -> tuple
                 f"{where}: the value {key!r} is a pickle that needs {need.args[0]}; pass allow_pickle=True "
                 "to carry it over still pickled (load it with allow_pickle=True), or re-save it as "
                 "tensors / plain values") from None
-        if md.is_json_value(value):
+        except Exception as exc:  # well-formed opcodes that do not build a value (a bad memo, say)
+            raise CorruptCheckpointError(f"{where}: the value {key!r} is a damaged pickle ({type(exc).__name__}: "
+                                         f"{exc})") from None
+        # a cycle, deep nesting or shared lists (2**45 JSON items in 287 bytes) are no plain
+        # value: found in bounded steps, they stay pickled (with allow_pickle) or are refused
+        fault = md.plain_value_problem(value)
+        if fault is None:
             return "object", value
         if isinstance(value, (bytes, bytearray)):
             return "bytes", bytes(value)
         if allow_pickle:
             return "pickle", raw
-        raise UnsupportedValueError(f"{where}: the value {key!r} is a {type(value).__name__}, which this format "
-                                    "stores only pickled; pass allow_pickle=True to carry it over")
+        where_in = "".join(f"[{k!r}]" for k in fault.path)
+        raise UnsupportedValueError(
+            f"{where}: the value {key!r} is a {type(value).__name__} that this format stores only pickled: "
+            f"{key}{where_in}: {fault.why}; pass allow_pickle=True to carry it over still pickled")
     return "bytes", raw  # HyperParallel writes bytes values as they are
 
 

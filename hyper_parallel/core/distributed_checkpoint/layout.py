@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .box import Box
 from .flatten import flatten
+from .metadata import MAX_WORLD
 
 try:  # torch >= 2.5
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -122,7 +123,8 @@ class Layout:
 
     Raises:
         ValueError: shapes and names disagree in length, a name repeats or is empty, a size
-            is not a positive int, or ``rank_list`` is not ``prod(mesh_shape)`` distinct ranks.
+            is not a positive int, the mesh has more than ``MAX_WORLD`` (2**20) positions, or
+            ``rank_list`` is not ``prod(mesh_shape)`` distinct ranks.
 
     Example::
 
@@ -150,6 +152,8 @@ class Layout:
         if len(set(names)) != len(names):
             raise ValueError(f"alias_name {names!r} repeats a name")
         world = math.prod(shape)
+        if world > MAX_WORLD:  # what .metadata accepts: a mesh that can be walked, ranks that can be listed
+            raise ValueError(f"mesh_shape {shape} has {world} positions, more than any job ({MAX_WORLD})")
         # The default ranks stay a range: a layout read from metadata costs O(mesh dims),
         # not O(mesh positions), until someone walks it.
         ranks: Sequence[int] = range(world) if rank_list is None else tuple(rank_list)
@@ -768,15 +772,15 @@ def load_layout(file: str | os.PathLike | IO[str] | IO[bytes]) -> LayoutStrategy
     data = raw.encode() if isinstance(raw, str) else raw
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         doc = None
-        json_error = exc
+        json_error = exc if isinstance(exc, ValueError) else "nested too deep"
     if doc is None or (isinstance(doc, dict) and "parallel_layout_item" in doc):
-        from .mindspore_strategy import parse_strategy, strategy_to_layouts
+        from .mindspore_strategy import NotAStrategyError, parse_strategy, strategy_to_layouts
 
         try:
             layouts = parse_strategy(data, where)
-        except ValueError as ms_exc:
+        except NotAStrategyError as ms_exc:  # a strategy with a bad layout says so itself
             if doc is None:
                 why = str(ms_exc).removeprefix(f"{where}: ")
                 raise ValueError(f"{where}: not a layout file: neither JSON ({json_error}) nor a MindSpore "

@@ -48,7 +48,7 @@ import re
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import numpy as np
@@ -69,10 +69,10 @@ FORMAT_VERSION = 2
 METADATA_FILE = ".metadata"
 
 KINDS = ("tensor", "ndarray", "bytes", "pickle", "object")
-_MAX_NDIM = 64
+MAX_NDIM = 64
 _MAX_ELEMENTS = 1 << 56  # far beyond any real tensor; stops overflow games early
 MAX_WORLD = 1 << 20  # ranks; beyond any job, small enough that a mesh of it can be walked
-_MAX_MESH_NDIM = 8
+MAX_MESH_NDIM = 8
 _MAX_TILES = 4096
 _PLACEMENT_NAME = re.compile(r"^(?:R|S\((-?\d{1,3})\)|_S\((-?\d{1,3}),(\d{1,7})\))$")
 
@@ -485,9 +485,25 @@ def _int(v: Any, where: str, key: str | None, what: str, lo: int = 0, hi: int | 
 
 
 def _int_list(v: Any, where: str, key: str, what: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or len(v) > _MAX_NDIM:
-        raise _fail(where, key, f"{what} must be a list of at most {_MAX_NDIM} integers, found {v!r}")
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise _fail(where, key, f"{what} must be a list of at most {MAX_NDIM} integers, found {v!r}")
     return tuple(_int(x, where, key, what) for x in v)
+
+
+def check_shape(shape: Any, where: str, key: str | None = None) -> tuple[int, ...]:
+    """A tensor shape this format holds: at most 64 integers >= 0, at most 2**56 elements.
+
+    Every entry read from ``.metadata`` and every entry a save builds goes through it, so a
+    shape the reader would refuse (``[-1, 0]`` from a foreign file) is never written.
+    Raises MetadataError naming ``where`` and ``key``.
+    """
+    if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        raise _fail(where, key, f"shape must be a list of at most {MAX_NDIM} integers >= 0, found {shape!r:.200}")
+    dims = tuple(shape)
+    if math.prod(dims) > _MAX_ELEMENTS:
+        raise _fail(where, key, f"shape {list(dims)} is absurdly large")
+    return dims
 
 
 def _parse(doc: Any, where: str) -> Metadata:
@@ -627,9 +643,7 @@ def _parse_common(key: str, e: Any, where: str) -> Entry:
     dtype = e.get("dtype")
     if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise _fail(where, key, f"dtype must be one of {sorted(_DTYPES)}, found {dtype!r}")
-    shape = _int_list(e.get("shape"), where, key, "shape")
-    if math.prod(shape) > _MAX_ELEMENTS:
-        raise _fail(where, key, f"shape {list(shape)} is absurdly large")
+    shape = check_shape(e.get("shape"), where, key)
     if kind == "bytes" and len(shape) != 1:
         raise _fail(where, key, "bytes entries must be 1-d")
     return Entry(key, kind, path, dtype, shape)
@@ -789,8 +803,8 @@ def validate_layout_record(rec: Any, ndim: int, where: str = METADATA_FILE, key:
     if not isinstance(rec, dict):
         raise _fail(where, key, f"layout must be an object, found {type(rec).__name__}")
     mesh = rec.get("mesh_shape")
-    if not isinstance(mesh, list) or not 1 <= len(mesh) <= _MAX_MESH_NDIM:
-        raise _fail(where, key, f"layout mesh_shape must be a list of 1 to {_MAX_MESH_NDIM} sizes, found {mesh!r:.100}")
+    if not isinstance(mesh, list) or not 1 <= len(mesh) <= MAX_MESH_NDIM:
+        raise _fail(where, key, f"layout mesh_shape must be a list of 1 to {MAX_MESH_NDIM} sizes, found {mesh!r:.100}")
     mesh = [_int(m, where, key, "layout mesh size", lo=1, hi=MAX_WORLD) for m in mesh]
     ranks = math.prod(mesh)
     if ranks > MAX_WORLD:
@@ -863,15 +877,88 @@ def _decode_path_part(p: Any, where: str, key: str) -> Any:
 # ---------------------------------------------------------------------------- typed values
 
 
+# A plain value is written into .metadata as JSON, each shared list or dict once per use, so
+# its size is bounded by what JSON writes, not by its objects: 45 levels of ``[x, x]`` are 91
+# objects and 2**45 JSON items. Both bounds are far beyond real values (a step, a config).
+MAX_VALUE_DEPTH = 64  # containers inside containers; encoded, at most 3 JSON levels each
+MAX_VALUE_ITEMS = 1 << 20  # items as JSON writes them (a shared container counts at each use)
+_LEAVES = (bool, int, float, str)
+
+
+class ValueFault(NamedTuple):
+    """Why a value is not plain data: ``kind`` is ``"type"`` (``culprit`` is a value of a type
+    JSON cannot hold), ``"key"`` (``culprit`` is a dict key other than str or int) or ``"shape"``
+    (``culprit`` is a container that holds itself, nests too deep or holds too many items);
+    ``path`` holds the keys/indices leading to it."""
+
+    kind: str
+    path: tuple[Any, ...]
+    culprit: Any
+    why: str
+
+
+class _Fault(Exception):
+    def __init__(self, kind: str, culprit: Any, why: str):
+        super().__init__(why)
+        self.fault = ValueFault(kind, (), culprit, why)
+        self.path: list[Any] = []  # keys from the culprit up, added as the walk unwinds
+
+
+def plain_value_problem(v: Any) -> ValueFault | None:
+    """None when ``v`` round-trips exactly through :func:`encode_value`; else its first fault.
+
+    The walk stops at the first fault (a reference cycle, nesting deeper than MAX_VALUE_DEPTH,
+    more than MAX_VALUE_ITEMS items, a type or key JSON cannot hold), so any value, hostile or
+    not, costs at most MAX_VALUE_ITEMS steps and MAX_VALUE_DEPTH frames.
+    """
+    items = 1
+    on_path: set[int] = set()  # ids of the containers being walked: one met again is a cycle
+
+    def walk(x: Any, depth: int) -> None:
+        nonlocal items
+        t = type(x)
+        if t is dict:
+            for k in x:
+                if type(k) is not str and type(k) is not int:
+                    raise _Fault("key", k, f"its dict key {k!r:.80} is a {type(k).__name__}, not a str or int")
+            members: Any = x.items()
+        elif t is list or t is tuple:
+            members = enumerate(x)
+        elif x is None or t in _LEAVES:
+            return
+        else:
+            raise _Fault("type", x, f"a {t.__module__}.{t.__qualname__} is not plain data")
+        if id(x) in on_path:
+            raise _Fault("shape", x, "it contains itself (a reference cycle)")
+        if depth >= MAX_VALUE_DEPTH:
+            raise _Fault("shape", x, f"it nests lists, tuples or dicts more than {MAX_VALUE_DEPTH} deep")
+        items += len(x)
+        if items > MAX_VALUE_ITEMS:
+            raise _Fault("shape", x, f"it holds more than {MAX_VALUE_ITEMS} items as JSON writes them (a list or "
+                                     "dict used in several places counts at each use)")
+        on_path.add(id(x))
+        for k, m in members:
+            if m is not None and type(m) not in _LEAVES:
+                try:
+                    walk(m, depth + 1)
+                except _Fault as fault:
+                    fault.path.append(k)
+                    raise
+        on_path.discard(id(x))
+
+    try:
+        walk(v, 0)
+    except _Fault as fault:
+        return fault.fault._replace(path=tuple(reversed(fault.path)))
+    return None
+
+
 def is_json_value(v: Any) -> bool:
-    """True when ``v`` round-trips exactly through :func:`encode_value`."""
-    if v is None or type(v) in (bool, int, float, str):
+    """True when ``v`` round-trips exactly through :func:`encode_value` (within the bounds of
+    :func:`plain_value_problem`: no cycles, nesting and size bounded)."""
+    if v is None or type(v) in _LEAVES:
         return True
-    if type(v) in (list, tuple):
-        return all(is_json_value(x) for x in v)
-    if type(v) is dict:
-        return all(type(k) in (str, int) for k in v) and all(is_json_value(x) for x in v.values())
-    return False
+    return plain_value_problem(v) is None
 
 
 # HyperParallel's names, for code written for it: its metadata classes are torch DCP's (which
@@ -911,19 +998,16 @@ def json_culprit(value: Any, where: str, item: Callable[[str, Any], str] | None 
     rather than its container; a dict key of another type than str or int counts. None when
     everything is plain."""
     item = item or (lambda w, k: f"{w}.{k}")
-    if type(value) is dict:
-        for k, v in value.items():
-            if type(k) not in (str, int):
-                return f"{where} (its key {k!r})", k
-            if (found := json_culprit(v, item(where, k), item)) is not None:
-                return found
+    found = plain_value_problem(value)
+    if found is None:
         return None
-    if type(value) in (list, tuple):
-        for i, v in enumerate(value):
-            if (found := json_culprit(v, item(where, i), item)) is not None:
-                return found
-        return None
-    return None if is_json_value(value) else (where, value)
+    for k in found.path:
+        where = item(where, k)
+    if found.kind == "key":
+        return f"{where} (its key {found.culprit!r})", found.culprit
+    if found.kind == "type":  # the culprit's type says what is wrong
+        return where, found.culprit
+    return f"{where} ({found.why})", found.culprit
 
 
 def check_user_metadata(value: Any) -> None:

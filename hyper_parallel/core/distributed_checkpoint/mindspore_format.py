@@ -49,7 +49,7 @@ from . import metadata as md
 from . import protowire as pw
 from .box import Box
 from .data_file import tensor_bytes
-from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
+from .errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from .filesystem_storage import FileSystemReader
 from .loader import read_box, read_metadata
 from .mindspore_strategy import MindSporeLayout, read_strategy
@@ -126,7 +126,12 @@ class MindSporeFile:
             for a, b in info.pieces:
                 self._pread_into(memoryview(raw)[pos:pos + b - a], a)
                 pos += b - a
-            return raw.decode("utf-32-le").rstrip("\x00")
+            try:
+                return raw.decode("utf-32-le").rstrip("\x00")
+            except UnicodeDecodeError as exc:
+                raise CorruptCheckpointError(
+                    f"{self.path}: the string value {name!r} is not UTF-32 text ({exc.reason} at byte {exc.start} "
+                    f"of its {len(raw)}); the file is damaged") from None
         out = torch.empty(info.shape, dtype=md.torch_dtype(info.dtype))
         if out.numel():
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
@@ -168,6 +173,15 @@ def _crc_range(f: MindSporeFile, a: int, b: int, crc: int = 0) -> int:
 
 def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
+
+
+def _check_dims(dims: Any, name: str, path: str) -> tuple[int, ...]:
+    """The shape of a tensor of the file, refused unless our checkpoints can hold it (no
+    negative dim, at most 64 dims and 2**56 elements), before anything allocates or imports it."""
+    try:
+        return md.check_shape(dims, f"{path}: tensor {name!r}")
+    except MetadataError as exc:
+        raise CorruptCheckpointError(f"{exc}; the file is damaged") from None
 
 
 def _our_dtype(ms_type: str, name: str, path: str) -> str:
@@ -256,8 +270,7 @@ class _Ckpt(MindSporeFile):
                         content = (x, y)
                 if ms_type is None:
                     raise pw.WireError(f"tensor {name!r} has no tensor_type", a)
-                if any(d < 0 for d in dims):
-                    raise pw.WireError(f"tensor {name!r} has negative dims {dims}", a)
+                _check_dims(dims, name, path)
                 if name == last:
                     info = self.tensors[name]
                     if (info.dtype != _our_dtype(ms_type, name, path)) or info.shape != tuple(dims):
@@ -314,21 +327,28 @@ class _Safetensors(MindSporeFile):
             raise CorruptCheckpointError(f"{path}: safetensors header of {n} bytes runs past the file ({size} bytes)")
         try:
             header = json.loads(bytes(mm[8:8 + n]))
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
-        base = 8 + n
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than any header
+            raise CorruptCheckpointError(f"{path}: unreadable safetensors header "
+                                         f"({exc if isinstance(exc, ValueError) else 'nested too deep'})") from None
+        if not isinstance(header, dict):
+            raise CorruptCheckpointError(f"{path}: its safetensors header is a JSON {type(header).__name__}, "
+                                         "not an object")
         meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict):
+            raise CorruptCheckpointError(f"{path}: its safetensors header's '__metadata__' is not an object")
+        base = 8 + n
         for name, e in header.items():
             if meta.get(name) == "Int4":
                 raise UnsupportedValueError(f"{path}: tensor {name!r} is MindSpore's packed 4-bit qint4x2, which has "
                                             "no torch dtype")
             try:
                 dtype = _ST_TO_NAME[e["dtype"]]
-                shape = tuple(int(s) for s in e["shape"])
-                a, b = (int(x) for x in e["data_offsets"])
+                shape, (a, b) = e["shape"], e["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise UnsupportedValueError(f"{path}: tensor {name!r} has an unsupported entry {e!r:.120}") from None
-            if not 0 <= a <= b <= size - base or b - a != _numel(shape) * md.itemsize(dtype):
+            shape = _check_dims(shape, name, path)
+            if (type(a) is not int or type(b) is not int or not 0 <= a <= b <= size - base
+                    or b - a != _numel(shape) * md.itemsize(dtype)):
                 raise CorruptCheckpointError(f"{path}: tensor {name!r} ({dtype} {list(shape)}) has byte range "
                                              f"[{a}, {b}) in a data section of {size - base} bytes")
             self.tensors[name] = TensorInfo(name, dtype, shape, [(base + a, base + b)])
@@ -346,7 +366,7 @@ class _Safetensors(MindSporeFile):
 def _int_or_none(v: Any) -> int | None:
     try:
         return int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
         return None
 
 

@@ -31,12 +31,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import protowire as pw
+from .errors import MetadataError
 from .layout import Layout, LayoutStrategy, TensorLayout
+from .metadata import MAX_MESH_NDIM, MAX_NDIM, MAX_WORLD
 
 __all__ = ["MindSporeLayout", "read_strategy", "parse_strategy", "strategy_to_layouts", "write_strategy"]
 
 _STAGE_NAME = re.compile(r"^(\d+)-(.+)$")
 _GLOB = re.compile(r"[*?\[]")
+
+
+class NotAStrategyError(MetadataError):
+    """The bytes are no MindSpore strategy file at all (neither protobuf nor its JSON form)."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,9 @@ def read_strategy(path: str | os.PathLike) -> dict[str, MindSporeLayout]:
     """Every parameter layout of a MindSpore strategy file (protobuf or JSON), by parameter name.
 
     Raises:
-        ValueError: the file is neither form, or a layout in it is malformed (names the file
-            and the parameter).
+        MetadataError (a ValueError): the file is neither form (:class:`NotAStrategyError`),
+            or a layout in it is malformed or larger than any job (names the file and the
+            parameter).
     """
     where = os.fspath(path)
     with open(where, "rb") as f:
@@ -107,31 +114,53 @@ def parse_strategy(raw: bytes, where: str = "<bytes>") -> dict[str, MindSporeLay
     if stripped[:1] == b"{":
         try:
             doc = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"{where}: not a MindSpore strategy: invalid JSON ({exc})") from None
-        return _parse_json(doc, where)
-    return _parse_protobuf(raw, where)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than any strategy
+            raise NotAStrategyError(f"{where}: not a MindSpore strategy: invalid JSON "
+                                    f"({exc if isinstance(exc, ValueError) else 'nested too deep'})") from None
+        layouts = _parse_json(doc, where)
+    else:
+        layouts = _parse_protobuf(raw, where)
+    return {name: _check(layout, name, where) for name, layout in layouts.items()}
 
 
 def _split_stage(name: str) -> tuple[str, int]:
     m = _STAGE_NAME.match(name)
-    return (m.group(2), int(m.group(1))) if m else (name, 0)
+    if not m:
+        return name, 0
+    digits = m.group(1)  # more digits than any stage number: kept huge, for _check to refuse
+    return m.group(2), int(digits) if len(digits) <= 18 else 1 << 64
 
 
 def _check(layout: MindSporeLayout, name: str, where: str) -> MindSporeLayout:
-    if not layout.dev_matrix or any(d < 1 for d in layout.dev_matrix):
-        raise ValueError(f"{where}: parameter {name!r} has dev_matrix {list(layout.dev_matrix)}; "
-                         "expected positive sizes")
+    """Refuse a layout the rest cannot hold: bounded as our ``.metadata`` bounds layouts
+    (at most MAX_MESH_NDIM mesh dims and MAX_WORLD ranks), so nothing walks a mesh of
+    16.7M ranks or allocates one of 2**40."""
+    at = f"{where}: parameter {name!r}"
+    dev = layout.dev_matrix
+    if not dev or any(d < 1 for d in dev):
+        raise MetadataError(f"{at} has dev_matrix {list(dev)!r:.100}; expected positive sizes")
+    if len(dev) > MAX_MESH_NDIM:
+        raise MetadataError(f"{at} has a dev_matrix of {len(dev)} dims; a mesh has at most {MAX_MESH_NDIM}")
+    world = math.prod(dev)
+    if (layout.stage + 1) * world > MAX_WORLD:
+        ranks = f"{world} devices" + (f" on pipeline stage {layout.stage}, ranks up to "
+                                      f"{(layout.stage + 1) * world - 1}" if layout.stage else "")
+        raise MetadataError(f"{at} has dev_matrix {list(dev)}: {ranks}, more than any job (at most {MAX_WORLD} "
+                            "ranks, as in a checkpoint's .metadata); the file is damaged or not a job's strategy")
     if not layout.tensor_map:
-        raise ValueError(f"{where}: parameter {name!r} has no tensor_map")
+        raise MetadataError(f"{at} has no tensor_map")
+    if len(layout.tensor_map) > MAX_NDIM or any(len(t) > MAX_NDIM for t in layout.tensor_map):
+        raise MetadataError(f"{at} has a tensor_map of more than {MAX_NDIM} dims")
+    if len(layout.param_split_shape) > MAX_WORLD:
+        raise MetadataError(f"{at} has a param_split_shape of {len(layout.param_split_shape)} entries")
     return layout
 
 
 def _parse_json(doc: Any, where: str) -> dict[str, MindSporeLayout]:
     items = doc.get("parallel_layout_item") if isinstance(doc, dict) else None
     if not isinstance(items, dict):
-        raise ValueError(f"{where}: not a MindSpore strategy: a JSON strategy has a 'parallel_layout_item' "
-                         "object")
+        raise NotAStrategyError(f"{where}: not a MindSpore strategy: a JSON strategy has a 'parallel_layout_item' "
+                                "object")
     out: dict[str, MindSporeLayout] = {}
     for full_name, item in items.items():
         try:
@@ -141,17 +170,29 @@ def _parse_json(doc: Any, where: str) -> dict[str, MindSporeLayout]:
                 else (tuple(tmap),)
             name, stage = _split_stage(full_name)
             layout = MindSporeLayout(
-                dev_matrix=tuple(int(d) for d in item["dev_matrix"]),
-                tensor_map=tuple(tuple(int(x) for x in t) for t in tensor_map),
-                field=int(item.get("field") or 0),
-                opt_shard_step=int(item.get("opt_weight_shard_step") or 0),
-                opt_shard_size=int(item.get("opt_weight_shard_size") or 0),
-                param_split_shape=tuple(int(x) for x in item.get("param_split_shape") or ()),
+                dev_matrix=tuple(_json_int(d) for d in item["dev_matrix"]),
+                tensor_map=tuple(tuple(_json_int(x) for x in t) for t in tensor_map),
+                field=_json_int(item.get("field") or 0),
+                opt_shard_step=_json_int(item.get("opt_weight_shard_step") or 0),
+                opt_shard_size=_json_int(item.get("opt_weight_shard_size") or 0),
+                param_split_shape=tuple(_json_int(x) for x in item.get("param_split_shape") or ()),
                 stage=stage)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{where}: parallel_layout_item {full_name!r} is malformed ({exc!r})") from None
-        out[name] = _check(layout, name, where)
+            raise MetadataError(f"{where}: parallel_layout_item {full_name!r} is malformed ({exc!r:.200})") from None
+        out[name] = layout
     return out
+
+
+def _json_int(v: Any) -> int:
+    """An integer of a JSON strategy: MindSpore writes ints; a whole float or a numeric string
+    (protobuf's JSON form of 64-bit ints) is taken as one, as before; inf, nan, 1.5 are not."""
+    if type(v) is int:
+        return v
+    if type(v) is float and v.is_integer():  # not inf or nan: int() of those raises OverflowError
+        return int(v)
+    if type(v) is str and len(v) <= 20:
+        return int(v)
+    raise TypeError(f"{v!r:.40} is not an integer")
 
 
 def _ints(buf: bytes, a: int, b: int, signed: bool = False) -> tuple[int, ...]:
@@ -193,14 +234,14 @@ def _parse_protobuf(raw: bytes, where: str) -> dict[str, MindSporeLayout]:
                 elif n3 in scalars and w3 == pw.VARINT:
                     scalars[n3] = pw.as_signed(x, 32)
             short, stage = _split_stage(name)
-            out[short] = _check(MindSporeLayout(dev_matrix, tuple(tensor_map), scalars[5], scalars[6], scalars[7],
-                                                tuple(split), stage), short, where)
-    except (pw.WireError, ValueError) as exc:
-        raise ValueError(f"{where}: not a MindSpore strategy file (protobuf ParallelStrategyMap or JSON): "
-                         f"{exc}") from None
+            out[short] = MindSporeLayout(dev_matrix, tuple(tensor_map), scalars[5], scalars[6], scalars[7],
+                                         tuple(split), stage)
+    except ValueError as exc:  # pw.WireError, or an int32 field out of range
+        raise NotAStrategyError(f"{where}: not a MindSpore strategy file (protobuf ParallelStrategyMap or JSON): "
+                                f"{exc}") from None
     if not out:
-        raise ValueError(f"{where}: not a MindSpore strategy file: it holds no parameter layout "
-                         "(parallel_layout_item)")
+        raise NotAStrategyError(f"{where}: not a MindSpore strategy file: it holds no parameter layout "
+                                "(parallel_layout_item)")
     return out
 
 
@@ -208,14 +249,15 @@ def strategy_to_layouts(layouts: Mapping[str, MindSporeLayout], where: str = "st
     """A :class:`LayoutStrategy` of exact parameter names (what :func:`load_layout` returns).
 
     Raises:
-        ValueError: a parameter uses a slicing our layouts cannot express (names it and why).
+        MetadataError (a ValueError): a parameter uses a slicing our layouts cannot express, or
+            its tensor_map does not fit its dev_matrix (names it and why).
     """
     out = LayoutStrategy()
     for name, ms_layout in layouts.items():
         try:
             out[name] = ms_layout.tensor_layout()
         except ValueError as exc:
-            raise ValueError(f"{where}: parameter {name!r}: {exc}") from None
+            raise MetadataError(f"{where}: parameter {name!r}: {exc}") from None
     return out
 
 

@@ -438,6 +438,8 @@ def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], s
             rows.setdefault(key, []).append((sub, box, (d, name)))
     out = {}
     for key, spec in entries.items():
+        if spec.kind != "object":  # what the reader would refuse is never written (e.g. an import's [-1, 0])
+            md.check_shape(tuple(spec.shape or ()), "the checkpoint being written", key)
         entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, objects.get(key), spec.store)
         if spec.kind != "object" and spec.store is None:
             entry.store = _table(key, spec, sorted(rows.get(key, [])), file_index)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .errors import CorruptCheckpointError
+
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
 _NESTING_KEY = "hyper_parallel.nesting"
@@ -118,14 +120,15 @@ def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         ValueError: the path names no file with an extension.
         FileNotFoundError: no such file.
-        CorruptCheckpointError: the safetensors header is damaged or describes more bytes
-            than the file has (the message names the file and the tensor).
+        CorruptCheckpointError: the safetensors header is damaged (e.g. a negative dim) or
+            describes more bytes than the file has (the message names the file and the tensor),
+            or its nesting record does not match its tensors.
 
     Example::
 
         sd = load_checkpoint("out/model.safetensors")["model_state_dict"]
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     from .hf_storage import check_safetensors_file
@@ -140,16 +143,23 @@ def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
     # header length, shapes and data offsets checked against the file's size, with errors
     # naming the file and the tensor (safetensors' own name neither)
     check_safetensors_file(os.fspath(path))
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    flat = load_file(str(path))
+    try:  # anything else the safetensors library refuses: its errors name no file
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        flat = load_file(str(path))
+    except SafetensorError as exc:
+        raise CorruptCheckpointError(f"{os.fspath(path)}: not a readable safetensors file ({exc})") from None
     nesting = meta.get(_NESTING_KEY)
     if not nesting:
         return flat
     out: dict[str, Any] = {}
-    for parts in json.loads(nesting):
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = flat[".".join(parts)]
+    try:
+        for parts in json.loads(nesting):
+            node = out
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = flat[".".join(parts)]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{os.fspath(path)}: its {_NESTING_KEY!r} metadata does not describe its "
+                                     f"tensors ({type(exc).__name__}: {exc!s:.100}); the file is damaged") from None
     return out

@@ -7,13 +7,17 @@ The checkpoints under ``tests/fixtures/hyper_parallel`` were written by HyperPar
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import json
 import os
 import pickle
 import shutil
+import signal
+import struct
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +36,12 @@ from hyper_parallel.core.distributed_checkpoint import (
     save_state_dict_as_huggingface_format,
 )
 from hyper_parallel.core.distributed_checkpoint import hyper_parallel_import as hpi
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, MetadataError, UnsupportedValueError
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    MetadataError,
+    UnsupportedValueError,
+)
 from hyper_parallel.core.distributed_checkpoint.loader import load_checkpoint
 from hyper_parallel.core.distributed_checkpoint.saver import save_checkpoint
 
@@ -299,6 +308,98 @@ def test_values_that_need_pickle_are_refused_unless_allowed(tmp_path):
     meta = import_hyper_parallel(str(src), str(tmp_path / "o"), trust=True, allow_pickle=True)
     assert meta.entries["sched"].kind == "pickle"
     assert load(path=str(tmp_path / "o"), allow_pickle=True)["sched"] == when
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail (rather than hang the run) when the block takes longer than ``seconds``."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _self_referencing() -> list:
+    x: list = []
+    x.append(x)
+    return x
+
+
+def _shared(levels: int) -> list:
+    x: Any = 0
+    for _ in range(levels):
+        x = [x, x]  # levels + 1 objects, 2**levels leaves as JSON writes it
+    return x
+
+
+def _deep(levels: int) -> Any:
+    x: Any = 0
+    for _ in range(levels):
+        x = {"k": (x,)}
+    return x
+
+
+@pytest.mark.parametrize("value,why", [
+    (_self_referencing(), r"sched\[0\]: it contains itself \(a reference cycle\)"),  # a RecursionError before
+    (_shared(45), "it holds more than 1048576 items"),  # 287 bytes, minutes before (2**45 items)
+    (_deep(200), "more than 64 deep"),
+])
+def test_value_pickles_whose_json_form_is_unbounded_are_refused_in_bounded_time(tmp_path, value, why):
+    src = tmp_path / "c"
+    shutil.copytree(os.path.join(FIXTURES, "collective"), src)
+    raw = pickle.dumps(value)
+    (src / "sched_rank0.bytes").write_bytes(raw)
+    with deadline(20), pytest.raises(UnsupportedValueError, match=rf"sched_rank0.bytes: the value 'sched' .*{why}.*"
+                                                                  "allow_pickle=True"):
+        import_hyper_parallel(str(src), str(tmp_path / "o"), trust=True)
+    assert not (tmp_path / "o" / ".metadata").exists()
+    # it is a legitimate Python value: carried over still pickled, it loads back whole
+    with deadline(20):
+        meta = import_hyper_parallel(str(src), str(tmp_path / "o"), trust=True, allow_pickle=True)
+    assert meta.entries["sched"].kind == "pickle"
+    back = load(path=str(tmp_path / "o"), allow_pickle=True)["sched"]
+    assert pickle.dumps(back) == raw
+
+
+def test_a_value_pickle_that_builds_nothing_is_a_corrupt_file(tmp_path):
+    # well-formed opcodes (one pickle, STOP at its end) that fail as they run: APPEND with no list
+    src = tmp_path / "c"
+    shutil.copytree(os.path.join(FIXTURES, "collective"), src)
+    (src / "sched_rank0.bytes").write_bytes(b"\x80\x04K\x01K\x02a.")
+    with pytest.raises(CorruptCheckpointError, match=r"sched_rank0.bytes: the value 'sched' is a damaged pickle"):
+        import_hyper_parallel(str(src), str(tmp_path / "o"), trust=True, allow_pickle=True)
+
+
+def test_a_data_file_with_a_negative_dim_is_a_corrupt_file(tmp_path):
+    # current HyperParallel writes real safetensors; the library refuses a negative dim with an
+    # error naming neither the file nor the tensor
+    src = tmp_path / "c"
+    shutil.copytree(os.path.join(FIXTURES, "collective"), src)
+    header = json.dumps({"embed": {"dtype": "F64", "shape": [-1, 0], "data_offsets": [0, 0]}}).encode()
+    (src / "_rank0_.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CorruptCheckpointError, match=r"_rank0_.safetensors: not a readable safetensors file"):
+        import_hyper_parallel(str(src), str(tmp_path / "o"), trust=True)
+    assert not (tmp_path / "o" / ".metadata").exists()
+
+
+def test_the_single_file_loader_refuses_a_negative_dim_naming_the_file(tmp_path):
+    path = tmp_path / "neg.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [-1, 0], "data_offsets": [0, 0]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CorruptCheckpointError, match=r"neg.safetensors: tensor .w.: shape .*\[-1, 0\]"):
+        load_checkpoint(str(path))
+    save_checkpoint({"model": {"w": torch.ones(2)}}, str(path))
+    raw = path.read_bytes()
+    assert b'\\"w\\"]]' in raw
+    path.write_bytes(raw.replace(b'\\"w\\"]]', b'\\"x\\"]]'))  # the nesting names no tensor
+    with pytest.raises(CorruptCheckpointError, match="neg.safetensors: its 'hyper_parallel.nesting' metadata"):
+        load_checkpoint(str(path))
 
 
 class _NewestLayout(pickle._Pickler):

@@ -13,6 +13,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -42,7 +43,12 @@ from hyper_parallel.core.distributed_checkpoint import (
 from hyper_parallel.core.distributed_checkpoint import metadata as md
 from hyper_parallel.core.distributed_checkpoint import mindspore_format as msf
 from hyper_parallel.core.distributed_checkpoint import protowire as pw
-from hyper_parallel.core.distributed_checkpoint.mindspore_strategy import read_strategy
+from hyper_parallel.core.distributed_checkpoint.errors import MetadataError
+from hyper_parallel.core.distributed_checkpoint.mindspore_strategy import (
+    parse_strategy,
+    read_strategy,
+    strategy_to_layouts,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 FIX = os.path.join(REPO, "tests", "fixtures", "mindspore")
@@ -228,6 +234,155 @@ def test_a_file_that_is_not_mindspore_is_a_clear_error(tmp_path):
     path.write_bytes(b"PK\x03\x04 a zip file, say")
     with pytest.raises(CorruptCheckpointError, match="not a MindSpore .ckpt"):
         read_mindspore_checkpoint(path)
+
+
+def _ms_safetensors(path, entries: dict, meta: dict | None = None, data: bytes = b"") -> None:
+    """A safetensors file with exactly this header (``entries``: name -> header entry)."""
+    header = json.dumps({"__metadata__": meta or {"format": "ms"}, **entries}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize("shape,nbytes", [([-2, -2], 16), ([-1, 0], 0), ([0, -5], 0), ([1] * 65, 4),
+                                          ([1 << 40, 1 << 40], 0), ([2.0, 2], 16), ([True, 4], 16)])
+def test_a_safetensors_shape_our_checkpoints_cannot_hold_is_refused_naming_file_and_tensor(shape, nbytes, tmp_path):
+    # [-2, -2] claims 4 elements (16 bytes) and failed in torch.empty with a raw RuntimeError;
+    # [-1, 0] claims none and was imported into a checkpoint our own reader then refused
+    path = tmp_path / "neg.safetensors"
+    _ms_safetensors(path, {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, nbytes]}}, data=bytes(nbytes))
+    with pytest.raises(CorruptCheckpointError, match=r"neg.safetensors: tensor 'w': shape "):
+        read_mindspore_checkpoint(path)
+    with pytest.raises(CorruptCheckpointError, match=r"neg.safetensors: tensor 'w': shape "):
+        import_mindspore(path, tmp_path / "dcp")
+    assert not os.path.exists(tmp_path / "dcp" / ".metadata")
+
+
+def test_a_ckpt_shape_our_checkpoints_cannot_hold_is_refused_naming_file_and_tensor(tmp_path):
+    for dims in ([-1, 0], [1] * 65, [1 << 40, 1 << 40]):
+        tensor = pw.repeated_ints(1, dims) + pw.str_field(2, "Float32") + pw.len_field(3, b"")
+        path = tmp_path / "dims.ckpt"
+        path.write_bytes(pw.len_field(1, pw.str_field(1, "w") + pw.len_field(2, tensor)))
+        with pytest.raises(CorruptCheckpointError, match=r"dims.ckpt: tensor 'w': shape "):
+            import_mindspore(path, tmp_path / "dcp")
+        assert not os.path.exists(tmp_path / "dcp" / ".metadata")
+
+
+_W = b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+
+
+@pytest.mark.parametrize("header,why", [
+    (b'{"__metadata__": [1], ' + _W + b"}", "'__metadata__' is not an object"),  # AttributeError before
+    (b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deep"),  # RecursionError before
+    (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4.0]}}', "has byte range"),  # was taken
+    (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, Infinity]}}', "has byte range"),  # OverflowError
+])
+def test_a_damaged_safetensors_header_is_a_clear_error(header, why, tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(CorruptCheckpointError, match=rf"bad.safetensors: .*{re.escape(why)}"):
+        read_mindspore_checkpoint(path)
+
+
+def test_a_crc_that_is_no_number_fails_the_check(tmp_path):
+    path = tmp_path / "crc.safetensors"
+    _ms_safetensors(path, {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+                    meta={"format": "ms", "crc_num": float("inf")}, data=bytes(4))  # OverflowError before
+    with pytest.raises(CorruptCheckpointError, match="crc.safetensors: crc32 of the tensors is"):
+        read_mindspore_checkpoint(path)
+
+
+def _ckpt_string(name: str, raw: bytes) -> bytes:
+    """A ``.ckpt`` message holding a string value (MindSpore: UTF-32 text, dims [0], type "str")."""
+    tensor = pw.repeated_ints(1, [0]) + pw.str_field(2, "str") + pw.len_field(3, raw)
+    return pw.len_field(1, pw.str_field(1, name) + pw.len_field(2, tensor))
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xff\xff\xff", b"\x00\xd8\x00\x00", "ok".encode("utf-32-le") + b"\x41"])
+def test_a_string_value_that_is_not_utf32_is_an_error_naming_file_and_key(raw, tmp_path):
+    # a code point past U+10FFFF, a surrogate, a length that is no multiple of 4
+    path = tmp_path / "s.ckpt"
+    path.write_bytes(_ckpt_string("epoch_note", "fine".encode("utf-32-le")) + _ckpt_string("note", raw))
+    with pytest.raises(CorruptCheckpointError, match=r"s.ckpt: the string value 'note' is not UTF-32 text"):
+        read_mindspore_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"s.ckpt: the string value 'note' is not UTF-32 text"):
+        import_mindspore(path, tmp_path / "dcp")
+    assert not os.path.exists(tmp_path / "dcp" / ".metadata")
+
+
+def _mutants(data: bytes, rnd, n: int):
+    """``n`` damaged copies of ``data``: cut short, or one to four bytes flipped or replaced."""
+    for _ in range(n):
+        if rnd.random() < 0.3:
+            yield data[:rnd.randrange(len(data))]
+            continue
+        out = bytearray(data)
+        for _ in range(rnd.randint(1, 4)):
+            i = rnd.randrange(len(out))
+            out[i] = rnd.randrange(256) if rnd.random() < 0.5 else out[i] ^ (1 << rnd.randrange(8))
+        yield bytes(out)
+
+
+_HOSTILE = [-1, -(1 << 40), 1 << 40, 1 << 70, 2.5, 1e308, float("inf"), float("nan"), "7", "x" * 50, None, True,
+            [], [[[[1]]]], {}, {"a": [1]}, [-1, 0], [4096, 4096], [1] * 70]
+
+
+def _json_mutants(doc, rnd, n: int):
+    """``n`` copies of the JSON document ``doc``, each with one member (at any depth) replaced by
+    a hostile value, so mutations reach shapes, offsets, dev_matrix and tensor_map."""
+    def slots(node, out):
+        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+            out.append((node, k))
+            if isinstance(v, (dict, list)):
+                slots(v, out)
+        return out
+
+    for _ in range(n):
+        copy = json.loads(json.dumps(doc))
+        node, k = rnd.choice(slots(copy, []))
+        node[k] = rnd.choice(_HOSTILE)
+        yield json.dumps(copy).encode()
+
+
+def test_damaged_mindspore_files_raise_only_our_errors(tmp_path):
+    """Fuzz (fixed seed): cut or flipped copies of .ckpt files, of a safetensors file and of
+    both strategy forms, and copies with one header or strategy member replaced by a hostile
+    value, are read whole or refused with one of our errors; nothing raw escapes."""
+    import random
+
+    rnd = random.Random(30)
+    refused = 0
+
+    def read(path) -> None:
+        nonlocal refused
+        try:
+            read_mindspore_checkpoint(path, verify=rnd.random() < 0.5)
+        except CheckpointError:
+            refused += 1
+
+    def parse(raw: bytes, where: str) -> None:
+        nonlocal refused
+        try:
+            strategy_to_layouts(parse_strategy(raw, where), where)
+        except MetadataError:
+            refused += 1
+
+    for fixture in ("full.ckpt", "full_crc.ckpt", "full.safetensors", "tp2/rank_1/net1.ckpt"):
+        data = open(os.path.join(FIX, fixture), "rb").read()
+        path = tmp_path / os.path.basename(fixture)
+        for mutant in _mutants(data, rnd, 100):
+            path.write_bytes(mutant)
+            read(path)
+    data = open(os.path.join(FIX, "full.safetensors"), "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    path = tmp_path / "header.safetensors"
+    for header in _json_mutants(json.loads(data[8:8 + n]), rnd, 100):
+        path.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + n:])
+        read(path)
+    for fixture in ("tp2/strategy.ckpt", "tp2/strategy.json"):
+        for mutant in _mutants(open(os.path.join(FIX, fixture), "rb").read(), rnd, 100):
+            parse(mutant, fixture)
+    for mutant in _json_mutants(json.load(open(os.path.join(TP2, "strategy.json"))), rnd, 100):
+        parse(mutant, "strategy.json")
+    assert refused > 400  # most mutants are damaged enough to be refused
 
 
 # ---------------------------------------------------------------------------- distributed (TP=2)
@@ -472,6 +627,54 @@ def test_a_merged_pipeline_strategy_puts_each_stage_on_its_ranks(tmp_path):
     strategy = load_layout(str(path))
     assert list(strategy["embed"].layout.rank_list) == [0, 1] and list(strategy["head"].layout.rank_list) == [2, 3]
     assert strategy["head"].chunk_box(3, (6, 4)).offsets == (3, 0)
+
+
+def _proto_strategy(name: str, dev_matrix: list[int], tensor_map: list[int]) -> bytes:
+    """A protobuf ParallelStrategyMap with one parallel_layout_item, as MindSpore writes it."""
+    layouts = pw.len_field(1, pw.repeated_ints(1, dev_matrix)) + pw.len_field(2, pw.repeated_ints(1, tensor_map))
+    return pw.int_field(1, 0) + pw.len_field(3, pw.str_field(1, name) + pw.len_field(2, layouts))
+
+
+@pytest.mark.parametrize("name,dev_matrix,why", [
+    ("w", [1 << 20, 1 << 20], "1099511627776 devices, more than any job"),  # a MemoryError before
+    ("w", [4096, 4096], "16777216 devices, more than any job"),  # minutes over 16.7M ranks before
+    ("3-w", [1 << 19], "on pipeline stage 3, ranks up to 2097151"),
+    ("99999999999999999999999-w", [2], "more than any job"),
+    ("w", [1] * 9, "a dev_matrix of 9 dims; a mesh has at most 8"),
+])
+def test_a_strategy_larger_than_any_job_is_refused_naming_file_and_parameter(name, dev_matrix, why, tmp_path):
+    # the bounds of our own .metadata (MAX_WORLD ranks, MAX_MESH_NDIM mesh dims), checked as
+    # the file is read, so nothing allocates or walks its ranks
+    item = {"dev_matrix": dev_matrix, "tensor_map": [0, -1], "field": 0, "opt_weight_shard_step": 0,
+            "opt_weight_shard_size": 0}
+    as_json = tmp_path / "big.json"
+    as_json.write_text(json.dumps({"current_stage": 0, "parallel_layout_item": {name: item}}))
+    as_proto = tmp_path / "big.ckpt"
+    as_proto.write_bytes(_proto_strategy(name, dev_matrix, [0, -1]))
+    short = name.split("-", 1)[-1]
+    for path in (as_json, as_proto):
+        match = rf"{path.name}: parameter {short!r} has .*{re.escape(why)}"
+        with pytest.raises(MetadataError, match=match):
+            read_strategy(path)
+        with pytest.raises(MetadataError, match=match):  # not "not a layout file"
+            load_layout(str(path))
+        with pytest.raises(MetadataError, match=match):
+            import_mindspore(TP2, tmp_path / "dcp", strategy=path)
+    assert not os.path.exists(tmp_path / "dcp")
+
+
+def test_a_mesh_larger_than_any_job_is_refused_in_our_layout_files_too(tmp_path):
+    with pytest.raises(ValueError, match=r"mesh_shape \(4096, 4096\) has 16777216 positions, more than any job"):
+        Layout((4096, 4096), ("dp", "tp"))
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({"format": "hyper-parallel-layout", "version": 1,
+                                "meshes": [{"mesh_shape": [4096, 4096], "alias_name": ["dp", "tp"]}],
+                                "layouts": [{"name": "*", "mesh": 0, "tensor_map": [0, -1]}]}))
+    with pytest.raises(ValueError, match="big.json: bad mesh: .*more than any job"):
+        load_layout(str(path))
+    path.write_bytes(b"[" * 100_000)  # nested deeper than the JSON reader goes: not a layout file
+    with pytest.raises(ValueError, match="not a layout file: neither JSON"):
+        load_layout(str(path))
 
 
 def test_a_file_that_is_no_strategy_is_a_clear_layout_error():
