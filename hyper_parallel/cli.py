@@ -31,12 +31,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .core.distributed_checkpoint import metadata as md
-from .core.distributed_checkpoint.chunks import count as chunk_count
-from .core.distributed_checkpoint.errors import CheckpointError
-from .core.distributed_checkpoint.loader import read_metadata
-from .core.distributed_checkpoint.storage import reader_for, writer_for
-from .core.distributed_checkpoint.verify import verify_checkpoint
+from .core.distributed_checkpoint.backends.protocol import reader_for, writer_for
+from .core.distributed_checkpoint.base.errors import CheckpointError
+from .core.distributed_checkpoint.format import metadata as md
+from .core.distributed_checkpoint.format.chunks import count as chunk_count
+from .core.distributed_checkpoint.tools.verify import verify_checkpoint
+from .core.distributed_checkpoint.transfer.loader import read_metadata
 
 
 def _human(n: float) -> str:
@@ -136,8 +136,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.commit import collect_garbage
-    from .core.distributed_checkpoint.step_directory import files_other_steps_use
+    from .core.distributed_checkpoint.engine.commit import collect_garbage
+    from .core.distributed_checkpoint.manager.step_directory import files_other_steps_use
 
     reader = reader_for(args.path)
     try:
@@ -175,7 +175,7 @@ def _json_safe(value: Any) -> Any:
 def cmd_ls(args: argparse.Namespace) -> int:
     import os
 
-    from .core.distributed_checkpoint.step_directory import list_steps
+    from .core.distributed_checkpoint.manager.step_directory import list_steps
 
     if "://" not in args.path and not os.path.isdir(args.path):
         raise CheckpointError(f"{args.path!r} is not a directory")
@@ -243,7 +243,7 @@ def _report(args: argparse.Namespace, what: str, dst: str, meta: Any, seconds: f
 
 
 def cmd_transform(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.offline_transform import offline_transform
+    from .core.distributed_checkpoint.resharding.offline_transform import offline_transform
 
     if (args.layout is None) == (args.mesh is None):
         raise ValueError("transform needs exactly one of --layout FILE or --mesh name=size")
@@ -261,7 +261,7 @@ def cmd_transform(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.offline_transform import save_state_dict_as_huggingface_format
+    from .core.distributed_checkpoint.resharding.offline_transform import save_state_dict_as_huggingface_format
 
     t0 = time.perf_counter()
     bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-hf")
@@ -283,7 +283,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.offline_transform import convert_full_checkpoint_to_dcp
+    from .core.distributed_checkpoint.resharding.offline_transform import convert_full_checkpoint_to_dcp
 
     t0 = time.perf_counter()
     meta = convert_full_checkpoint_to_dcp(args.src, args.dst, prefix=args.prefix,
@@ -292,7 +292,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.offline_transform import import_torch_dcp
+    from .core.distributed_checkpoint.resharding.offline_transform import import_torch_dcp
 
     t0 = time.perf_counter()
     meta = import_torch_dcp(args.src, args.dst, trust=args.trust, overwrite=args.overwrite)
@@ -300,7 +300,7 @@ def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_import_hyper_parallel(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.hyper_parallel_import import import_hyper_parallel
+    from .core.distributed_checkpoint.interop.hyper_parallel import import_hyper_parallel
 
     t0 = time.perf_counter()
     meta = import_hyper_parallel(args.src, args.dst, trust=args.trust, allow_pickle=args.allow_pickle,
@@ -308,7 +308,7 @@ def cmd_import_hyper_parallel(args: argparse.Namespace) -> int:
     return _report(args, "import-hyper-parallel", args.dst, meta, time.perf_counter() - t0)
 
 def cmd_export_torch_dcp(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.torch_dcp_export import export_torch_dcp
+    from .core.distributed_checkpoint.interop.torch_dcp import export_torch_dcp
 
     t0 = time.perf_counter()
     bar = None if args.json else _progress(_tensor_bytes(args.src), "export-torch-dcp")
@@ -344,7 +344,7 @@ def _mindspore_bytes(src: str) -> int:
 
 
 def cmd_import_mindspore(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.mindspore_format import import_mindspore
+    from .core.distributed_checkpoint.interop.mindspore import import_mindspore
 
     t0 = time.perf_counter()
     bar = None if args.json else _progress(_mindspore_bytes(args.src), "import-mindspore")
@@ -359,7 +359,7 @@ def cmd_import_mindspore(args: argparse.Namespace) -> int:
 
 
 def cmd_export_mindspore(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.mindspore_format import export_mindspore
+    from .core.distributed_checkpoint.interop.mindspore import export_mindspore
 
     bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-mindspore")
     try:

@@ -34,10 +34,10 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
     verify_checkpoint,
 )
-from hyper_parallel.core.distributed_checkpoint.metadata import METADATA_FILE, MetadataError, seal_json
-from hyper_parallel.core.distributed_checkpoint.offline_transform import write_streaming
-from hyper_parallel.core.distributed_checkpoint.planner import EntrySpec
-from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, MetadataError, seal_json
+from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec
+from hyper_parallel.core.distributed_checkpoint.resharding.offline_transform import write_streaming
+from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
 
 MEMORY_LIMIT = 4 << 30  # address space of each probe process: far above what a refusal needs
 
@@ -70,7 +70,7 @@ PROBE = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
     from hyper_parallel.cli import main
     from hyper_parallel.core.distributed_checkpoint import load, offline_transform
-    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+    from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
     path, out = sys.argv[1:3]
     calls = {{
         "load": lambda: load(path=path),
@@ -236,7 +236,7 @@ SIZES_PROBE = textwrap.dedent("""
     import resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
     from hyper_parallel.core.distributed_checkpoint import export_torch_dcp, load, offline_transform
-    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+    from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
     path, out = sys.argv[1:3]
     calls = {{
         "load": lambda: load(path=path),

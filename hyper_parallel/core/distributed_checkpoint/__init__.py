@@ -5,18 +5,10 @@ under any other. See ``docs/design.md`` for the architecture and ``docs/format.m
 on-disk format.
 """
 
-from .api import load, save
-from .async_staging import (
-    AsyncCheckpointer,
-    AsyncSaveError,
-    AsyncSaveResponse,
-    AsyncStagingError,
-    StagingStats,
-    async_save,
-    default_checkpointer,
-    register_optimizer_hook,
-)
-from .errors import (
+from .backends.filesystem import FileSystemReader, FileSystemWriter
+from .backends.fsspec import FsspecReader, FsspecWriter
+from .backends.protocol import StorageReader, StorageWriter
+from .base.errors import (
     CheckpointError,
     CommitError,
     CorruptCheckpointError,
@@ -28,14 +20,15 @@ from .errors import (
     StorageTimeoutError,
     UnsupportedValueError,
 )
-from .filesystem_storage import FileSystemReader, FileSystemWriter
-from .fsspec_storage import FsspecReader, FsspecWriter
-from .hf_storage import HuggingFaceStorageReader, TorchShardedSafetensorsReader
-from .hyper_parallel_import import import_hyper_parallel
-from .layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
-from .manager import CheckpointManager, SaveTiming
-from .metadata import Metadata
-from .mindspore_format import export_mindspore, import_mindspore, read_mindspore_checkpoint
+from .engine.checkpoint import load, save
+from .format.metadata import Metadata
+from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
+from .interop.hyper_parallel import import_hyper_parallel
+from .interop.mindspore import export_mindspore, import_mindspore, read_mindspore_checkpoint
+from .interop.single_file import load_checkpoint, save_checkpoint
+from .interop.torch_dcp import export_torch_dcp
+from .manager.checkpoint_manager import CheckpointManager, SaveTiming
+from .manager.step_directory import StepInfo, list_steps
 from .offline_transform import (
     convert_full_checkpoint_to_dcp,
     dcp_to_full_state_dict,
@@ -45,15 +38,28 @@ from .offline_transform import (
     parse_checkpoint_from_huggingface,
     save_state_dict_as_huggingface_format,
 )
-from .planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
-from .single_file import load_checkpoint, save_checkpoint
-from .standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
-from .state_dict import TrainState, get_train_state_dict, load_rng_state_dict, rng_state_dict, set_train_state_dict
-from .step_directory import StepInfo, list_steps
-from .storage import StorageReader, StorageWriter
-from .topology_mapper import TopologyMapper
-from .torch_dcp_export import export_torch_dcp
-from .verify import verify_checkpoint
+from .planning.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
+from .sharding.layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
+from .staging.checkpointer import (
+    AsyncCheckpointer,
+    AsyncSaveError,
+    AsyncSaveResponse,
+    AsyncStagingError,
+    StagingStats,
+    async_save,
+    default_checkpointer,
+    register_optimizer_hook,
+)
+from .state.topology_mapper import TopologyMapper
+from .state.train_state import (
+    TrainState,
+    get_train_state_dict,
+    load_rng_state_dict,
+    rng_state_dict,
+    set_train_state_dict,
+)
+from .tools.verify import verify_checkpoint
 
 __all__ = [
     "offline_transform",

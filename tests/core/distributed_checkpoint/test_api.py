@@ -25,9 +25,9 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint import api as api_module
-from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
-from hyper_parallel.core.distributed_checkpoint.metadata import seal_json
+from hyper_parallel.core.distributed_checkpoint.engine import checkpoint as api_module
+from hyper_parallel.core.distributed_checkpoint.format.metadata import seal_json
+from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
 
 def small_sd() -> dict:
@@ -280,7 +280,7 @@ def test_resharded_partial_reads_are_exact_without_verify_and_checked_with_it(tm
             """Load columns 16..32 of the saved 'w' into a 64x16 target."""
 
             def _destination(self, key, entry, target):
-                from hyper_parallel.core.distributed_checkpoint.box import Box
+                from hyper_parallel.core.distributed_checkpoint.base.box import Box
                 return Box((0, 16), (64, 16)), target
 
             def _mismatch(self, *a):  # shapes differ on purpose here
@@ -445,7 +445,7 @@ def test_plain_values_inside_tuples_load_in_place(tmp_path):
 def test_a_complex128_payload_8_bytes_off_its_alignment_loads(tmp_path, before):
     # small payloads are packed 8-aligned; a complex128 one 8 bytes off 16 crashed the process
     # (torch's copy of misaligned complex<double>) on load and on offline reshard
-    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+    from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
 
     sd = {"a": torch.ones(before), "z": torch.tensor(2 + 3j, dtype=torch.complex128),
           "zz": torch.arange(6, dtype=torch.float64).reshape(3, 2).to(torch.complex128) * (1 + 2j)}

@@ -35,11 +35,11 @@ from hyper_parallel.core.distributed_checkpoint import (
     NotACheckpointError,
     RankFailedError,
     async_save,
-    async_staging,
     load,
     register_optimizer_hook,
     save,
 )
+from hyper_parallel.core.distributed_checkpoint.staging import checkpointer as async_staging
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -587,7 +587,7 @@ def test_waits_for_a_stuck_save_are_bounded(tmp_path):
 @pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT")
 def test_large_staged_tensors_are_written_with_o_direct_from_staging_memory(tmp_path, monkeypatch):
     """Staging puts large tensors on page boundaries, so the background write needs no bounce copy."""
-    from hyper_parallel.core.distributed_checkpoint import direct_io
+    from hyper_parallel.core.distributed_checkpoint.backends import direct_io
 
     path = str(tmp_path / "c")
     os.makedirs(path)

@@ -35,8 +35,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     verify_checkpoint,
 )
-from hyper_parallel.core.distributed_checkpoint.manager import plan_retention
-from hyper_parallel.core.distributed_checkpoint.step_directory import OWNER_FILE, LocalDirectory, step_dir_name
+from hyper_parallel.core.distributed_checkpoint.manager.checkpoint_manager import plan_retention
+from hyper_parallel.core.distributed_checkpoint.manager.step_directory import OWNER_FILE, LocalDirectory, step_dir_name
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -313,7 +313,7 @@ def _reseal(path: str, edit) -> bytes:
 
 def test_deeply_nested_metadata_is_a_metadata_error_and_the_manager_still_starts(tmp_path):
     from hyper_parallel.core.distributed_checkpoint import MetadataError
-    from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+    from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 
     d = str(tmp_path / "run")
     with CheckpointManager(d) as mgr:
@@ -486,7 +486,7 @@ def test_async_save_takes_a_checkpointer_of_ones_own(tmp_path):
     """CheckpointManager(async_save=AsyncCheckpointer(...)) saves through that checkpointer,
     with its settings (here: a snapshot staged as column bands), and closes it."""
     from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer
-    from hyper_parallel.core.distributed_checkpoint.staged_bands import BandedSnapshot
+    from hyper_parallel.core.distributed_checkpoint.planning.staged_bands import BandedSnapshot
 
     d = str(tmp_path / "run")
     ckpt = AsyncCheckpointer(stage_bands=True)

@@ -85,7 +85,7 @@ def test_a_keyboard_interrupt_on_one_rank_reaches_every_rank(tmp_path):
 
 
 def rank_exchanges_objects(rank: int, ws: int) -> tuple:
-    from hyper_parallel.core.distributed_checkpoint.coordination import Coordinator
+    from hyper_parallel.core.distributed_checkpoint.base.coordination import Coordinator
 
     coord = Coordinator()
     mine = {"rank": rank, "blob": bytes(range(256)) * (1 + 4000 * rank)}  # ~1 MB on rank 1, 256 B on rank 0
@@ -106,7 +106,7 @@ def test_objects_of_different_sizes_reach_every_rank():
 def rank_settles_a_collective(rank: int, ws: int) -> list[int]:
     import torch.distributed as dist
 
-    from hyper_parallel.core.distributed_checkpoint.coordination import _settle
+    from hyper_parallel.core.distributed_checkpoint.base.coordination import _settle
 
     counts = []
     for _ in range(20):

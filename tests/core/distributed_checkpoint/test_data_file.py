@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.core.distributed_checkpoint import data_file
-from hyper_parallel.core.distributed_checkpoint.box import Box
-from hyper_parallel.core.distributed_checkpoint.data_file import FileIndex, Item, encode_index, plan_file
-from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.base.box import Box
+from hyper_parallel.core.distributed_checkpoint.base.errors import CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.format import data_file
+from hyper_parallel.core.distributed_checkpoint.format.data_file import FileIndex, Item, encode_index, plan_file
 
 
 def _index() -> tuple[FileIndex, list[Item], list[int], list[int]]:

@@ -22,11 +22,11 @@ from hyper_parallel.core.distributed_checkpoint import (
     FileSystemReader,
     FileSystemWriter,
     NotACheckpointError,
-    direct_io,
     load,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint import filesystem_storage as fss
+from hyper_parallel.core.distributed_checkpoint.backends import direct_io
+from hyper_parallel.core.distributed_checkpoint.backends import filesystem as fss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 O_DIRECT = getattr(os, "O_DIRECT", 0)

@@ -20,8 +20,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     offline_transform,
     verify_checkpoint,
 )
-from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
-from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
+from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
 V1 = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "v1")
 

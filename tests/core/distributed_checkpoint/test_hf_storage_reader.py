@@ -28,7 +28,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     UnsupportedValueError,
     load,
 )
-from hyper_parallel.core.distributed_checkpoint import metadata as md
+from hyper_parallel.core.distributed_checkpoint.format import metadata as md
 
 # every dtype safetensors' torch binding reads
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -202,7 +202,7 @@ def test_s3_with_storage_options(tmp_path, s3_bucket):
 
 
 def test_import_path_matches_hyper_parallel():
-    from hyper_parallel.core.distributed_checkpoint.hf_storage import HuggingFaceStorageReader as R
+    from hyper_parallel.core.distributed_checkpoint.interop.huggingface import HuggingFaceStorageReader as R
 
     assert R is HuggingFaceStorageReader
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.host_copy import _as_numpy, copy_into
+from hyper_parallel.core.distributed_checkpoint.transfer.host_copy import _as_numpy, copy_into
 
 
 def _src(shape, dtype):
@@ -74,7 +74,7 @@ def test_a_written_tensor_is_marked_written_for_autograd():
     ((1, 5), lambda t: t[0]),  # 1-D
 ])
 def test_copy_fed_copies_and_hands_over_every_piece_in_order(shape, view):
-    from hyper_parallel.core.distributed_checkpoint.host_copy import FED_BYTES, copy_fed
+    from hyper_parallel.core.distributed_checkpoint.transfer.host_copy import FED_BYTES, copy_fed
 
     src = view(_src(shape, torch.float32))
     nbytes = src.numel() * 4
@@ -89,7 +89,7 @@ def test_copy_fed_copies_and_hands_over_every_piece_in_order(shape, view):
 
 
 def test_copy_fed_declines_what_numpy_cannot_view():
-    from hyper_parallel.core.distributed_checkpoint.host_copy import copy_fed
+    from hyper_parallel.core.distributed_checkpoint.transfer.host_copy import copy_fed
 
     dest = memoryview(bytearray(64 * 64 * 8))
     called = []

@@ -35,13 +35,13 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
     save_state_dict_as_huggingface_format,
 )
-from hyper_parallel.core.distributed_checkpoint import hyper_parallel_import as hpi
-from hyper_parallel.core.distributed_checkpoint.errors import (
+from hyper_parallel.core.distributed_checkpoint.base.errors import (
     CheckpointError,
     CorruptCheckpointError,
     MetadataError,
     UnsupportedValueError,
 )
+from hyper_parallel.core.distributed_checkpoint.interop import hyper_parallel as hpi
 from hyper_parallel.core.distributed_checkpoint.loader import load_checkpoint
 from hyper_parallel.core.distributed_checkpoint.saver import save_checkpoint
 

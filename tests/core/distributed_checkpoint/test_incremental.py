@@ -145,9 +145,9 @@ def test_table_stored_keys_reuse_earlier_files_and_load(tmp_path):
     import dataclasses
 
     from hyper_parallel.core.distributed_checkpoint import StandardPlanner, save
-    from hyper_parallel.core.distributed_checkpoint.incremental import IncrementalState
-    from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
-    from hyper_parallel.core.distributed_checkpoint.step_directory import step_dir_name
+    from hyper_parallel.core.distributed_checkpoint.engine.incremental import IncrementalState
+    from hyper_parallel.core.distributed_checkpoint.manager.step_directory import step_dir_name
+    from hyper_parallel.core.distributed_checkpoint.planning.planner import SavePlan
 
     class Tables(StandardPlanner):
         def create_global_save_plan(self, plans):

@@ -27,8 +27,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     load_layout,
     save_layout,
 )
-from hyper_parallel.core.distributed_checkpoint.box import Box, uncovered
-from hyper_parallel.core.distributed_checkpoint.standard_planner import layout_record
+from hyper_parallel.core.distributed_checkpoint.base.box import Box, uncovered
+from hyper_parallel.core.distributed_checkpoint.planning.standard_planner import layout_record
 
 
 @contextlib.contextmanager

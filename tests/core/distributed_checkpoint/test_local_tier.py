@@ -25,17 +25,17 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hyper_parallel import fully_shard
 from hyper_parallel.core.distributed_checkpoint import CheckpointManager, TrainState, list_steps
-from hyper_parallel.core.distributed_checkpoint import local_tier as tier
-from hyper_parallel.core.distributed_checkpoint.flatten import flatten
-from hyper_parallel.core.distributed_checkpoint.local_format import (
+from hyper_parallel.core.distributed_checkpoint.manager import local_tier as tier
+from hyper_parallel.core.distributed_checkpoint.manager.local_format import (
     parse_shard_file_name,
     rank_dir_name,
     read_manifest,
     shard_file_name,
 )
-from hyper_parallel.core.distributed_checkpoint.local_replication import Topology, node_identity
-from hyper_parallel.core.distributed_checkpoint.local_tier import decide
-from hyper_parallel.core.distributed_checkpoint.step_directory import LocalDirectory
+from hyper_parallel.core.distributed_checkpoint.manager.local_replication import Topology, node_identity
+from hyper_parallel.core.distributed_checkpoint.manager.local_tier import decide
+from hyper_parallel.core.distributed_checkpoint.manager.step_directory import LocalDirectory
+from hyper_parallel.core.distributed_checkpoint.state.flatten import flatten
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -332,7 +332,7 @@ def test_an_ndarray_shape_whose_int64_product_wraps_is_refused_before_allocating
     import struct
 
     from hyper_parallel.core.distributed_checkpoint import CorruptCheckpointError
-    from hyper_parallel.core.distributed_checkpoint import local_format as lf
+    from hyper_parallel.core.distributed_checkpoint.manager import local_format as lf
 
     arr = np.arange(4.0)
     entry = lf.LocalEntry("arr", "ndarray", arr.dtype.str, arr.shape)

@@ -40,11 +40,11 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
     save_layout,
 )
-from hyper_parallel.core.distributed_checkpoint import metadata as md
-from hyper_parallel.core.distributed_checkpoint import mindspore_format as msf
-from hyper_parallel.core.distributed_checkpoint import protowire as pw
-from hyper_parallel.core.distributed_checkpoint.errors import MetadataError
-from hyper_parallel.core.distributed_checkpoint.mindspore_strategy import (
+from hyper_parallel.core.distributed_checkpoint.base import protowire as pw
+from hyper_parallel.core.distributed_checkpoint.base.errors import MetadataError
+from hyper_parallel.core.distributed_checkpoint.format import metadata as md
+from hyper_parallel.core.distributed_checkpoint.interop import mindspore as msf
+from hyper_parallel.core.distributed_checkpoint.sharding.mindspore_strategy import (
     parse_strategy,
     read_strategy,
     strategy_to_layouts,

@@ -346,7 +346,7 @@ def test_hf_export_over_an_earlier_one_killed_at_any_point_never_mixes_the_two(t
     directory every reader refuses. It used to rename the new shards over the old ones one at a
     time under the old index: killed halfway, both readers loaded half old, half new."""
     from hyper_parallel.core.distributed_checkpoint import HuggingFaceStorageReader
-    from hyper_parallel.core.distributed_checkpoint.errors import NotACheckpointError
+    from hyper_parallel.core.distributed_checkpoint.base.errors import NotACheckpointError
 
     old = {f"l{i}": torch.full((64, 64), float(i)) for i in range(4)}
     new = {f"l{i}": torch.full((64, 64), 100.0 + i) for i in range(4)}

@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel.core.distributed_checkpoint import StandardPlanner, async_save, load, save
-from hyper_parallel.core.distributed_checkpoint.plan_cache import PLAN_CACHE, CachedSaveResult, PlanCache
-from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner
-from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
+from hyper_parallel.core.distributed_checkpoint.planning.plan_cache import PLAN_CACHE, CachedSaveResult, PlanCache
+from hyper_parallel.core.distributed_checkpoint.planning.planner import SavePlanner
+from hyper_parallel.core.distributed_checkpoint.planning.standard_planner import StandardSavePlanner
 
 
 class _Recording(StandardSavePlanner):

@@ -25,12 +25,12 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint.box import first_overlap, uncovered
-from hyper_parallel.core.distributed_checkpoint.chunks import overlapping
-from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
-from hyper_parallel.core.distributed_checkpoint.offline_transform import write_streaming
-from hyper_parallel.core.distributed_checkpoint.planner import EntrySpec, WriteItem
-from hyper_parallel.core.distributed_checkpoint.reshard import Box, reshard
+from hyper_parallel.core.distributed_checkpoint.base.box import first_overlap, uncovered
+from hyper_parallel.core.distributed_checkpoint.format.chunks import overlapping
+from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec, WriteItem
+from hyper_parallel.core.distributed_checkpoint.resharding.offline_transform import write_streaming
+from hyper_parallel.core.distributed_checkpoint.resharding.reshard import Box, reshard
+from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
 TP8 = Layout((8,), ("tp",))
 

@@ -32,7 +32,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint.reshard import Box, reshard
+from hyper_parallel.core.distributed_checkpoint.resharding.reshard import Box, reshard
 
 # key -> (global shape, seed); the values are make_tensor(shape, seed=seed) everywhere
 GLOBALS = {"s0": ((7, 5), 1), "s1": ((3, 7), 2), "rep": ((5, 3), 3), "emb": ((11, 6), 4), "plain": ((3, 2), 5)}
@@ -93,7 +93,7 @@ def rank_save_tp8(rank: int, ws: int, path: str) -> None:
 
 
 def rules_match(rules: dict, key: str) -> TensorLayout:
-    from hyper_parallel.core.distributed_checkpoint.layout import match_layout
+    from hyper_parallel.core.distributed_checkpoint.sharding.layout import match_layout
 
     return match_layout(rules, key)
 

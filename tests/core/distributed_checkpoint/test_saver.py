@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_parallel.core.distributed_checkpoint import FileSystemWriter, load, save, saver, verify_checkpoint
-from hyper_parallel.core.distributed_checkpoint.direct_io import direct_io_default
+from hyper_parallel.core.distributed_checkpoint import FileSystemWriter, load, save, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.backends.direct_io import direct_io_default
+from hyper_parallel.core.distributed_checkpoint.transfer import saver
 
 
 def _state() -> dict[str, torch.Tensor]:

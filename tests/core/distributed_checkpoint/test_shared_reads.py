@@ -12,8 +12,9 @@ from multiprocess import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from hyper_parallel.core.distributed_checkpoint import FileSystemReader, RankFailedError, load, save, shared_reads
-from hyper_parallel.core.distributed_checkpoint.shared_reads import Needs, assign, worth_sharing
+from hyper_parallel.core.distributed_checkpoint import FileSystemReader, RankFailedError, load, save
+from hyper_parallel.core.distributed_checkpoint.transfer import shared_reads
+from hyper_parallel.core.distributed_checkpoint.transfer.shared_reads import Needs, assign, worth_sharing
 
 
 class CountingReader(FileSystemReader):
@@ -148,7 +149,7 @@ def test_a_corrupt_shared_chunk_fails_every_rank_naming_it(tmp_path):
     save({"b": make_tensor((512,), seed=2)}, checkpoint_id=path, no_dist=True)
     name = next(f for f in os.listdir(path) if f.endswith(".safetensors"))
     reader = FileSystemReader(path)
-    from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
+    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
     meta = read_metadata(reader)
     f = meta.files[0]
@@ -162,7 +163,8 @@ def test_a_corrupt_shared_chunk_fails_every_rank_naming_it(tmp_path):
 
 
 def test_readers_say_whether_their_files_are_in_memory(tmp_path, s3_bucket):
-    from hyper_parallel.core.distributed_checkpoint import FsspecReader, HuggingFaceStorageReader, direct_io
+    from hyper_parallel.core.distributed_checkpoint import FsspecReader, HuggingFaceStorageReader
+    from hyper_parallel.core.distributed_checkpoint.backends import direct_io
 
     assert FsspecReader("memory://x").memory_backed is True
     assert FsspecReader(f"s3://{s3_bucket[0]}/c", **s3_bucket[1]).memory_backed is False
@@ -188,7 +190,7 @@ def test_a_corrupt_slab_in_an_early_round_fails_every_rank_without_waiting(tmp_p
     then raises, naming the key."""
     path = str(tmp_path / "ckpt")
     run_ranks(rank_hsdp, 4, path, True, None)
-    from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
+    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
     meta = read_metadata(FileSystemReader(path))
     f = max(meta.files, key=lambda f: f.index_offset)  # a file holding part of "w"
@@ -205,8 +207,8 @@ def test_a_corrupt_slab_in_an_early_round_fails_every_rank_without_waiting(tmp_p
 def test_slabs_are_cut_at_checksum_blocks(tmp_path, monkeypatch, slab_bytes, rows):
     """Targets are shared in slabs of whole rows, cut only where every saved chunk starts a
     checksum block (4 blocks of 4096 rows here), so no block is read by two owners."""
-    from hyper_parallel.core.distributed_checkpoint.loader import read_metadata
-    from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardPlanner
+    from hyper_parallel.core.distributed_checkpoint.planning.standard_planner import StandardPlanner
+    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
     save({"w": make_tensor((16384, 64), seed=1)}, checkpoint_id=str(tmp_path), no_dist=True)
     meta = read_metadata(FileSystemReader(str(tmp_path)))

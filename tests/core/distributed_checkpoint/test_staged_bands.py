@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer, StandardPlanner, load, save
-from hyper_parallel.core.distributed_checkpoint import saver as saver_module
-from hyper_parallel.core.distributed_checkpoint.staged_bands import BandedSnapshot, band_columns
+from hyper_parallel.core.distributed_checkpoint.planning.staged_bands import BandedSnapshot, band_columns
+from hyper_parallel.core.distributed_checkpoint.transfer import saver as saver_module
 
 
 def _payloads(path: str) -> dict[str, bytes]:

@@ -322,7 +322,7 @@ class FakeDeviceModule:
 
 
 def test_accelerator_rng_states_round_trip(tmp_path, monkeypatch):
-    import hyper_parallel.core.distributed_checkpoint.state_dict as sdm
+    import hyper_parallel.core.distributed_checkpoint.state.train_state as sdm
 
     saved = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
     device = FakeDeviceModule(saved)

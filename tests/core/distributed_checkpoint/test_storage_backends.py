@@ -16,7 +16,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint.fsspec_storage import FsspecReader, FsspecWriter
+from hyper_parallel.core.distributed_checkpoint.backends.fsspec import FsspecReader, FsspecWriter
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
@@ -123,7 +123,7 @@ def test_the_offline_tools_read_the_urls_load_reads(tmp_path):
     # save/load took fsspec URLs; verify, reshard, offline_transform and export_torch_dcp
     # called every URL "not a checkpoint"
     from hyper_parallel.core.distributed_checkpoint import export_torch_dcp, offline_transform, verify_checkpoint
-    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+    from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
 
     sd = {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4)}
     src = f"memory://offline-tools-{tmp_path.name}/ck"
@@ -164,7 +164,7 @@ def test_the_offline_tools_write_to_urls(tmp_path, url_root, monkeypatch):
         offline_transform,
         verify_checkpoint,
     )
-    from hyper_parallel.core.distributed_checkpoint.reshard import reshard
+    from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
 
     monkeypatch.chdir(tmp_path)  # a URL taken for a relative path lands here
     sd = {"w": torch.arange(96, dtype=torch.float32).reshape(8, 12), "step": 3}

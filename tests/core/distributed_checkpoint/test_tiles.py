@@ -16,8 +16,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint.box import Box
-from hyper_parallel.core.distributed_checkpoint.planner import EntrySpec
+from hyper_parallel.core.distributed_checkpoint.base.box import Box
+from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec
 
 
 def _spec(shape, dtype="float32", layout=None):
@@ -133,7 +133,7 @@ def test_bands_gathered_in_one_copy_are_written_as_one_by_one(tmp_path, monkeypa
     planner.tile_min_chunk_bytes = 64 << 10
     grouped, single = str(tmp_path / "grouped"), str(tmp_path / "single")
     save(sd, grouped, planner=planner, no_dist=True)
-    monkeypatch.setattr("hyper_parallel.core.distributed_checkpoint.saver.BAND_GROUP_BYTES", 0)
+    monkeypatch.setattr("hyper_parallel.core.distributed_checkpoint.transfer.saver.BAND_GROUP_BYTES", 0)
     save(sd, single, planner=planner, no_dist=True)
     assert all(_tiles_of(grouped, k) > 1 for k in sd)
     assert _payload_and_index(grouped) == _payload_and_index(single)
@@ -178,7 +178,7 @@ def test_untiled_checkpoints_still_load(tmp_path):
 
 
 def test_read_box_of_part_of_a_tiled_chunk(tmp_path):
-    from hyper_parallel.core.distributed_checkpoint.loader import read_box, read_metadata
+    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_box, read_metadata
     full = make_tensor((512, 2048))
     path = str(tmp_path / "ckpt")
     save({"w": full}, path, no_dist=True)
@@ -189,7 +189,7 @@ def test_read_box_of_part_of_a_tiled_chunk(tmp_path):
 
 
 def test_tensors_of_one_layout_share_one_grid_and_long_rank_lists_get_their_own():
-    from hyper_parallel.core.distributed_checkpoint.grid import Grid, shared_grid
+    from hyper_parallel.core.distributed_checkpoint.sharding.grid import Grid, shared_grid
 
     a = shared_grid((64, 8), (2,), ["S(0)"], None, 4)
     assert shared_grid([64, 8], [2], ("S(0)",), None, 4) is a  # lists and tuples alike

@@ -30,7 +30,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     UnsupportedValueError,
     load,
 )
-from hyper_parallel.core.distributed_checkpoint import metadata as md
+from hyper_parallel.core.distributed_checkpoint.format import metadata as md
 
 SHARD0 = "shard-00001-model-00001-of-00001.safetensors"  # rank 0's file, as torch names it
 SHARD1 = "shard-00002-model-00001-of-00001.safetensors"
@@ -180,7 +180,7 @@ def test_fsspec_url_lists_and_reads_the_shards(torch_shards):
 
 
 def test_import_path_matches_hyper_parallel():
-    from hyper_parallel.core.distributed_checkpoint.hf_storage import TorchShardedSafetensorsReader as R
+    from hyper_parallel.core.distributed_checkpoint.interop.huggingface import TorchShardedSafetensorsReader as R
 
     assert R is TorchShardedSafetensorsReader
 

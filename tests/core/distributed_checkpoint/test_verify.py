@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint import metadata as md
 from hyper_parallel.core.distributed_checkpoint import save, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.format import metadata as md
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -1,0 +1,261 @@
+"""Storage protocols: what a backend must do to hold checkpoints. Bytes and files only.
+
+StorageWriter — the saver calls, in this order:
+
+0. ``set_up(rank, is_coordinator)`` on every rank.
+1. ``prepare()`` on every rank: make the destination exist (idempotent, race-safe).
+2. ``write_file(name, parts)`` on every rank with data, once per data file: write the byte
+   buffers ``parts`` (an iterable, consumed once, in order) as file ``name``. It may run in
+   several threads at once for different files. The file need not be visible to readers
+   until ``commit``.
+3. ``read_committed()`` on the coordinator: the bytes of the ``.metadata`` being replaced,
+   or None. (The saver uses it to know which old files become garbage after the commit.)
+4. ``commit(metadata)`` on the coordinator, after every rank's writes succeeded: make
+   ``.metadata`` hold these bytes atomically. Before this returns, readers see the old
+   checkpoint (or none); after, the new one. It raises only if the new ``.metadata`` is
+   not in place (see :mod:`.commit`: the commit is the point of no return).
+5. ``remove(names)`` on every rank after a commit (its share of the replaced checkpoint's
+   files, best effort), or on a rank whose save did not commit (its own new files). Missing
+   files are not an error.
+
+StorageReader — the loader calls:
+
+0. ``set_up(rank, is_coordinator)`` on every rank.
+1. ``read_metadata()`` on the coordinator; raises :class:`NotACheckpointError` when there
+   is none.
+2. ``file_index(record)`` on every rank, once per data file it reads (from any number of
+   threads): the file's index, or None (the default) to have the loader read the file's
+   ``__index__`` itself. Readers of foreign files (:mod:`.hf_storage`) build it from the
+   file's own header.
+3. ``file_size(name)`` and ``read_into(name, offset, buffer)`` on every rank, from any
+   number of threads: fill the writable ``buffer`` with the bytes at ``offset``. Every
+   range a file record names is checked against ``file_size`` before a buffer is allocated
+   for it (:func:`check_range`).
+4. ``close()`` on every rank.
+
+``bytes_read`` counts the bytes returned by ``read_into`` (benchmarks and tests use it).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ..base.errors import CorruptCheckpointError
+
+if TYPE_CHECKING:  # storage backends need no torch at run time
+    from ..format.data_file import FileIndex, UncheckedIndex
+    from ..format.metadata import FileRecord
+
+Buffer = memoryview
+
+
+class StorageWriter(abc.ABC):
+    """Writes one checkpoint's data files and commits its metadata.
+
+    Call order (see the module docstring): ``set_up`` -> ``prepare`` -> ``write_file``... ->
+    (``flush``) -> ``read_committed`` -> ``commit`` -> ``remove``. The commit protocol built on these
+    methods is described in :mod:`.commit`.
+    """
+
+    def set_up(self, rank: int, is_coordinator: bool) -> None:
+        """Called first, on every rank."""
+        self.rank = rank
+        self.is_coordinator = is_coordinator
+
+    def bound_calls(self, seconds: float) -> None:  # noqa: B027 - optional hook
+        """Optional: fail (:class:`~.errors.StorageTimeoutError`) a call that gets no answer from
+        the storage within ``seconds`` (the save's ``timeout``). Called after ``set_up``."""
+
+    @abc.abstractmethod
+    def prepare(self) -> None:
+        """Make the destination exist; every rank calls it, so it must be idempotent and race-safe."""
+
+    @abc.abstractmethod
+    def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
+        """Write ``parts`` in order as file ``name``; return the number of bytes written.
+
+        Called on every rank with data, possibly from several threads at once for different
+        names. The file need not be visible to readers before ``commit``. On error the file
+        may be left partly written; the framework removes it. A backend may still be writing
+        a part after it has asked for the next one (the filesystem writer does, on a thread
+        of its own): a part's memory must stay unchanged until ``write_file`` returns.
+        """
+
+    def flush(self) -> None:
+        """Make every file this writer wrote durable before the commit, for writers that
+        defer syncing (one batch of many small files syncs faster than each on its own).
+        Every rank that wrote calls it after its last ``write_file``; the default does nothing."""
+        return None
+
+    @abc.abstractmethod
+    def read_committed(self, name: str = ".metadata") -> bytes | None:
+        """The bytes of the ``.metadata`` the storage holds now, or None if it holds none.
+
+        The coordinator calls it before ``commit`` (to know what the commit replaces) and
+        after a failed ``commit`` (to learn whether the commit took effect after all).
+        ``name`` is another metadata file (a rank-local fragment); a backend that does not
+        support rank-local checkpoints may ignore it and raise for other names.
+        """
+
+    @abc.abstractmethod
+    def commit(self, metadata: bytes, name: str = ".metadata") -> None:
+        """Atomically make ``.metadata`` hold ``metadata`` (the coordinator, once per save).
+
+        ``name``: commit another metadata file instead (each rank's fragment of a rank-local
+        checkpoint, ``save(..., use_collectives=False)``).
+
+        Before it returns, readers see the previous checkpoint (or none); after, the new one;
+        never a mix. Raise only when the new ``.metadata`` is NOT in place: problems after
+        it is in place (e.g. a directory fsync) are warnings, because the commit is the
+        point of no return and data it names must never be deleted. (If an implementation
+        raises anyway, the framework asks ``read_committed`` what happened.)
+        """
+
+    @abc.abstractmethod
+    def remove(self, names: Iterable[str]) -> None:
+        """Delete data files. Missing files are not an error; any other failure raises.
+
+        Called on every rank after a commit (its share of the replaced checkpoint's files,
+        best effort: those recorded under its rank) and on a rank whose save did not commit
+        (its own new files).
+        """
+
+
+class StorageReader(abc.ABC):
+    """Reads a committed checkpoint's metadata and byte ranges of its data files."""
+
+    bytes_read: int = 0
+
+    def set_up(self, rank: int, is_coordinator: bool) -> None:
+        self.rank = rank
+        self.is_coordinator = is_coordinator
+
+    def bound_calls(self, seconds: float) -> None:  # noqa: B027 - optional hook
+        """Optional: fail (:class:`~.errors.StorageTimeoutError`) a call that gets no answer from
+        the storage within ``seconds`` (the load's ``timeout``). Called after ``set_up``."""
+
+    @abc.abstractmethod
+    def read_metadata(self) -> bytes: ...
+
+    @abc.abstractmethod
+    def file_size(self, name: str) -> int:
+        """The size in bytes of data file ``name`` (a path relative to the checkpoint, as the
+        metadata names it), as the storage holds it: ``fstat`` of the open file, an object's
+        size. Raises :class:`~.errors.CorruptCheckpointError` when the file is missing.
+
+        Every byte range a file record or header names is compared with it before a buffer
+        is allocated for the range (the loader: :func:`check_range`; ``verify`` and the
+        foreign-format readers: the sizes they record), so a forged offset or length fails
+        with an error naming the file instead of allocating whatever size it says. Called
+        from any number of threads.
+        """
+
+    @abc.abstractmethod
+    def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
+        """Fill the writable ``buffer`` with the bytes of file ``name`` at ``offset``. Raises
+        :class:`~.errors.CorruptCheckpointError` when the file ends before the buffer is full.
+        Called from any number of threads."""
+
+    def file_index(self, record: FileRecord) -> FileIndex | UncheckedIndex | None:
+        """The index of data file ``record``, or None: the loader then reads and checks the
+        file's ``__index__`` (format v2). Called on every rank, once per file it reads, from
+        any number of threads.
+
+        A reader of files this library did not write returns an
+        :class:`~.data_file.UncheckedIndex` built from the file's own header; their chunks have
+        no checksums, so nothing is verified for them.
+        """
+        return None
+
+    def prefetch(self, ranges: Iterable[tuple[str, int, int]]) -> bool:
+        """Hint that byte ranges ``(file, offset, length)`` will be read soon, so the storage
+        fetches them in parallel (a load that touches thousands of small files). Returns
+        whether it did: the loader then reads those ranges in one thread; otherwise it reads
+        them from several. Optional; the default does nothing and returns False."""
+        return False
+
+    @property
+    def memory_backed(self) -> bool:
+        """Whether the files live in memory (tmpfs, ramfs, ``memory://``), where reading a
+        byte again costs no more than receiving it from another rank: ``load`` then lets
+        every rank read for itself instead of sharing replicated reads
+        (``broadcast_replicated_tensors=None``). Default: False."""
+        return False
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release open files; the reader may be set up again afterwards."""
+
+    def list_files(self) -> list[str]:
+        """Names of the files in the checkpoint's directory (optional; used by ``verify``
+        and ``gc`` to find unreferenced files). Raises NotImplementedError if unsupported."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its files")
+
+
+def check_range(reader: StorageReader, name: str, offset: int, length: int, what: str = "the range") -> int:
+    """Check that bytes ``[offset, offset + length)`` lie inside file ``name`` before a buffer
+    of ``length`` bytes is allocated for them; return the file's size.
+
+    Raises CorruptCheckpointError naming the file (and ``what`` the range holds) when they do
+    not: the file is truncated, or the metadata or header that points there is damaged.
+    """
+    size = reader.file_size(name)
+    if offset < 0 or length < 0 or offset + length > size:
+        root = getattr(reader, "path", None) or getattr(reader, "url", None)
+        where = f"{root.rstrip('/')}/{name}" if isinstance(root, str) else name
+        raise CorruptCheckpointError(
+            f"data file {where!r}: {what} (bytes {offset}..{offset + length}) lies beyond its end ({size} bytes); "
+            "the file is truncated, or the metadata that points there is damaged")
+    return size
+
+
+def checkpoint_path(path: str | os.PathLike) -> str:
+    """Normalise a ``path``/``checkpoint_id`` argument to a string."""
+    return os.fspath(path)
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint location is an fsspec URL (``s3://``, ``memory://``, ...); a
+    ``file://`` URL is a local path."""
+    path = os.fspath(path)
+    return "://" in path and not path.startswith("file://")
+
+
+def location(path: str | os.PathLike) -> str:
+    """A checkpoint location in a form two names of one place share: an absolute local path
+    with symlinks resolved, or a URL without a trailing slash."""
+    path = os.fspath(path)
+    if is_url(path):
+        return path.rstrip("/")
+    return os.path.realpath(path.removeprefix("file://"))
+
+
+def reader_for(path: str | os.PathLike) -> StorageReader:
+    """The reader of a checkpoint at ``path``: an :class:`~.fsspec_storage.FsspecReader` for
+    an fsspec URL, a :class:`~.filesystem_storage.FileSystemReader` for anything else (what
+    ``load``, the offline tools and ``verify_checkpoint`` accept alike)."""
+    path = os.fspath(path)
+    if is_url(path):
+        from .fsspec import FsspecReader
+
+        return FsspecReader(path)
+    from .filesystem import FileSystemReader
+
+    return FileSystemReader(path.removeprefix("file://"))
+
+
+def writer_for(path: str | os.PathLike, sync_files: bool = True, defer_sync: bool = False) -> StorageWriter:
+    """The writer of a checkpoint at ``path``, as :func:`reader_for` picks readers: an
+    :class:`~.fsspec_storage.FsspecWriter` for an fsspec URL (object stores have no fsync:
+    ``sync_files`` and ``defer_sync`` apply to local files only), else a
+    :class:`~.filesystem_storage.FileSystemWriter`."""
+    path = os.fspath(path)
+    if is_url(path):
+        from .fsspec import FsspecWriter
+
+        return FsspecWriter(path)
+    from .filesystem import FileSystemWriter
+
+    return FileSystemWriter(path.removeprefix("file://"), sync_files=sync_files, defer_sync=defer_sync)

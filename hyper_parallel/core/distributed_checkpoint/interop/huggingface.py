@@ -1,0 +1,625 @@
+"""Safetensors directories as storage readers: load and reshard straight from their files.
+
+Two kinds of directory, one reader each (what makes one kind valid makes the other wrong):
+
+- ``load(sd, storage_reader=HuggingFaceStorageReader(hf_dir))`` reads a directory as
+  ``save_pretrained`` writes it: ``model.safetensors``, or the files that
+  ``model.safetensors.index.json`` names; every tensor whole in one file. Nothing else in the
+  directory is read (a stray ``consolidated.safetensors`` beside them is ignored).
+- ``load(sd, storage_reader=TorchShardedSafetensorsReader(dir))`` reads what torch's
+  ``HuggingFaceStorageWriter(path, save_distributed=True)`` writes before consolidating:
+  every ``*.safetensors`` file of the directory holds some ranks' shards, under the tensors'
+  own names, and its header's ``__metadata__["DCP_SHARDING_INFO"]`` (a JSON string) gives
+  each shard's ``saved_offsets`` in the whole tensor. There is no index.
+
+No conversion step, no copy.
+
+How foreign files fit the loader: the reader *presents* the directory as a checkpoint of
+this library. Its ``read_metadata`` parses the safetensors headers and returns a format-v2
+``.metadata`` in which every tensor is one table-stored chunk (its whole box) in one file
+record per safetensors file (for torch's shards: one table chunk per shard, each file's shard
+of a key having id 0 in that file); each record's "index" is the file's JSON header (offset
+8, its length and crc32c). On every rank, ``file_index`` reads a file's header again, checks
+it against that crc32c (a file rewritten while loading is an error, not a mix of two
+versions) and returns an :class:`~.data_file.UncheckedIndex`: where each tensor's bytes start. From
+there the loader is the ordinary one: a rank intersects its targets with the chunks and
+reads only the overlapping byte ranges (a ``Shard(0)`` rank reads only its rows), a target
+of another dtype is converted, and ``strict`` behaves as for any checkpoint.
+
+What is not checked: safetensors files carry no checksums, so bytes are read as they are
+(``verify`` has nothing to verify for them). Headers are validated the way safetensors
+validates them before anything is allocated or read: the 8-byte length, JSON, known dtypes,
+shapes, and data offsets that tile the data area exactly (no overlap, no hole, nothing past
+the end of the file). The shards of a torch directory must tile each tensor exactly: no
+overlap, no hole (a file of a shard in the middle is missing); the headers do not record a
+tensor's full shape, so it is the extent of its shards, and a missing file that held only
+the last rows of every tensor makes them look smaller: a target of the right shape then fails
+the load with a shape mismatch. Errors name the file and the key. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from ..backends.protocol import Buffer, StorageReader, checkpoint_path
+from ..base.box import Box, first_overlap, uncovered
+from ..base.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    MetadataError,
+    NotACheckpointError,
+    UnsupportedValueError,
+)
+from ..format import metadata as md
+from ..format.data_file import UncheckedIndex
+
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+MAX_INDEX_BYTES = 256 << 20
+_HEAD = 8  # the little-endian u64 header length that opens a safetensors file
+_METADATA_KEY = "__metadata__"
+# torch's HuggingFaceStorageWriter records each tensor's place in the whole tensor here (a
+# JSON string: {name: {"saved_offsets": [...]}}); a non-zero offset means a shard.
+_TORCH_SHARDING = "DCP_SHARDING_INFO"
+_SAVED_OFFSETS = "saved_offsets"
+_SUFFIX = ".safetensors"
+_INDEX_SUFFIX = ".safetensors.index.json"
+_TORCH_SHARD_NAME = re.compile(r"shard-(\d+)-model-\d+-of-\d+\.safetensors")
+_SUB_BYTE = ("F4", "F6_E2M3", "F6_E3M2")
+
+
+@dataclass(frozen=True)
+class SafetensorsTensor:
+    """One tensor of a safetensors file: dtype (our name), shape, absolute byte range."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed, validated safetensors header."""
+
+    length: int  # bytes of JSON after the 8-byte length
+    crc: int  # crc32c of those bytes
+    tensors: dict[str, SafetensorsTensor]
+    extra: dict[str, str]  # the "__metadata__" strings
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"name {k!r} appears twice")
+        out[k] = v
+    return out
+
+
+def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> SafetensorsHeader:
+    """Validate a safetensors header (the JSON after the 8-byte length) of a file of ``file_size`` bytes.
+
+    Checks what safetensors itself checks before trusting a byte: JSON object, no repeated
+    names, known dtypes, non-negative integer shapes, and ``data_offsets`` that match each
+    tensor's size and tile the data area exactly. Raises CorruptCheckpointError (naming
+    ``where`` and the tensor) for a damaged file, UnsupportedValueError for sub-byte dtypes.
+    """
+    try:
+        doc = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{where}: its safetensors header is not valid JSON ({exc}); the file is "
+                                     "damaged or not a safetensors file") from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}: its safetensors header is a JSON {type(doc).__name__}, not an object")
+    data_start = _HEAD + len(raw)
+    data_len = file_size - data_start
+    extra = doc.pop(_METADATA_KEY, {})
+    if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
+        raise CorruptCheckpointError(f"{where}: its header's {_METADATA_KEY!r} must map names to strings")
+    tensors: dict[str, SafetensorsTensor] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, info in doc.items():
+        at = f"{where}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise CorruptCheckpointError(f"{at}: its header entry must be an object, found {info!r:.80}")
+        st = info.get("dtype")
+        dtype = md.dtype_from_safetensors(st)
+        if dtype is None:
+            if st in _SUB_BYTE:
+                raise UnsupportedValueError(f"{at} has the sub-byte dtype {st}, which cannot be loaded into a "
+                                            "torch tensor; dequantize it with the tool that wrote it")
+            raise CorruptCheckpointError(f"{at} has dtype {st!r:.40}, which is no safetensors dtype this reader "
+                                         "knows")
+        shape = info.get("shape")
+        if (not isinstance(shape, list) or len(shape) > 64
+                or not all(type(d) is int and d >= 0 for d in shape)):
+            raise CorruptCheckpointError(f"{at}: shape must be a list of at most 64 sizes >= 0, found {shape!r:.80}")
+        offs = info.get("data_offsets")
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise CorruptCheckpointError(f"{at}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                                         f"found {offs!r:.80}")
+        numel = math.prod(shape)
+        if numel > 1 << 56:
+            raise CorruptCheckpointError(f"{at}: shape {shape} is absurdly large")
+        nbytes = numel * md.itemsize(dtype)
+        if offs[1] - offs[0] != nbytes:
+            raise CorruptCheckpointError(
+                f"{at}: data_offsets {offs} span {offs[1] - offs[0]} bytes, but {st} shape {shape} needs "
+                f"{nbytes}; the header lies about its data")
+        tensors[name] = SafetensorsTensor(dtype, tuple(shape), data_start + offs[0], nbytes)
+        spans.append((offs[0], offs[1], name))
+    pos, prev = 0, None
+    for begin, end, name in sorted(spans):
+        if begin < pos:
+            raise CorruptCheckpointError(f"{where}: tensor {name!r} (data bytes {begin}..{end}) overlaps tensor "
+                                         f"{prev!r} (ends at {pos}); the header lies about its data")
+        if begin > pos:
+            raise CorruptCheckpointError(f"{where}: data bytes {pos}..{begin} before tensor {name!r} belong to no "
+                                         "tensor; safetensors allows no holes, the header is damaged")
+        pos, prev = end, name
+    if pos > data_len:
+        raise CorruptCheckpointError(
+            f"{where} is truncated: its header places tensor data up to byte {data_start + pos}, the file has "
+            f"{file_size} bytes")
+    if pos < data_len:
+        raise CorruptCheckpointError(
+            f"{where}: {data_len - pos} bytes after the last tensor belong to no tensor (the header describes "
+            f"{data_start + pos} bytes, the file has {file_size}); the file is damaged")
+    return SafetensorsHeader(len(raw), crc32c.crc32c(raw), tensors, extra)
+
+
+def torch_saved_offsets(header: SafetensorsHeader, where: str,
+                        strict: bool = True) -> dict[str, tuple[int, ...]] | None:
+    """Where each tensor of a file sits in its whole tensor, as torch's HuggingFaceStorageWriter
+    records it (``DCP_SHARDING_INFO``), or None for a file that records nothing.
+
+    Raises CorruptCheckpointError when the record is not a JSON object, or (``strict``) lacks
+    valid offsets (one integer >= 0 per dim) for a tensor of the file; not ``strict``, such
+    tensors are left out.
+    """
+    info = header.extra.get(_TORCH_SHARDING)
+    if info is None:
+        return None
+    try:
+        doc = json.loads(info)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}: {_TORCH_SHARDING} in its header is not a JSON object")
+    out: dict[str, tuple[int, ...]] = {}
+    for name, t in header.tensors.items():
+        rec = doc.get(name)
+        offsets = rec.get(_SAVED_OFFSETS) if isinstance(rec, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != len(t.shape)
+                or not all(type(o) is int and 0 <= o < 1 << 56 for o in offsets)):
+            if not strict:
+                continue
+            raise CorruptCheckpointError(
+                f"{where}: {_TORCH_SHARDING} in its header gives tensor {name!r} (shape {list(t.shape)}) no "
+                f"valid {_SAVED_OFFSETS} (one integer >= 0 per dim), found {rec!r:.80}; the header is damaged")
+        out[name] = tuple(offsets)
+    return out
+
+
+def read_safetensors_header(reader: StorageReader, name: str, where: str) -> SafetensorsHeader:
+    """Read and validate file ``name``'s header through ``reader`` (two small reads)."""
+    size = reader.file_size(name)
+    if size < _HEAD:
+        raise CorruptCheckpointError(f"{where} is truncated: {size} bytes, a safetensors file starts with 8")
+    head = bytearray(_HEAD)
+    reader.read_into(name, 0, memoryview(head))
+    (length,) = struct.unpack("<Q", head)
+    if length > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(f"{where}: its header claims {length} bytes, more than safetensors allows "
+                                     f"({MAX_HEADER_BYTES}); the file is damaged or not a safetensors file")
+    if _HEAD + length > size:
+        raise CorruptCheckpointError(f"{where} is truncated: its header claims {length} bytes, the file has "
+                                     f"{size} in all")
+    raw = bytearray(length)
+    reader.read_into(name, _HEAD, memoryview(raw))
+    return parse_safetensors_header(raw, size, where)
+
+
+def check_safetensors_file(path: str) -> SafetensorsHeader:
+    """Validate a local safetensors file's header (:func:`parse_safetensors_header`) before the
+    ``safetensors`` library opens it: its errors name neither the file nor the tensor."""
+    files = _LocalFiles(os.path.dirname(path) or ".")
+    try:
+        return read_safetensors_header(files, os.path.basename(path), path)
+    finally:
+        files.close()
+
+
+class _LocalFiles(StorageReader):
+    """Byte ranges of files in a local directory, read with ``preadv``.
+
+    Unlike :class:`~.filesystem_storage.FileSystemReader` it follows symbolic links: the
+    Hugging Face hub cache keeps every file of a snapshot as a link into its ``blobs``
+    directory. Names come only from the index (validated plain names) or are fixed.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def read_metadata(self) -> bytes:
+        raise NotImplementedError("a Hugging Face directory has no .metadata")
+
+    @property
+    def memory_backed(self) -> bool:
+        from ..backends.direct_io import is_memory_filesystem
+
+        return is_memory_filesystem(self.path)
+
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                full = os.path.join(self.path, name)
+                try:
+                    fd = self._fds[name] = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(f"{full!r} is missing") from None
+                except OSError as exc:
+                    if exc.errno in (errno.EISDIR, errno.ENOTDIR):
+                        raise CorruptCheckpointError(f"{full!r} is not a file") from None
+                    raise
+            return fd
+
+    def file_size(self, name: str) -> int:
+        return os.fstat(self._fd(name)).st_size
+
+    def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
+        fd = self._fd(name)
+        view = memoryview(buffer).cast("B")
+        want = view.nbytes
+        while view.nbytes:
+            n = os.preadv(fd, [view], offset)
+            if n == 0:
+                raise CorruptCheckpointError(f"{os.path.join(self.path, name)!r} ends early: wanted {want} bytes "
+                                             f"at offset {offset - (want - view.nbytes)}")
+            view = view[n:]
+            offset += n
+        with self._lock:
+            self.bytes_read += want
+
+    def list_files(self) -> list[str]:
+        return sorted(e.name for e in os.scandir(self.path) if e.is_file())
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class HuggingFaceStorageReader(StorageReader):
+    """Reads a Hugging Face safetensors checkpoint directory as if it were a checkpoint of ours.
+
+    Pass it to :func:`~.api.load` instead of a path: every rank reads only the byte ranges
+    its targets need, straight into them, whatever their layout::
+
+        load(model.state_dict(), storage_reader=HuggingFaceStorageReader("/models/llama"))
+        sd = load(storage_reader=HuggingFaceStorageReader("/models/llama"))  # full CPU tensors
+
+    The files read are the ones ``model.safetensors.index.json`` names (its ``weight_map``),
+    or ``model.safetensors`` alone when there is no index. Keys are the tensor names in the
+    files (a nested target ``{"model": {...}}`` asks for ``model.<name>``: use a planner that
+    renames, or load ``model.state_dict()`` itself). Every tensor is whole in one file; a
+    directory of the shards torch's ``HuggingFaceStorageWriter(save_distributed=True)`` writes
+    is read by :class:`TorchShardedSafetensorsReader`.
+
+    Safetensors files have no checksums: nothing is verified beyond the headers' consistency
+    and the files' sizes (see the module docstring).
+
+    Args:
+        path: the directory (a local path, or an fsspec URL such as ``s3://bucket/model``).
+        thread_count: threads that read the files' headers while the coordinator builds the
+            metadata (many shards on an object store); torch's name and default. The data
+            is read by ``load(thread_count=)`` threads per rank.
+        storage_reader: where the bytes come from, for storage options a URL cannot carry
+            (e.g. ``FsspecReader(url, key=..., secret=...)``); default: local files
+            (symbolic links followed, as the Hugging Face hub cache needs) or an
+            :class:`~.fsspec_storage.FsspecReader` for a URL.
+
+    Raises (from ``load``):
+        NotACheckpointError: the directory holds neither the index nor ``model.safetensors``.
+        MetadataError: the index is not JSON with a ``weight_map`` of plain file names.
+        CorruptCheckpointError: a file the index names is missing, truncated, or its header
+            is damaged or lies about its data; a tensor the index maps to a file is not in it;
+            two files hold the same tensor; a file changed while loading. The message names
+            the file and the tensor.
+        UnsupportedValueError: a sub-byte dtype (F4, F6), or a directory of torch shards
+            (the message names :class:`TorchShardedSafetensorsReader`).
+    """
+
+    def __init__(self, path: str | os.PathLike, thread_count: int = 1, *,
+                 storage_reader: StorageReader | None = None):
+        self.path = checkpoint_path(path)
+        self.thread_count = thread_count
+        if storage_reader is not None:
+            self.files = storage_reader
+        elif "://" in self.path and not self.path.startswith("file://"):
+            from ..backends.fsspec import FsspecReader
+
+            self.files = FsspecReader(self.path)
+        else:
+            self.files = _LocalFiles(self.path.removeprefix("file://"))
+
+    @property
+    def bytes_read(self) -> int:  # type: ignore[override]
+        """Bytes read so far through this reader (headers and index included)."""
+        return self.files.bytes_read
+
+    @property
+    def memory_backed(self) -> bool:
+        return self.files.memory_backed
+
+    def set_up(self, rank: int, is_coordinator: bool) -> None:
+        super().set_up(rank, is_coordinator)
+        self.files.set_up(rank, is_coordinator)
+
+    def bound_calls(self, seconds: float) -> None:
+        self.files.bound_calls(seconds)
+
+    def _where(self, name: str) -> str:
+        return f"{self.path.rstrip('/')}/{name}"
+
+    def _exists(self, name: str) -> bool:
+        try:
+            self.files.file_size(name)
+            return True
+        except (CorruptCheckpointError, FileNotFoundError):
+            return False
+
+    def weight_files(self) -> tuple[list[str], dict[str, str] | None]:
+        """The files of the checkpoint, and the index's ``weight_map`` (None without an index)."""
+        if not self._exists(HF_INDEX):
+            if self._exists(HF_SINGLE):
+                return [HF_SINGLE], None
+            try:
+                shards = [n for n in self.files.list_files() if _HF_SHARD_NAME.fullmatch(n)]
+            except (OSError, NotImplementedError, CheckpointError):  # listing is only for the hint
+                shards = []
+            if shards:
+                raise NotACheckpointError(
+                    f"{self.path!r} holds Hugging Face shard files ({shards[0]!r}, {len(shards)} in all) but no "
+                    f"{HF_INDEX}: an export or download that did not finish; without the index nothing says "
+                    "which shards make the checkpoint")
+            raise NotACheckpointError(
+                f"{self.path!r} is not a Hugging Face checkpoint: it has neither {HF_INDEX} nor {HF_SINGLE} (the "
+                "shards torch's HuggingFaceStorageWriter(save_distributed=True) writes load with "
+                "TorchShardedSafetensorsReader)")
+        where = self._where(HF_INDEX)
+        size = self.files.file_size(HF_INDEX)
+        if size > MAX_INDEX_BYTES:
+            raise MetadataError(f"{where} has {size} bytes, more than any index needs ({MAX_INDEX_BYTES})")
+        raw = bytearray(size)
+        self.files.read_into(HF_INDEX, 0, memoryview(raw))
+        try:
+            doc = json.loads(bytes(raw).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise MetadataError(f"{where} is not valid JSON ({exc})") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise MetadataError(f"{where} has no 'weight_map' object mapping tensor names to files")
+        for key, name in weight_map.items():
+            if not isinstance(name, str):
+                raise MetadataError(f"{where}: 'weight_map' maps {key!r} to {name!r:.80}, not a file name")
+            md.validate_file_name(name, where)
+        return sorted(set(weight_map.values())), weight_map
+
+    def read_metadata(self) -> bytes:
+        """Describe the directory as a format-v2 ``.metadata`` (coordinator only; see the module docstring)."""
+        names, weight_map = self.weight_files()
+        for name in names if weight_map is not None else ():
+            if not self._exists(name):
+                first = next(k for k, v in weight_map.items() if v == name)
+                raise CorruptCheckpointError(
+                    f"{self._where(name)} is missing: {HF_INDEX} maps {first!r} (and maybe more) to it; the "
+                    "download is incomplete")
+        headers = self._read_headers(names)
+        entries: dict[str, md.Entry] = {}
+        files = self._file_records(names, headers)
+        holder: dict[str, str] = {}
+        for i, (name, header) in enumerate(zip(names, headers, strict=True)):
+            where = self._where(name)
+            offsets = torch_saved_offsets(header, where, strict=False)  # only to tell shards apart
+            if offsets is not None and any(any(o) for o in offsets.values()):
+                raise UnsupportedValueError(
+                    f"{where} holds shards of larger tensors (torch's HuggingFaceStorageWriter with "
+                    "save_distributed=True); load the directory with TorchShardedSafetensorsReader")
+            for key, t in header.tensors.items():
+                if key in holder:
+                    raise CorruptCheckpointError(f"tensor {key!r} is in both {self._where(holder[key])} and {where}")
+                holder[key] = name
+                ndim = len(t.shape)
+                n = 1 if t.nbytes else 0  # one chunk: the whole tensor (an empty one has none)
+                store = md.TableStore(np.zeros((n, ndim), dtype=np.int64),
+                                      np.array([t.shape] * n, dtype=np.int64).reshape(n, ndim),
+                                      np.full(n, i, dtype=np.int32))
+                entries[key] = md.Entry(key, "tensor", (key,), t.dtype, t.shape, store=store)
+        for key, name in (weight_map or {}).items():
+            if holder.get(key) != name:
+                found = f"it is in {self._where(holder[key])}" if key in holder else "no file holds it"
+                raise CorruptCheckpointError(f"{self._where(HF_INDEX)} maps tensor {key!r} to {name}, but {found}")
+        meta = md.Metadata(entries, "huggingface", 1, user={"source": "huggingface"}, files=files)
+        return meta.to_json()
+
+    def _read_headers(self, names: list[str]) -> list[SafetensorsHeader]:
+        read = lambda name: read_safetensors_header(self.files, name, self._where(name))
+        if self.thread_count > 1 and len(names) > 1:
+            with ThreadPoolExecutor(min(self.thread_count, len(names)), thread_name_prefix="hf-header") as pool:
+                return list(pool.map(read, names))
+        return [read(name) for name in names]
+
+    def _file_records(self, names: list[str], headers: list[SafetensorsHeader]) -> list[md.FileRecord]:
+        # each file's "index" is its JSON header: file_index reads it again and checks its crc32c
+        return [md.FileRecord(name, "", -1, _HEAD, h.length, h.crc, self.files.file_size(name))
+                for name, h in zip(names, headers, strict=True)]
+
+    def file_index(self, record: md.FileRecord) -> UncheckedIndex:
+        """Where each tensor of ``record``'s file starts, from its header (checked against the metadata)."""
+        where = self._where(record.path)
+        size = self.files.file_size(record.path)
+        if size != record.size or record.index_offset + record.index_length > size:  # before allocating
+            raise CorruptCheckpointError(f"{where} changed since the load read its header ({size} bytes now, "
+                                         f"{record.size} then); load again")
+        raw = bytearray(record.index_length)
+        self.files.read_into(record.path, record.index_offset, memoryview(raw))
+        if crc32c.crc32c(raw) != record.index_crc:
+            raise CorruptCheckpointError(f"{where} changed since the load read its header (its header's checksum "
+                                         "differs); load again")
+        header = parse_safetensors_header(raw, size, where)
+        return UncheckedIndex({(k, 0): (t.start, t.shape, t.nbytes) for k, t in header.tensors.items()}, where)
+
+    def file_size(self, name: str) -> int:
+        return self.files.file_size(name)
+
+    def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
+        self.files.read_into(name, offset, buffer)
+
+    def list_files(self) -> list[str]:
+        return self.files.list_files()
+
+    def close(self) -> None:
+        self.files.close()
+
+
+class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
+    """Reads the shards torch's ``HuggingFaceStorageWriter(path, save_distributed=True)`` writes.
+
+    Saving that way (without ``enable_consolidation``), every rank writes its shard of each
+    tensor to a file of its own, ``shard-00001-model-00001-of-00001.safetensors`` and so on,
+    under the tensor's own name, and records in the file's header where in the whole tensor
+    the shard starts; no index is written. Pass the directory to :func:`~.api.load`::
+
+        torch.distributed.checkpoint.save(model.state_dict(),
+            storage_writer=HuggingFaceStorageWriter(d, save_distributed=True))
+        load(model.state_dict(), storage_reader=TorchShardedSafetensorsReader(d))  # any mesh, any placements
+        sd = load(storage_reader=TorchShardedSafetensorsReader(d))                 # full CPU tensors
+
+    Every ``*.safetensors`` file of the directory is read, and each must record those offsets.
+    A key's shards become its chunks (one per file holding part of it); they must tile the
+    whole tensor exactly, and its shape is their extent (the headers record no other). Each
+    rank then reads only the byte ranges its targets need, as with
+    :class:`HuggingFaceStorageReader`: same arguments, same checks, no checksums to verify.
+
+    Raises (from ``load``):
+        NotACheckpointError: no such directory, or no ``*.safetensors`` file in it.
+        UnsupportedValueError: the directory has a ``*.safetensors.index.json`` (whole tensors:
+            use HuggingFaceStorageReader), or a file records no shard offsets.
+        CorruptCheckpointError: a header is damaged; a key's shards overlap, leave a hole (a
+            shard file is missing) or disagree on dtype or number of dims; a file changed while
+            loading. The message names the key and the files.
+    """
+
+    def weight_files(self) -> tuple[list[str], dict[str, str] | None]:
+        """The shard files (every ``*.safetensors`` of the directory, sorted), and None (no index)."""
+        try:
+            listed = self.files.list_files()
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotACheckpointError(f"{self.path!r} is not a checkpoint: no such directory") from None
+        except NotImplementedError:
+            raise UnsupportedValueError(f"{type(self.files).__name__} cannot list {self.path!r}; "
+                                        "TorchShardedSafetensorsReader finds the shard files by listing") from None
+        indexes = sorted(n for n in listed if n.endswith(_INDEX_SUFFIX))
+        if indexes:
+            raise UnsupportedValueError(
+                f"{self._where(indexes[0])}: a directory with an index holds whole tensors, not torch's shards; "
+                "load it with HuggingFaceStorageReader (torch's HuggingFaceStorageWriter with "
+                "enable_consolidation=True keeps its shards in the 'sharded' subdirectory)")
+        names = sorted(n for n in listed if n.endswith(_SUFFIX))
+        if not names:
+            raise NotACheckpointError(
+                f"{self.path!r} holds no *.safetensors file: torch's HuggingFaceStorageWriter(save_distributed="
+                "True) writes shard-<n>-model-<i>-of-<k>.safetensors files (with enable_consolidation=True, in "
+                "its 'sharded' subdirectory)")
+        for name in names:
+            md.validate_file_name(name, self.path)
+        return names, None
+
+    def read_metadata(self) -> bytes:
+        """Describe the shards as a format-v2 ``.metadata`` (coordinator only): a table chunk per shard."""
+        names, _ = self.weight_files()
+        headers = self._read_headers(names)
+        shards: dict[str, list[tuple[Box, int]]] = {}
+        kinds: dict[str, tuple[str, int, int]] = {}  # key -> dtype, ndim, file of its first shard
+        for i, (name, header) in enumerate(zip(names, headers, strict=True)):
+            where = self._where(name)
+            offsets = torch_saved_offsets(header, where)
+            if offsets is None:
+                raise UnsupportedValueError(
+                    f"{where} records no {_TORCH_SHARDING} in its header, so it is no shard of torch's "
+                    "HuggingFaceStorageWriter(save_distributed=True), and every *.safetensors file here must be "
+                    "one; a Hugging Face checkpoint of whole tensors loads with HuggingFaceStorageReader")
+            for key, t in header.tensors.items():
+                kind = kinds.setdefault(key, (t.dtype, len(t.shape), i))
+                if kind[:2] != (t.dtype, len(t.shape)):
+                    raise CorruptCheckpointError(
+                        f"tensor {key!r} is {t.dtype} with {len(t.shape)} dims in {where}, but {kind[0]} with "
+                        f"{kind[1]} dims in {self._where(names[kind[2]])}; the files come from different saves")
+                shards.setdefault(key, []).append((Box(offsets[key], t.shape), i))
+        entries = {key: self._entry(key, kinds[key][0], found, names) for key, found in shards.items()}
+        meta = md.Metadata(entries, "torch-sharded-safetensors", 1, user={"source": "torch-sharded-safetensors"},
+                           files=self._file_records(names, headers))
+        return meta.to_json()
+
+    def _entry(self, key: str, dtype: str, shards: list[tuple[Box, int]], names: list[str]) -> md.Entry:
+        """A key's table entry, after checking that its shards tile the tensor exactly."""
+        ndim = shards[0][0].ndim
+        shape = tuple(max(b.ends[d] for b, _ in shards) for d in range(ndim))
+        live = sorted(((b, i) for b, i in shards if b.numel), key=lambda s: s[0].offsets)
+        pair = first_overlap([b for b, _ in live])
+        if pair is not None:
+            (a, fa), (b, fb) = live[pair[0]], live[pair[1]]
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: its shard {a} in {self._where(names[fa])} overlaps its shard {b} in "
+                f"{self._where(names[fb])}; the directory mixes shards of different saves (torch's writer "
+                "overwrites only its own files: save into an empty directory)")
+        held, total = sum(b.numel for b, _ in live), math.prod(shape)
+        if held != total:
+            holes = uncovered(Box.full(shape), [b for b, _ in live]) if len(live) <= 64 else []
+            hole = f"; {holes[0]} is in no file" if holes else ""
+            files = sorted({names[i] for _, i in shards})
+            listed = ", ".join(files[:6]) + (f" and {len(files) - 6} more" if len(files) > 6 else "")
+            raise CorruptCheckpointError(
+                f"tensor {key!r} (shape {list(shape)}, the extent of its shards): its shards in {listed} cover "
+                f"{held} of its {total} elements{hole}. A shard file is missing from {self.path!r}"
+                f"{_missing_shards(names)}, or the files come from different saves")
+        n = len(live)
+        store = md.TableStore(np.array([b.offsets for b, _ in live], dtype=np.int64).reshape(n, ndim),
+                              np.array([b.sizes for b, _ in live], dtype=np.int64).reshape(n, ndim),
+                              np.array([i for _, i in live], dtype=np.int32),
+                              subs=np.zeros(n, dtype=np.int32))  # a file holds one shard of a key: its id 0
+        return md.Entry(key, "tensor", (key,), dtype, shape, store=store)
+
+
+_HF_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # transformers' shard names
+
+
+def _missing_shards(names: list[str]) -> str:
+    """A hint naming the shard numbers missing from torch's file names in ``names`` ("" if none)."""
+    numbers = {int(m.group(1)) for m in map(_TORCH_SHARD_NAME.fullmatch, names) if m}
+    absent = sorted(set(range(1, max(numbers, default=0) + 1)) - numbers)
+    if not absent:
+        return ""
+    shown = ", ".join(f"shard-{n:05d}-*" for n in absent[:4]) + (" ..." if len(absent) > 4 else "")
+    return f" (the shard numbers have holes: no {shown})"

@@ -1,0 +1,886 @@
+"""CheckpointManager: step directories, retention and resume for a training loop.
+
+A training job keeps its checkpoints in one directory (a local or shared path, or an fsspec
+URL such as ``s3://bucket/run``), one *step directory* per saved step::
+
+    directory/
+      .manager-owner.json      which job writes here now (host, pid); see "One writer" below
+      step_00000100/           an ordinary checkpoint: .metadata + data files
+      step_00000200/
+      ...
+
+Step directories are named ``step_`` + the step number zero-padded to 8 digits (longer
+numbers keep all their digits); other names in the directory are ignored and never touched.
+
+**Committed steps.** A step counts only once its ``.metadata`` is in place and parses (the
+commit protocol of :mod:`.commit` puts it there last, atomically). Discovery lists the
+directory once (one recursive listing on object stores) and reads each step's
+``.metadata``; no "latest" pointer exists, so none can run ahead of a commit. Every rank
+sees the same steps: the coordinator (rank 0 of the group) lists and decides, and its result
+reaches every rank through a status-checked exchange, so an error on the coordinator (a
+listing that fails) fails every rank instead of hanging them.
+
+**Retention** (after each commit, never before): keep the newest ``keep_latest`` committed
+steps, every step divisible by ``keep_every_steps``, and the ``keep_best`` best steps by the
+metric ``best_metric`` (metrics are stored in each step's ``.metadata``, so "best" survives
+restarts); the union is kept, and always the newest committed step and the step being saved.
+With no rule set, every step is kept. Only the coordinator deletes, in a background thread:
+first the step's ``.metadata`` (the step stops counting), then its data files, then the
+directory. A crash in between leaves a step directory without ``.metadata``: uncommitted,
+never loaded, swept at the next start.
+
+**Sweep at start.** The coordinator removes (in the background) every step directory that
+has no ``.metadata`` (a crashed save, a failed save, a deletion cut short) and, inside
+committed steps, the data files their ``.metadata`` does not name (debris of an interrupted
+save). A step whose ``.metadata`` exists but cannot be read (corrupt, nested too deeply, or
+written by a newer version) is neither counted nor deleted nor overwritten: a warning names
+it at start, and ``save`` of that step refuses (:class:`CheckpointError` naming the file and
+why) until it is moved away.
+
+**Failed saves.** The coordinator removes what a save that did not commit left in its step
+directory: the data files and temporary metadata this library writes that no ``.metadata``
+there names, then the directory if nothing else is in it; any other file stays. A step path
+that is a symbolic link is never written, deleted or walked: ``save`` refuses it (a failed
+save's cleanup would otherwise empty whatever the link points at).
+
+**One writer.** The manager assumes it is the only writer of its directory while it is
+open: that is what makes the sweep safe (nothing else can be in flight). The coordinator
+claims the directory in ``.manager-owner.json`` before it lists or sweeps anything; a
+manager refuses to start while that file names a live process on this host (another job, or
+another open manager in this process), takes over otherwise (the previous job is gone), and
+raises at its next save if another manager has taken over meanwhile. The claim is atomic:
+on local and shared filesystems every claim holds an exclusive ``flock`` of the owner file
+while it reads, decides and writes; on S3 it is a conditional put (created only if absent,
+a stale record replaced only if unchanged since read). Of managers started at the same
+moment exactly one wins; the others raise :class:`CheckpointError` before they touch
+anything, so no sweep of theirs meets a step the winner writes. Limits: a writer on another
+host cannot be checked for liveness (do not point two running jobs at one directory); a
+filesystem without locks (a warning says so) and fsspec stores other than S3 make the
+claim a plain read-then-write.
+
+**Async saves** (``async_save=True``): at most one save is in flight. ``save`` of the next
+step first waits for the previous one and settles it (every rank learns whether it
+committed; retention runs; a failure is raised as :class:`AsyncSaveError` on every rank).
+The same happens in ``wait()``, ``load()`` and ``close()``; in ``load(state, step=k)`` that
+retention pass never deletes step ``k`` (a step ``all_steps()`` listed while the save was in
+flight still loads; a later save's retention may delete it). Calls that the interval policy
+skips touch nothing and never block, so errors surface at the next call that saves.
+
+**Incremental checkpoints** (``incremental=True``): each rank remembers the content hash of
+every chunk it stored in the newest committed step; the next save writes only the chunks
+whose bytes changed and names the earlier step's file for the rest (see
+:mod:`.incremental`). Retention still deletes whole steps, except the files of a deleted
+step that a kept step names: those stay in its directory (without ``.metadata``, so it is
+not a step any more) until nothing names them.
+
+**Local tier** (``local_dir=...``): every ``local_interval_steps`` each rank also saves its
+own shards to node-local storage and replicates them to peers on other nodes, and ``load``
+resumes from the newest local step complete across the surviving nodes before it considers
+``directory`` (see :mod:`.local_tier`). The manager calls it at three places: ``save``
+(``_local.save``), ``load`` (``_local.recover`` / ``_local.loaded``) and ``wait``/close.
+Each durable step records in its user metadata the *timeline* (run) that saved it (the
+local tier's, or one per manager without a local tier), so that recovery can tell a local
+step of an abandoned run from one the newest durable step does not supersede.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import time
+import uuid
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ..backends.protocol import StorageReader, StorageWriter
+from ..base.coordination import DEFAULT_TIMEOUT, Coordinator, as_timeout
+from ..base.errors import CheckpointError, CommitError, CorruptCheckpointError, NotACheckpointError
+from ..engine.checkpoint import load as _load
+from ..engine.checkpoint import save as _save
+from ..engine.commit import unreferenced_files
+from ..engine.incremental import IncrementalState
+from ..format import metadata as md
+from ..staging.checkpointer import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
+from .local_tier import LocalTier, new_timeline
+from .step_directory import (
+    OPEN_TOKENS,
+    USER_KEY,
+    Deleter,
+    Directory,
+    Listed,
+    PathLike,
+    StepInfo,
+    encode_metrics,
+    list_steps,
+    metrics_of,
+    open_directory,
+    owner_alive,
+    parse_owner,
+    process_start,
+    scan,
+    step_dir_name,
+)
+
+__all__ = ["CheckpointManager", "StepInfo", "SaveTiming", "list_steps", "step_dir_name", "plan_retention"]
+
+
+# ----------------------------------------------------------------------------- retention
+
+
+def plan_retention(
+    steps: dict[int, dict[str, Any] | None],
+    *,
+    keep_latest: int | None = None,
+    keep_every_steps: int | None = None,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+    protect: Iterable[int] = (),
+    references: Callable[[int], Iterable[int]] = lambda step: (),
+) -> list[int]:
+    """The committed steps to delete: those no rule keeps (pure; the manager's policy).
+
+    Kept: the newest ``keep_latest``; every step divisible by ``keep_every_steps``; the
+    ``keep_best`` best by ``steps[step][best_metric]`` (``best_mode`` "min" or "max"; steps
+    without a finite number for it do not compete; ties go to the newer step); the newest
+    step; ``protect``; and, transitively, every step a kept step ``references``. With no rule
+    set, nothing is deleted.
+    """
+    if not steps or (keep_latest is None and keep_every_steps is None and keep_best is None):
+        return []
+    order = sorted(steps)
+    keep = {order[-1], *protect}
+    if keep_latest is not None:
+        keep.update(order[-keep_latest:] if keep_latest > 0 else [])
+    if keep_every_steps is not None:
+        keep.update(s for s in order if s % keep_every_steps == 0)
+    if keep_best is not None and best_metric is not None:
+        keep.update(_best(steps, best_metric, best_mode)[:keep_best])
+    todo = list(keep)
+    while todo:  # a kept step keeps every step ``references`` says it needs
+        for ref in references(todo.pop()):
+            if ref in steps and ref not in keep:
+                keep.add(ref)
+                todo.append(ref)
+    return [s for s in order if s not in keep]
+
+
+def _metric_value(metrics: dict[str, Any] | None, name: str) -> float | None:
+    value = metrics.get(name) if isinstance(metrics, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _best(steps: dict[int, dict[str, Any] | None], metric: str, mode: str) -> list[int]:
+    """Steps with a finite ``metric``, best first (ties: the newer step first)."""
+    scored = [(v, s) for s, m in steps.items() if (v := _metric_value(m, metric)) is not None]
+    sign = 1.0 if mode == "min" else -1.0
+    return [s for _, s in sorted(scored, key=lambda vs: (sign * vs[0], -vs[1]))]
+
+
+# ----------------------------------------------------------------------------- the manager
+
+
+@dataclass(frozen=True)
+class SaveTiming:
+    """What one save cost this process: ``blocking_s`` the ``save`` call (for async, until the
+    snapshot was taken), ``total_s`` until committed (None while in flight or if it failed)."""
+
+    step: int
+    blocking_s: float
+    total_s: float | None
+
+
+@dataclass
+class _Pending:
+    """A save whose outcome every rank has not yet learned (async: in flight)."""
+
+    step: int
+    response: AsyncSaveResponse | None = None
+    meta: md.Metadata | None = None  # sync saves, on the coordinator
+    blocking_s: float = 0.0
+
+
+class CheckpointManager:
+    """Saves a training job's checkpoints into step directories, keeps some, resumes from the newest.
+
+    Every rank of the group constructs it and calls ``save``/``load``/``wait``/``close`` alike
+    (same arguments, same order); ``latest_step``/``all_steps``/``best_step``/``metrics`` are
+    local and may be called anywhere.
+
+    Args:
+        directory: where the step directories go: a local/shared path or an fsspec URL.
+        save_interval_steps: ``save(step, ...)`` saves only when ``step`` is a multiple of it
+            (or ``force=True``).
+        keep_latest: keep the newest N committed steps.
+        keep_every_steps: keep every step divisible by it (milestones).
+        keep_best: keep the N best steps by ``best_metric`` (needs ``best_metric``).
+        best_metric: the key in ``save(..., metrics=)`` that ranks steps; ``best_mode``
+            ``"min"`` (a loss) or ``"max"`` (an accuracy).
+        async_save: return from ``save`` once a snapshot is taken; a background thread writes
+            and commits (one save in flight; see the module docstring). An
+            :class:`~.async_staging.AsyncCheckpointer` (``max_in_flight=1``) instead of True
+            is used for these saves with its settings, e.g. ``AsyncCheckpointer(stage_bands=True)``
+            or ``background_nice=0``; the manager closes it when it closes.
+        incremental: write only the chunks that changed since the previous committed step of
+            this manager and reference the earlier files for the rest (the first save, and
+            the first after a restart or a failed save, writes everything).
+        process_group: the ranks that save together (default: the whole world).
+        timeout: bound on every cross-rank exchange and object-store call of a save or load:
+            seconds > 0 or a positive timedelta (default None: 30 min).
+        storage_options: options of the fsspec filesystem for a URL ``directory`` (e.g.
+            ``{"client_kwargs": {"endpoint_url": ...}}``).
+        local_dir: turns on the local tier: this node's directory for it (``/dev/shm/job``
+            or local NVMe; ranks of one node may share it). None: no local tier.
+        local_interval_steps: local saves when ``step`` is a multiple of it (default 1,
+            every step); independent of ``save_interval_steps``.
+        local_keep: confirmed local steps kept on each node (per rank and copy).
+        replicas: copies of each rank's shards in the local tier, its own included; the
+            others go to ranks on other nodes.
+        node_rank: this rank's node (default: torchrun's ``GROUP_RANK``, else ``RANK //
+            LOCAL_WORLD_SIZE``, else the host name); tests simulate nodes with it.
+        replication_timeout: seconds any wait of the local tier for a peer may take; a peer
+            slower than that ends replication for the run (local saves go on).
+
+    The local tier's settings (``local_interval_steps``, ``local_keep``, ``replicas``,
+    ``node_rank``, ``replication_timeout``) need ``local_dir``: without it, any of them not
+    at its default is refused (ValueError), not ignored.
+
+    The retention rules keep the union of what each rule keeps, plus always the newest
+    committed step; with none set, every step is kept. Retention runs after each commit.
+
+    Raises:
+        ValueError / TypeError: a bad argument (named in the message), on every rank alike
+            and before any collective.
+        CheckpointError: another open manager (a live process on this host) owns ``directory``,
+            or claimed it at the same moment.
+        RankFailedError: listing the directory failed on the coordinator (on every rank).
+
+    Example::
+
+        with CheckpointManager("/ckpt/run1", save_interval_steps=100, keep_latest=3,
+                               keep_best=1, best_metric="loss", async_save=True) as mgr:
+            start = mgr.load(state) or 0          # resume from the newest committed step
+            for step in range(start + 1, steps + 1):
+                loss = train_step()
+                mgr.save(step, state, metrics={"loss": loss})
+    """
+
+    def __init__(
+        self,
+        directory: PathLike,
+        *,
+        save_interval_steps: int = 1,
+        keep_latest: int | None = None,
+        keep_every_steps: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool | AsyncCheckpointer = False,
+        incremental: bool = False,
+        process_group: Any = None,
+        timeout: timedelta | float | None = None,
+        storage_options: dict[str, Any] | None = None,
+        local_dir: PathLike | None = None,
+        local_interval_steps: int | None = None,
+        local_keep: int = 2,
+        replicas: int = 2,
+        node_rank: int | None = None,
+        replication_timeout: float = 60.0,
+    ):
+        _check_count("save_interval_steps", save_interval_steps)
+        for name, value in (("keep_latest", keep_latest), ("keep_every_steps", keep_every_steps),
+                            ("keep_best", keep_best)):
+            if value is not None:
+                _check_count(name, value)
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if keep_best is not None and not best_metric:
+            raise ValueError("keep_best needs best_metric: the key of save(..., metrics=) that ranks steps")
+        timeout = as_timeout(timeout)
+        if local_dir is not None:
+            local_interval_steps = 1 if local_interval_steps is None else local_interval_steps
+            for name, value in (("local_interval_steps", local_interval_steps), ("local_keep", local_keep),
+                                ("replicas", replicas)):
+                _check_count(name, value)
+            if not isinstance(replication_timeout, (int, float)) or not replication_timeout > 0:
+                raise ValueError(f"replication_timeout must be a number of seconds > 0, got {replication_timeout!r}")
+        else:
+            # Settings of the local tier mean nothing without one: refuse them rather than ignore them.
+            given = [name for name, value, default in (
+                ("local_interval_steps", local_interval_steps, None), ("node_rank", node_rank, None),
+                ("local_keep", local_keep, 2), ("replicas", replicas, 2),
+                ("replication_timeout", replication_timeout, 60.0)) if value != default]
+            if given:
+                verb = "configures" if len(given) == 1 else "configure"
+                raise ValueError(f"{', '.join(given)} {verb} the local tier, which is off without local_dir: "
+                                 "pass local_dir too, or leave them at their defaults")
+        self.directory = os.fspath(directory)
+        self.save_interval_steps = save_interval_steps
+        self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        if isinstance(async_save, AsyncCheckpointer) and async_save.max_in_flight != 1:
+            raise ValueError(f"async_save: the manager keeps one save in flight; pass an AsyncCheckpointer with "
+                             f"max_in_flight=1 (this one has {async_save.max_in_flight})")
+        if not isinstance(async_save, (bool, AsyncCheckpointer)):
+            raise TypeError(f"async_save must be True, False or an AsyncCheckpointer, got {async_save!r}")
+        self.async_save = bool(async_save)
+        self.incremental = incremental
+        self._inc = IncrementalState() if incremental else None
+        self._refs: dict[int, frozenset[tuple[str, str]]] = {}  # coordinator: step -> files of other steps it names
+        self._lingering: set[str] = set()  # deleted steps' directories kept for files later steps name
+        self.process_group = process_group
+        self.timeout = timeout
+        self._root = self._root_for(directory, storage_options)
+        if hasattr(self._root, "bound_calls"):  # an object store: its calls end within the timeout too
+            self._root.bound_calls((timeout or DEFAULT_TIMEOUT).total_seconds())
+        self._steps: dict[int, dict[str, Any] | None] = {}  # committed step -> metrics, same on every rank
+        # committed step -> the timeline (run) that wrote it; None: written before timelines were recorded
+        self._timelines: dict[int, str | None] = {}
+        self._run_timeline = ""  # this run's timeline without a local tier (the coordinator's; see _start)
+        self._pending: _Pending | None = None
+        self._timings: deque[SaveTiming] = deque(maxlen=100)
+        self._closed = False
+        self._token = uuid.uuid4().hex
+        self._async: AsyncCheckpointer | None = (
+            async_save if isinstance(async_save, AsyncCheckpointer) else AsyncCheckpointer(max_in_flight=1)
+            if async_save else None)
+        self._coord = Coordinator(process_group, False, 0, timeout)
+        self._deleter = Deleter(self._root) if self._coord.is_coordinator else None
+        self._local: LocalTier | None = None
+        try:
+            self._start()
+            if local_dir is not None:
+                self._local = LocalTier(local_dir, directory=self._root.url, interval_steps=local_interval_steps,
+                                        keep=local_keep, replicas=replicas, node_rank=node_rank,
+                                        process_group=process_group, timeout=timeout,
+                                        replication_timeout=replication_timeout, durable=self._durable_latest())
+        except BaseException:
+            self._release()  # a failed start must not keep the directory claimed
+            raise
+
+    # ------------------------------------------------------------------ queries (local)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None. Local: as of this rank's last manager call."""
+        return max(self._steps) if self._steps else None
+
+    def all_steps(self) -> list[int]:
+        """Every committed step the manager keeps, oldest first (not the one in flight)."""
+        return sorted(self._steps)
+
+    def _durable_latest(self) -> tuple[int, str | None] | None:
+        """The newest committed step and the timeline that wrote it (None: no step)."""
+        latest = self.latest_step()
+        return None if latest is None else (latest, self._timelines.get(latest))
+
+    def _timeline(self) -> str:
+        """The timeline recorded in the durable steps this run saves: the local tier's (a new
+        one at every load), else one per manager. Local recovery uses it to tell whether the
+        newest durable step was written by the run that wrote a local step."""
+        return self._local.timeline if self._local is not None else self._run_timeline
+
+    def best_step(self) -> int | None:
+        """The best committed step by ``best_metric`` (None without a metric or a scored step)."""
+        if not self.best_metric:
+            return None
+        ranked = _best(self._steps, self.best_metric, self.best_mode)
+        return ranked[0] if ranked else None
+
+    def metrics(self, step: int) -> dict[str, Any] | None:
+        """The metrics saved with committed ``step`` (the coordinator's), or None."""
+        m = self._steps.get(step)
+        return dict(m) if m is not None else None
+
+    def step_path(self, step: int) -> str:
+        """Where ``step`` is (or would be) saved."""
+        return self._root.step_path(step_dir_name(step))
+
+    @property
+    def save_timings(self) -> list[SaveTiming]:
+        """This process's last 100 saves: time the call blocked, time until committed."""
+        return list(self._timings)
+
+    @property
+    def local_tier(self) -> LocalTier | None:
+        """The local tier (its ``timings``, ``last_recovery``, ``replication_error``), or None."""
+        return self._local
+
+    # ------------------------------------------------------------------ save / load
+
+    def save(self, step: int, state_dict: dict[str, Any], *, metrics: dict[str, Any] | None = None,
+             force: bool = False) -> bool:
+        """Save ``state_dict`` as ``step`` if the policy says so; return whether it saved.
+
+        Skipped (False, nothing touched, no collective): ``step`` is not a multiple of
+        ``save_interval_steps`` and ``force`` is False. With a local tier, a local save of
+        ``step`` starts first when ``step`` is a multiple of ``local_interval_steps`` (the
+        return value still says whether the durable save ran). Otherwise every rank first settles the
+        previous async save (waits for it; raises its failure), then agrees on ``step``; a
+        ``step`` equal to the newest committed one is skipped (False). With ``async_save`` the
+        call returns once the snapshot is taken.
+
+        Args:
+            step: the training step (an int >= 0, larger than every committed step).
+            state_dict: what :func:`save` accepts (e.g. ``{"app": TrainState(...)}``).
+            metrics: ``{name: value}`` stored with the step (the coordinator's values); values
+                are JSON-representable, or 0-d tensors / numpy scalars (stored as numbers).
+                ``best_metric`` ranks steps by one of them.
+            force: save even off the interval (e.g. the last step of training).
+
+        Raises:
+            ValueError: ``step`` is older than the newest committed step, or ranks disagree.
+            CheckpointError: the step's path is a symbolic link, or holds a ``.metadata`` this
+                manager cannot read (see the module docstring); nothing is written or removed.
+            AsyncSaveError: the previous async save failed (nothing new is started).
+            RankFailedError / CommitError / LostContactError: a synchronous save failed (as
+                :func:`save`).
+        """
+        self._check_open()
+        _check_step(step)
+        if metrics is not None:
+            metrics = _plain_metrics(metrics)
+        if self._local is not None:
+            self._local.save(step, state_dict)
+        if not force and step % self.save_interval_steps:
+            return False
+        self._settle()
+        self._agree("save", step)
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            if step == latest:
+                return False
+            raise ValueError(
+                f"step {step} is older than the newest committed step {latest} in {self.directory!r}: steps "
+                "only go forward (a resume would pick the newer one). Resume from it, or move the newer "
+                "step directories away to restart an older timeline")
+        name = step_dir_name(step)
+        user = {USER_KEY: {"step": step, "metrics": None if metrics is None else encode_metrics(metrics),
+                           "timeline": self._timeline()}}
+        writer = self._storage_writer(name)
+        started = time.perf_counter()
+        if self._inc is not None:
+            self._inc.begin(name)
+        if self._async is not None:
+            response = self._async.save(state_dict, storage_writer=writer, process_group=self.process_group,
+                                        timeout=self.timeout, user_metadata=user, incremental=self._inc)
+            self._pending = _Pending(step, response=response, blocking_s=response.blocking_s)
+            return True
+        try:
+            meta = _save(state_dict, storage_writer=writer, process_group=self.process_group,
+                         timeout=self.timeout, user_metadata=user, incremental=self._inc)
+        except Exception as exc:
+            # Not committed unless a CommitError says it may be: the coordinator (alone deleting)
+            # clears the step's debris; a CommitError step is left for the next start to judge.
+            if self._deleter is not None and not isinstance(exc, CommitError):
+                self._deleter.submit("failed", name, keep=self._kept_files(name))
+            self._timings.append(SaveTiming(step, time.perf_counter() - started, None))
+            raise
+        elapsed = time.perf_counter() - started
+        self._pending = _Pending(step, meta=meta, blocking_s=elapsed)
+        self._settle()
+        return True
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int | None:
+        """Load committed ``step`` (default: the newest) into ``state_dict`` in place.
+
+        Settles an async save in flight first; the retention that follows never deletes
+        ``step`` (a step ``all_steps()`` listed while the save was in flight still loads; a
+        later save's retention may delete it). Returns the step loaded, or None (and leaves
+        ``state_dict`` untouched) when ``step`` is None and nothing is committed yet.
+
+        With a local tier, the newest step complete in the local tiers of the surviving
+        nodes (or ``step``, if it is one) loads from there, reading nothing from
+        ``directory``, unless ``directory`` holds a newer committed step or its newest step
+        was committed by a later run than the one that saved the local step (e.g. a run at
+        another world size, which could not see this node's files); otherwise (nothing
+        complete, a changed layout) the durable step loads as without a local tier.
+
+        Raises:
+            NotACheckpointError: ``step`` is not a committed step of this directory.
+            ValueError: ``step`` is not None or an int >= 0, or ranks asked for different steps.
+            Errors of :func:`load` (mismatched keys, corrupt data) on every rank.
+        """
+        self._check_open()
+        if step is not None:
+            _check_step(step)
+        self._settle(protect=() if step is None else (step,))
+        if self._local is not None:
+            recovered = self._local.recover(state_dict, durable=self._durable_latest(), step=step)
+            if recovered is not None:
+                return recovered
+        chosen = self.latest_step() if step is None else step
+        self._agree("load", chosen)
+        if chosen is None:
+            recovery = self._local.last_recovery if self._local is not None else None
+            if recovery is not None and recovery.touched:
+                raise CorruptCheckpointError(
+                    f"{self.directory!r}: every copy of the newest local step was damaged and there is no durable "
+                    "step to fall back to; the state dict may hold part of a damaged copy. Start from freshly "
+                    "initialized objects")
+            if self._local is not None:
+                self._local.loaded(None)
+            return None
+        if chosen not in self._steps:
+            raise NotACheckpointError(
+                f"step {chosen} is not a committed checkpoint in {self.directory!r}; committed steps: "
+                f"{self.all_steps() or 'none'}")
+        _load(state_dict, storage_reader=self._storage_reader(step_dir_name(chosen)),
+              process_group=self.process_group, timeout=self.timeout)
+        if self._local is not None:
+            self._local.loaded(chosen)
+        return chosen
+
+    def wait(self) -> None:
+        """Wait until the save in flight is committed (and retention has run); raise its error.
+
+        On the coordinator, also waits for background deletions to finish.
+
+        Raises:
+            AsyncSaveError: the save in flight failed (on every rank).
+        """
+        self._check_open()
+        self._settle()
+        if self._local is not None:
+            self._local.wait()
+        if self._deleter is not None:
+            self._deleter.wait_for()
+
+    def close(self) -> None:
+        """Settle the save in flight, finish deletions, release the owner file and threads.
+
+        Idempotent. Raises the in-flight save's error, after releasing everything.
+        """
+        if self._closed:
+            return
+        try:
+            self._settle()
+        finally:
+            self._release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # An error is on its way out, and the ranks may no longer be in step: no collectives.
+        # A save in flight still commits (or fails) on its own; wait for it here, bounded.
+        with contextlib.suppress(Exception):
+            if self._pending is not None and self._pending.response is not None:
+                self._pending.response.exception()
+        self._pending = None
+        self._release()
+
+    # ------------------------------------------------------------------ storage hooks
+
+    def _root_for(self, directory: PathLike, storage_options: dict[str, Any] | None) -> Directory:
+        return open_directory(directory, storage_options)
+
+    def _storage_writer(self, name: str) -> StorageWriter:
+        return self._root.writer(name)
+
+    def _storage_reader(self, name: str) -> StorageReader:
+        # References to earlier steps' files are sibling directories: readers resolve them.
+        return self._root.reader(name)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the CheckpointManager of {self.directory!r} is closed")
+
+    def _coordinator(self) -> Coordinator:
+        """The manager's coordinator, made again (a collective) if an exchange on its group
+        failed: gloo cannot use a group after a timeout or a lost peer, and a job that catches
+        a failed save and trains on must still checkpoint later. Called where every rank is."""
+        if self._coord.broken:
+            self._coord = Coordinator(self.process_group, False, 0, self.timeout)
+        return self._coord
+
+    def _on_coordinator(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the coordinator; every rank gets its result, or every rank raises."""
+        coord = self._coordinator()
+        return coord.exchange(phase, lambda: fn() if coord.is_coordinator else None)[coord.coordinator_rank]
+
+    def _start(self) -> None:
+        found: dict[str, Any] = {}
+
+        def discover() -> dict[int, dict[str, Any] | None]:
+            self._root.make_root()
+            self._claim()
+            infos, listing, parsed = scan(self._root)
+            self._refs = {step: _named_elsewhere(meta) for step, meta in parsed.items()}
+            for info in infos:
+                name = step_dir_name(info.step)
+                if info.state == "uncommitted":
+                    keep = self._kept_files(name)
+                    found.setdefault("sweep", []).append((name, keep))
+                    if keep:
+                        self._lingering.add(name)
+                elif info.state == "unreadable":
+                    warnings.warn(f"CheckpointManager: {info.error}; step {info.step} is ignored and left in "
+                                  "place (`hyper-dcp verify` it, or move it away)", stacklevel=4)
+                else:
+                    debris = unreferenced_files(Listed(listing[name]), self._referenced_files(parsed[info.step]))
+                    if debris:
+                        found.setdefault("debris", []).append((name, debris))
+            committed = [i.step for i in infos if i.state == "committed"]
+            return ({i.step: i.metrics for i in infos if i.state == "committed"},
+                    {s: timeline_of(parsed[s]) for s in committed}, new_timeline())
+
+        self._steps, self._timelines, self._run_timeline = self._on_coordinator(
+            "manager start (listing the directory)", discover)
+        if self._deleter is not None:
+            for name, keep in found.get("sweep", []):
+                self._deleter.submit("step", name, keep=keep)
+            for name, files in found.get("debris", []):
+                self._deleter.submit("files", name, files)
+
+    def _referenced_files(self, meta: md.Metadata) -> list[str]:
+        """A committed step's own files, and the files of its directory later steps name."""
+        own = step_of_name(meta)
+        return sorted(set(meta.file_names()) | set(self._kept_files(own) if own else ()))
+
+    def _kept_files(self, name: str) -> tuple[str, ...]:
+        """Files of step directory ``name`` that some committed step's metadata names."""
+        return tuple(sorted({f for refs in self._refs.values() for d, f in refs if d == name}))
+
+    def _claim(self) -> None:
+        """Become the directory's owner (coordinator), or refuse while a live owner holds it.
+        Atomic (see ``claim_owner``): of managers starting at once, one wins, and the others
+        raise here, before their start-up sweep could touch a step the winner writes."""
+        pid = os.getpid()
+        record = json.dumps({
+            "host": socket.gethostname(), "pid": pid, "started": process_start(pid), "token": self._token,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
+        # open before the record lands: a manager of this process claiming next sees it alive
+        OPEN_TOKENS.add(self._token)
+        # a manager dropped without close() (a notebook cell run again) no longer holds the directory
+        weakref.finalize(self, OPEN_TOKENS.discard, self._token)
+        self._root.claim_owner(record, self._refuse_if_held)
+
+    def _refuse_if_held(self, raw: bytes | None) -> None:
+        owner = parse_owner(raw)
+        if owner is not None and owner.get("token") != self._token and owner_alive(owner):
+            raise CheckpointError(
+                f"{self.directory!r} is in use by another CheckpointManager (pid {owner.get('pid')} on "
+                f"{owner.get('host')}, since {owner.get('since')}): one job writes a directory at a time. "
+                "Close that manager or use another directory")
+
+    def _owns(self, raw: bytes) -> bool:
+        owner = parse_owner(raw)
+        return owner is not None and owner.get("token") == self._token
+
+    def _check_owner(self) -> None:
+        raw = self._root.read_owner()
+        if raw is not None and self._owns(raw):
+            return
+        owner = parse_owner(raw)
+        who = (f"pid {owner.get('pid')} on {owner.get('host')}" if owner is not None
+               else "someone (the owner file is gone)")
+        raise CheckpointError(
+            f"another writer took over {self.directory!r} ({who}); this manager stops saving there. "
+            "Two jobs must not share a checkpoint directory")
+
+    def _agree(self, what: str, step: int | None) -> None:
+        """Every rank names the same ``step`` (the coordinator also checks it still owns the
+        directory and that no deletion of that step's directory is pending)."""
+        def check() -> int | None:
+            if self._coord.is_coordinator:
+                self._check_owner()
+                if step is not None and what == "save":
+                    self._deleter.wait_for(step_dir_name(step))  # type: ignore[union-attr]
+                    self._check_writable(step)
+            return step
+
+        steps = self._coordinator().exchange(f"manager {what} (step {step})", check)
+        if len(set(steps)) > 1:
+            raise ValueError(f"CheckpointManager.{what}: the ranks passed different steps {steps} (by rank); "
+                             "every rank must call it with the same step")
+
+    def _check_writable(self, step: int) -> None:
+        """Refuse to save ``step`` into a symbolic link, or over a ``.metadata`` this manager
+        cannot read (a newer version's, a corrupt one): a failed save would delete that step,
+        a good one replace it, and it may be the only copy of someone's checkpoint."""
+        name = step_dir_name(step)
+        self._root.check_step(name)
+        try:
+            raw = self._root.read_metadata(name)
+        except NotACheckpointError:
+            return  # nothing committed there (the usual case: no directory yet)
+        where = f"{self._root.step_path(name)}/{md.METADATA_FILE}"
+        try:
+            md.Metadata.from_json(raw, where=where)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"not saving step {step}: {exc}. The manager neither counts, deletes nor overwrites a step whose "
+                f"{md.METADATA_FILE} it cannot read; move {self._root.step_path(name)!r} away (or load it with the "
+                "hyper-parallel that wrote it), then save again") from None
+
+    def _settle(self, protect: Iterable[int] = ()) -> None:
+        """Every rank learns the outcome of the last save; the coordinator updates the steps,
+        plans retention (never deleting ``protect``: a step about to be loaded), and starts
+        the deletions after everyone agreed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        own_error: BaseException | None = None
+        meta = pending.meta
+        response = pending.response
+        if response is not None:
+            try:
+                meta = response.result()
+            except BaseException as exc:  # reported to every rank below
+                own_error = exc
+                # ...and by us alone: the checkpointer would raise it again at the next save.
+                with contextlib.suppress(AsyncSaveError, TimeoutError):
+                    self._async.wait(timeout=0)  # type: ignore[union-attr]
+            self._timings.append(SaveTiming(pending.step, pending.blocking_s,
+                                            response.total_s if own_error is None else None))
+        else:
+            self._timings.append(SaveTiming(pending.step, pending.blocking_s, pending.blocking_s))
+        name = step_dir_name(pending.step)
+        plan: dict[str, Any] = {}
+
+        def bookkeeping() -> tuple[str | None, Any]:
+            error = None if own_error is None else f"{type(own_error).__name__}: {own_error}"
+            if not self._coord.is_coordinator:
+                return error, None
+            committed = meta
+            finished = response is None or response.done()
+            if own_error is not None and finished:  # the save may have committed all the same
+                committed = self._probe(name)
+            steps, timelines = dict(self._steps), dict(self._timelines)
+            if committed is not None:
+                steps[pending.step] = metrics_of(committed)
+                timelines[pending.step] = timeline_of(committed)
+                self._refs[pending.step] = _named_elsewhere(committed)
+                doomed = self._retention(steps, protect={pending.step, *protect})
+                for s in doomed:
+                    del steps[s]
+                    timelines.pop(s, None)
+                    self._refs.pop(s, None)
+                # a deleted step's files that kept steps still name stay (incremental checkpoints);
+                # directories kept only for such files go once nothing names them any more
+                plan["delete"] = [(s, self._kept_files(step_dir_name(s))) for s in doomed]
+                self._lingering.update(step_dir_name(s) for s, keep in plan["delete"] if keep)
+                plan["release"] = [n for n in self._lingering if not self._kept_files(n)]
+                self._lingering.difference_update(plan["release"])
+            elif finished:
+                plan["cleanup"] = True
+            return error, (committed is not None, steps, timelines)
+
+        results = self._coordinator().exchange(f"manager (settling the save of step {pending.step})", bookkeeping)
+        committed, self._steps, self._timelines = results[self._coord.coordinator_rank][1]
+        if self._deleter is not None:
+            for s, keep in plan.get("delete", []):
+                self._deleter.submit("step", step_dir_name(s), keep=keep)
+            for name in plan.get("release", []):
+                self._deleter.submit("step", name)
+            if plan.get("cleanup"):
+                self._deleter.submit("failed", name, keep=self._kept_files(name))
+        failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
+        if not failures:
+            return
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failures.items())
+        where = self.step_path(pending.step)
+        if committed:
+            warnings.warn(f"CheckpointManager: step {pending.step} is committed at {where}, but its save "
+                          f"reported errors: {detail}", stacklevel=3)
+            return
+        raise AsyncSaveError(f"the async save of step {pending.step} to {where} failed ({detail}); the newest "
+                             f"committed step is {self.latest_step()}") from own_error
+
+    def _probe(self, name: str) -> md.Metadata | None:
+        """The step's committed metadata, or None when it has none (or it does not parse)."""
+        try:
+            return md.Metadata.from_json(self._root.read_metadata(name))
+        except NotACheckpointError:
+            return None
+        except CheckpointError as exc:
+            warnings.warn(f"CheckpointManager: {self._root.step_path(name)}: {exc}", stacklevel=4)
+            return None
+
+    def _retention(self, steps: dict[int, dict[str, Any] | None], protect: set[int]) -> list[int]:
+        return plan_retention(steps, keep_latest=self.keep_latest, keep_every_steps=self.keep_every_steps,
+                              keep_best=self.keep_best, best_metric=self.best_metric, best_mode=self.best_mode,
+                              protect=protect, references=self._references)
+
+    def _references(self, step: int) -> tuple[int, ...]:
+        # Steps named by a kept step are not kept whole: only the files it names survive their
+        # step's deletion (see _kept_files), so retention counts steps, not references.
+        return ()
+
+    def _release(self) -> None:
+        """Free threads, groups and the owner file (no collectives)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._local is not None:
+                self._local.close()
+            if self._async is not None:
+                with contextlib.suppress(AsyncSaveError):
+                    self._async.close()
+        finally:
+            if self._deleter is not None:
+                self._deleter.wait_for()
+                self._deleter.stop()
+                with contextlib.suppress(Exception):
+                    self._root.release_owner(self._owns)
+            OPEN_TOKENS.discard(self._token)
+
+    def __repr__(self) -> str:
+        return (f"CheckpointManager({self.directory!r}, steps={self.all_steps()}, "
+                f"in_flight={self._pending.step if self._pending else None})")
+
+
+def _named_elsewhere(meta: md.Metadata) -> frozenset[tuple[str, str]]:
+    """(step directory, file) of every file of another step that ``meta`` names."""
+    return frozenset((f.dir, f.name) for f in meta.files if f.dir)
+
+
+def timeline_of(meta: md.Metadata) -> str | None:
+    """The timeline (run) that saved a committed step, from its user data (None: not recorded)."""
+    own = meta.user.get(USER_KEY) if isinstance(meta.user, dict) else None
+    timeline = own.get("timeline") if isinstance(own, dict) else None
+    return timeline if isinstance(timeline, str) else None
+
+
+def step_of_name(meta: md.Metadata) -> str | None:
+    """The step directory name a committed step's metadata was saved under (from its user data)."""
+    own = meta.user.get(USER_KEY) if isinstance(meta.user, dict) else None
+    step = own.get("step") if isinstance(own, dict) else None
+    return step_dir_name(step) if isinstance(step, int) else None
+
+
+def _plain_metrics(metrics: Any) -> dict[str, Any]:
+    """``metrics`` with 0-d tensors and numpy scalars turned into numbers; validated."""
+    if not isinstance(metrics, dict) or not all(type(k) is str for k in metrics):
+        raise ValueError(f"metrics must be a dict with str keys, got {metrics!r:.200}")
+    plain = {k: v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v for k, v in metrics.items()}
+    if not md.is_json_value(plain):
+        raise ValueError(f"metrics values must be numbers, strings, bools, None, or lists/dicts of them (or 0-d "
+                         f"tensors), got {metrics!r:.200}")
+    return plain
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")

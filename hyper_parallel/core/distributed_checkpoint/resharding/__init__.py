@@ -1,0 +1,2 @@
+"""Rewriting checkpoints for new layouts: reshard (one file per destination rank) and the
+offline transforms and conversions built on it."""

@@ -1,0 +1,250 @@
+"""Nested state dicts <-> flat ``{key: value}`` maps, and back.
+
+A key is the dot-joined path to a leaf (``"model.layers.0.weight"``, ``"optim.state.3.exp_avg"``).
+Leaves are tensors, DTensors, numpy arrays, bytes, and any container holding none of those
+(kept whole as one value, e.g. an optimizer's ``param_groups``; on load, keys a target dict
+has and the saved one lacks are still missing keys). Containers that hold data are
+descended. Objects with ``state_dict()``/``load_state_dict()`` (Stateful) are expanded
+through their ``state_dict()`` on save, and given their filled state back on load.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..base.errors import UnsupportedValueError
+
+PathPart = Any  # str (dict key) | ("i", n) list index | ("t", n) tuple index | ("k", n) int key
+
+
+def is_stateful(v: Any) -> bool:
+    return (
+        not isinstance(v, (torch.Tensor, dict, list, tuple))
+        and callable(getattr(v, "state_dict", None))
+        and callable(getattr(v, "load_state_dict", None))
+    )
+
+
+def _is_data(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, np.ndarray, bytes, bytearray)) or is_stateful(v)
+
+
+def _holds_data(v: Any) -> bool:
+    if _is_data(v):
+        return True
+    if isinstance(v, dict):
+        return any(_holds_data(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_data(x) for x in v)
+    return False
+
+
+def update_in_place(old: dict, new: dict) -> None:
+    """Make the dict ``old`` hold ``new``, keeping its nested dicts (a training loop may hold
+    ``extra["data"]`` and advance it): a dict in both is updated, not replaced."""
+    for k in [k for k in old if k not in new]:
+        del old[k]
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict) and old[k] is not v:
+            update_in_place(old[k], v)
+        else:
+            old[k] = v
+
+
+def path_from_parts(parts: Any) -> tuple[PathPart, ...] | None:
+    """A path recorded the way torch DCP (and HyperParallel) record them, dict keys as str
+    and list indices as int, in our form (indices as ``("i", n)``); None if it is not one."""
+    if not isinstance(parts, tuple) or not parts or not all(
+            (isinstance(x, str) and x) or (type(x) is int and x >= 0) for x in parts):
+        return None
+    return tuple(("i", x) if isinstance(x, int) else x for x in parts)
+
+
+def key_of(path: tuple[PathPart, ...]) -> str:
+    return ".".join(p if isinstance(p, str) else str(p[1]) for p in path)
+
+
+def renamed_path(path: tuple[PathPart, ...], new_key: str) -> tuple[PathPart, ...]:
+    """Where a leaf at ``path`` sits once its key is renamed to ``new_key``.
+
+    The dict keys at the start and at the end of ``path`` that ``new_key`` still starts and
+    ends with are kept; what lies between becomes one name. ``("optim", "state",
+    "layers.0.weight", "exp_avg")`` renamed to ``"optim.state.layers.4.weight.exp_avg"``
+    keeps its nesting; ``("model", "layers.0.weight")`` renamed to ``"layers.4.weight"``
+    becomes the one flat key of ``model.state_dict()`` style.
+    """
+    if key_of(path) == new_key:
+        return path
+    head: list[PathPart] = []
+    rest = new_key
+    for part in path[:-1]:
+        if not isinstance(part, str) or not rest.startswith(part + "."):
+            break
+        head.append(part)
+        rest = rest[len(part) + 1:]
+    tail: list[PathPart] = []
+    for part in reversed(path[len(head) + 1:]):
+        if not isinstance(part, str) or not rest.endswith("." + part) or len(rest) <= len(part) + 1:
+            break
+        tail.insert(0, part)
+        rest = rest[:-len(part) - 1]
+    return (*head, rest, *tail)
+
+
+@dataclass
+class Leaf:
+    """One flattened value; ``set`` writes a new value back where it came from."""
+
+    path: tuple[PathPart, ...]
+    value: Any
+    set: Callable[[Any], None] | None = None
+
+
+@dataclass
+class Flat:
+    """A flattened state dict plus the Stateful objects found in it (outermost last)."""
+
+    leaves: dict[str, Leaf]
+    statefuls: list[tuple[Any, Any]]  # (object, the state dict it produced)
+
+
+class FlatStateDict(dict):
+    """``{key: value}`` as planners receive it; ``paths`` remembers where each key sat.
+
+    ``save`` accepts one directly (already flat: no Stateful calls, no re-flattening), which
+    is how a staged snapshot keeps the exact keys of the state dict it was taken from.
+    ``bands`` holds a snapshot's tensors staged as column bands (:mod:`.staged_bands`).
+    """
+
+    paths: dict[str, tuple[PathPart, ...]]
+    bands: dict[str, Any] = {}  # noqa: RUF012 (read-only default; a snapshot sets its own)
+
+    @classmethod
+    def of(cls, flat: Flat) -> FlatStateDict:
+        return cls.from_items({k: (leaf.path, leaf.value) for k, leaf in flat.leaves.items()})
+
+    @classmethod
+    def from_items(cls, items: dict[str, tuple[tuple[PathPart, ...], Any]]) -> FlatStateDict:
+        out = cls((k, v) for k, (_, v) in items.items())
+        out.paths = {k: p for k, (p, _) in items.items()}
+        return out
+
+
+def flatten(state_dict: Any) -> Flat:
+    """Flatten a (nested) state dict; raises on keys that collide once joined by dots."""
+    if not isinstance(state_dict, dict):
+        raise UnsupportedValueError(
+            f"a state dict must be a dict, found {type(state_dict).__name__}"
+        )
+    leaves: dict[str, Leaf] = {}
+    statefuls: list[tuple[Any, Any]] = []
+
+    def add(path: tuple[PathPart, ...], value: Any, setter: Callable[[Any], None] | None) -> None:
+        key = key_of(path)
+        if key in leaves:
+            raise UnsupportedValueError(
+                f"two values flatten to the same key {key!r} (paths {leaves[key].path} and "
+                f"{path}); rename one of them"
+            )
+        leaves[key] = Leaf(path, value, setter)
+
+    def walk(path: tuple[PathPart, ...], value: Any, setter: Callable[[Any], None] | None) -> None:
+        if is_stateful(value):
+            inner = value.state_dict()
+            if not isinstance(inner, dict):
+                raise UnsupportedValueError(
+                    f"{key_of(path)!r}: state_dict() of {type(value).__name__} returned "
+                    f"{type(inner).__name__}, expected a dict"
+                )
+            for k, v in inner.items():
+                walk_item(path, inner, k, v)
+            statefuls.append((value, inner))
+            return
+        if isinstance(value, dict) and value and _holds_data(value):
+            for k, v in value.items():
+                walk_item(path, value, k, v)
+            return
+        if isinstance(value, list) and _holds_data(value):
+            for i, v in enumerate(value):
+                walk(path + (("i", i),), v, lambda x, c=value, j=i: c.__setitem__(j, x))
+            return
+        if isinstance(value, tuple) and _holds_data(value):
+            # a tuple cannot change: a new value of an item puts a new tuple where this one sat
+            items = list(value)
+
+            def item_setter(x: Any, j: int, items: list = items, like: tuple = value,
+                            up: Callable[[Any], None] | None = setter) -> None:
+                items[j] = x
+                if up is not None:
+                    up(like._make(items) if hasattr(like, "_make") else type(like)(items))
+
+            for i, v in enumerate(value):
+                walk(path + (("t", i),), v, functools.partial(item_setter, j=i) if setter is not None else None)
+            return
+        add(path, value, setter)
+
+    def walk_item(path: tuple[PathPart, ...], container: dict, k: Any, v: Any) -> None:
+        if isinstance(k, str):
+            part: PathPart = k
+        elif type(k) is int:
+            part = ("k", k)
+        else:
+            raise UnsupportedValueError(
+                f"{key_of(path) or '<root>'!r}: dict key {k!r} must be str or int"
+            )
+        walk(path + (part,), v, lambda x, c=container, kk=k: c.__setitem__(kk, x))
+
+    for k, v in state_dict.items():
+        walk_item((), state_dict, k, v)
+    return Flat(leaves, statefuls)
+
+
+def unflatten(items: dict[tuple[PathPart, ...], Any]) -> dict[str, Any]:
+    """Rebuild the nested structure from ``{path: value}`` (paths as recorded on save)."""
+    root: dict[Any, Any] = {}
+    for path, value in items.items():
+        node: Any = root
+        for part, nxt in zip(path[:-1], path[1:], strict=False):
+            k = _container_key(part)
+            if isinstance(node, dict):
+                if k not in node:
+                    node[k] = [] if isinstance(nxt, tuple) and nxt[0] in ("i", "t") else {}
+                node = node[k]
+            else:
+                while len(node) <= k:
+                    node.append(None)
+                if node[k] is None:
+                    node[k] = [] if isinstance(nxt, tuple) and nxt[0] in ("i", "t") else {}
+                node = node[k]
+        k = _container_key(path[-1])
+        if isinstance(node, dict):
+            node[k] = value
+        else:
+            while len(node) <= k:
+                node.append(None)
+            node[k] = value
+    return _restore_tuples(items, root)
+
+
+def _container_key(part: PathPart) -> Any:
+    return part if isinstance(part, str) else part[1]
+
+
+def _restore_tuples(items: dict[tuple[PathPart, ...], Any], nested: dict[str, Any]) -> dict[str, Any]:
+    # Lists whose children were recorded as ("t", n) were tuples on save; innermost first.
+    tuple_prefixes = {
+        path[:i] for path in items for i, p in enumerate(path) if isinstance(p, tuple) and p[0] == "t"
+    }
+    for prefix in sorted(tuple_prefixes, key=len, reverse=True):
+        parent: Any = nested
+        for part in prefix[:-1]:
+            parent = parent[_container_key(part)]
+        k = _container_key(prefix[-1])
+        parent[k] = tuple(parent[k])
+    return nested

@@ -1,0 +1,1 @@
+"""Tools over finished checkpoints: verification."""

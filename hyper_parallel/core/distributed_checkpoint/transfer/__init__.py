@@ -1,0 +1,2 @@
+"""Moving bytes: the saver and loader that execute plans against storage, shared reads of
+replicated data, host copies and accelerator stream ordering."""

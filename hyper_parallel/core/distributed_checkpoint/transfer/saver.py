@@ -1,0 +1,486 @@
+"""Executes a rank's save plan: writes its chunks into format-v2 data files.
+
+Each data file is laid out by :func:`.data_file.plan_file` before a byte is written (so the
+safetensors header, padding and index positions are known), then streamed in order:
+header, payloads, index, in slices of at most ``SLICE_BYTES``. Contiguous host tensors go
+from their memory to storage with no intermediate copy, unless an O_DIRECT writer would
+have to copy them anyway (their memory is not page-aligned); others (column bands, strided
+views, accelerator tensors) are copied slab by slab into reused 4 KiB-aligned buffers,
+never into fresh memory. What the saver copies on the host it checksums as it copies, a
+piece at a time while the piece is in cache (:func:`.host_copy.copy_fed`); other slices are
+checksummed just before they are handed to storage. Either way checksumming the next slice
+overlaps with the storage writing this one (the filesystem writer writes on a thread of
+its own). A resolver may produce a chunk
+as several row slabs (an iterable of tensors), which bounds the memory of offline tools;
+checksums run across slab boundaries.
+
+The coordinator then merges every rank's file records into the checkpoint's metadata
+(:func:`build_metadata`): O(files + tensors), never a loop over chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+
+from ..backends import direct_io
+from ..backends.protocol import StorageWriter
+from ..base.box import Box
+from ..format import metadata as md
+from ..format.data_file import (
+    ALIGN_MIN,
+    BLOCK_BYTES,
+    ContentHash,
+    Item,
+    block_rows,
+    encode_index,
+    plan_file,
+    tensor_bytes,
+)
+from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
+from ..sharding.grid import Grid
+from .host_copy import copy_fed, copy_into
+from .streams import StreamFence
+
+
+@dataclass
+class WriteResult:
+    """What one rank wrote: its data files, the JSON values it records, table chunks it wrote.
+
+    ``rows`` are ``(key, sub, box, file dir, file name)`` of chunks of table-stored keys (those
+    whose spec has no store), written now (dir "") or reused from an earlier step's file;
+    ``digests`` the content hash of every chunk written, when asked for (incremental saves
+    keep them; they are not sent to the coordinator).
+    """
+
+    files: list[md.FileRecord] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)
+    rows: list[tuple[str, int, Box, str, str]] = field(default_factory=list)
+    nbytes: int = 0
+    reused: list[tuple[str, int, md.FileRecord]] = field(default_factory=list)  # (key, sub, earlier step's file)
+    # kept on the rank (incremental saves), not sent to the coordinator:
+    digests: dict[tuple[str, int], tuple[bytes, Box, str]] = field(default_factory=dict)  # hash, box, file name
+    known_reused: dict[tuple[str, int], Any] = field(default_factory=dict)
+
+    def for_coordinator(self) -> WriteResult:
+        return WriteResult(self.files, self.objects, self.rows, self.nbytes, self.reused)
+
+
+def _split_files(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+    """Items into at most ``n`` files of similar size, each in (key, sub) order."""
+    order = operator.attrgetter("key", "sub")
+    if n <= 1 or len(items) <= 1:
+        return [sorted(items, key=order)] if items else []
+    bins: list[list[WriteItem]] = [[] for _ in range(min(n, len(items)))]
+    loads = [0] * len(bins)
+    for item in sorted(items, key=lambda i: -i.nbytes):
+        j = loads.index(min(loads))
+        bins[j].append(item)
+        loads[j] += item.nbytes
+    for b in bins:
+        b.sort(key=order)
+    return [b for b in bins if b]
+
+
+def data_file_name(rank: int, index: int, save_id: str) -> str:
+    return f"data-r{rank:05d}-{index}-{save_id}.safetensors"
+
+
+def data_file_names(rank: int, save_id: str, count: int) -> list[str]:
+    """The names ``write_plan`` may use for a rank (to clean up after a failed save)."""
+    return [data_file_name(rank, i, save_id) for i in range(max(1, count))]
+
+
+SLICE_BYTES = 8 << 20  # bytes handed to storage at a time (checksummed just before)
+
+
+def _pieces(value: Any) -> Iterator[memoryview]:
+    """A resolved chunk as byte slices: one tensor, raw bytes, or an iterable of row slabs."""
+    if isinstance(value, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)):
+        value = [value]
+    for part in value:
+        if isinstance(part, torch.Tensor):
+            yield from _tensor_slices(part)
+            continue
+        if isinstance(part, np.ndarray):
+            view = memoryview(np.ascontiguousarray(part).reshape(-1).view(np.uint8)).cast("B")
+        else:
+            view = memoryview(part).cast("B")
+        for off in range(0, view.nbytes, SLICE_BYTES):
+            yield view[off:off + SLICE_BYTES]
+
+
+def _tensor_slices(t: torch.Tensor) -> Iterator[memoryview]:
+    """A tensor's row-major bytes in slices of at most SLICE_BYTES (whole rows when copied)."""
+    t = t.detach()
+    if t.device.type == "cpu" and t.is_contiguous() or t.dim() == 0 or not t.numel():
+        view = tensor_bytes(t)
+        for off in range(0, view.nbytes, SLICE_BYTES):
+            yield view[off:off + SLICE_BYTES]
+        return
+    yield from _copied_slices(t, None)
+
+
+def _copy_first(t: torch.Tensor, direct: bool) -> bool:
+    """Whether a host tensor is copied into aligned slices by the saver, checksummed as it is
+    copied: when it is not contiguous (it must be copied), or when an O_DIRECT writer would
+    otherwise copy it through a bounce buffer after the checksum had read it once already."""
+    if t.device.type != "cpu" or t.dim() == 0 or not t.numel():
+        return False
+    if not t.is_contiguous():
+        return True
+    return direct and t.numel() * t.element_size() >= ALIGN_MIN and t.data_ptr() % direct_io.ALIGN != 0
+
+
+def _copied_slices(t: torch.Tensor, consume: Callable[[memoryview], None] | None) -> Iterator[memoryview]:
+    """A tensor's row-major bytes copied into aligned slices, each piece passed to ``consume``
+    as it is copied. A contiguous tensor is cut into SLICE_BYTES slices; a strided one into
+    slabs of whole rows (at most SLICE_BYTES unless one row is larger), a multiple of 4 KiB
+    where rows allow, so an O_DIRECT writer takes every slab but the last as it is."""
+    if t.is_contiguous():
+        t = t.reshape(-1)
+    row = max(1, t[0].numel() * t.element_size())
+    rows = max(1, SLICE_BYTES // row)
+    whole = direct_io.ALIGN // math.gcd(row, direct_io.ALIGN)  # rows that make a multiple of ALIGN
+    if rows >= whole:
+        rows -= rows % whole
+    for r0 in range(0, t.shape[0], rows):
+        slab = t[r0:r0 + rows]
+        buf = direct_io.POOL.get(slab.numel() * slab.element_size())
+        if consume is None or not copy_fed(buf, slab, consume):
+            copy_into(torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(slab.shape), slab)
+            if consume is not None:
+                consume(buf)
+        yield buf
+
+
+BAND_GROUP_BYTES = SLICE_BYTES  # a box's column bands up to this size are gathered in one copy
+
+
+def _band_run(plan: SavePlan, witems: list[WriteItem], items: list[Item], starts: list[int], i: int) -> int:
+    """How many items from ``i`` on are every column band of one box, of equal sizes, laid
+    out at one pitch and spanning at most BAND_GROUP_BYTES (1 when they are not)."""
+    tiles = _tiles(plan, witems[i].key)
+    if tiles <= 1 or witems[i].sub % tiles or i + tiles > len(witems) or not items[i].nbytes:
+        return 1
+    last = i + tiles - 1
+    pitch = starts[i + 1] - starts[i]
+    if starts[last] - starts[i] + items[last].nbytes > BAND_GROUP_BYTES:
+        return 1
+    for k in range(i + 1, last + 1):
+        if (witems[k].key != witems[i].key or witems[k].sub != witems[i].sub + k - i
+                or items[k].nbytes != items[i].nbytes or starts[k] - starts[i] != (k - i) * pitch):
+            return 1
+    return tiles
+
+
+def _view_of_more(value: Any, n: int) -> bool:
+    """Whether ``value`` is a host tensor viewing storage that could hold ``n`` of it (a
+    column band of a tensor, whose other bands are then views as well)."""
+    return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() >= 2
+            and value.untyped_storage().nbytes() >= n * value.numel() * value.element_size())
+
+
+def _banded(values: list[torch.Tensor], pitch: int) -> torch.Tensor | None:
+    """Equal column bands of one tensor as one ``(bands, *band shape)`` view, or None (also
+    when the file's ``pitch`` between them is not a whole number of elements)."""
+    first = values[0]
+    step = values[1].data_ptr() - first.data_ptr() if isinstance(values[1], torch.Tensor) else 0
+    size = first.element_size()
+    if step <= 0 or step % size or pitch % size:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for k, v in enumerate(values):
+        if (not isinstance(v, torch.Tensor) or v.device != first.device or v.dtype != first.dtype
+                or v.shape != first.shape or v.stride() != first.stride()
+                or v.data_ptr() != first.data_ptr() + k * step or v.untyped_storage().data_ptr() != storage):
+            return None
+    return first.as_strided((len(values), *first.shape), (step // size, *first.stride()), first.storage_offset())
+
+
+def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list[int]) -> memoryview:
+    """Copy a box's column bands into one aligned buffer as they lie in the file (band ``k``
+    at ``k * pitch``, zeros between), append each band's checksums to ``crcs``."""
+    nbytes = items[0].nbytes
+    span = pitch * (len(items) - 1) + nbytes
+    buf = direct_io.POOL.get(span)
+    step = _crc_step(items[0])
+    for k in range(len(items)):
+        if k and pitch > nbytes:
+            buf[k * pitch - (pitch - nbytes):k * pitch] = bytes(pitch - nbytes)
+        sums = _Checksums(step)
+        band = buf[k * pitch:k * pitch + nbytes]
+        if not copy_fed(band, bands[k], sums.feed):  # numpy cannot view it: torch copies, then we sum
+            copy_into(torch.frombuffer(band, dtype=torch.uint8).view(bands.dtype).view(bands.shape[1:]), bands[k])
+            sums.feed(band)
+        crcs.extend(sums.finish())
+    return buf
+
+
+def _crc_step(item: Item) -> int:
+    """Bytes per checksum block of a chunk: whole rows, at most BLOCK_BYTES (or one row)."""
+    if not item.nbytes:
+        return 1
+    rows = max(1, item.box.sizes[0] if item.box.sizes else 1)
+    return max(1, item.nbytes // rows * block_rows(item.box.sizes, item.nbytes, BLOCK_BYTES))
+
+
+class _Checksums:
+    """crc32c of fixed-size blocks over a stream of pieces (blocks may span pieces)."""
+
+    def __init__(self, step: int):
+        self.step, self.crcs, self.crc, self.filled = step, [], 0, 0
+
+    def feed(self, data: memoryview) -> None:
+        pos = 0
+        while pos < data.nbytes:
+            take = min(self.step - self.filled, data.nbytes - pos)
+            self.crc = crc32c.crc32c(data[pos:pos + take], self.crc)
+            self.filled += take
+            pos += take
+            if self.filled == self.step:
+                self.crcs.append(self.crc)
+                self.crc, self.filled = 0, 0
+
+    def finish(self) -> list[int]:
+        if self.filled:
+            self.crcs.append(self.crc)
+        return self.crcs
+
+
+def write_plan(
+    plan: SavePlan,
+    planner: SavePlanner,
+    writer: StorageWriter,
+    rank: int,
+    save_id: str,
+    thread_count: int = 1,
+    hashes: bool = False,
+    reuse: dict[tuple[str, int], Any] | None = None,
+) -> WriteResult:
+    """Write every item of ``plan`` (this rank's share of the global plan).
+
+    ``hashes``: store each chunk's content hash in its file's index and return it in
+    ``WriteResult.digests``. ``reuse`` (incremental saves, see :mod:`.incremental`): chunks
+    stored earlier, by (key, sub id); one whose bytes hash the same is not written but
+    returned in ``WriteResult.reused``.
+    """
+    result = WriteResult()
+    fence = StreamFence()  # device tensors are copied to the host on writer threads
+    for key in plan.objects:
+        result.objects[key] = planner.resolve_data(WriteItem(key, Box((), ()), 0))
+    items, known = plan.items, {}
+    tables = {k for k, spec in plan.entries.items() if spec.store is None and spec.kind != "object"}
+    if reuse:
+        same: dict[tuple[str, int], bool] = {}  # per (key, box): every sub-chunk unchanged
+        for item in plan.items:
+            prior = reuse.get((item.key, item.sub))
+            digest = _digest_if_reusable(planner, item, prior, fence)
+            if digest is not None:
+                known[(item.key, item.sub)] = digest
+            box = (item.key, item.sub // _tiles(plan, item.key))
+            same[box] = same.get(box, True) and digest is not None and digest == prior.digest
+        items = []
+        for item in plan.items:
+            if same[(item.key, item.sub // _tiles(plan, item.key))]:
+                prior = reuse[(item.key, item.sub)]
+                result.reused.append((item.key, item.sub, prior.file))
+                result.known_reused[(item.key, item.sub)] = prior
+                if item.key in tables:
+                    result.rows.append((item.key, item.sub, item.box, prior.file.dir, prior.file.name))
+            else:
+                items.append(item)
+    groups = _split_files(items, thread_count)
+    direct = getattr(writer, "uses_direct_io", None) is True  # decided by prepare()
+
+    def write_group(index: int, witems: list[WriteItem]) -> tuple[md.FileRecord, dict, int]:
+        name = data_file_name(rank, index, save_id)
+        items = [Item(w.key, w.sub, w.box, plan.entries[w.key].dtype, w.nbytes) for w in witems]
+        layout = plan_file(items, save_id, hashes)
+        crcs: list[int] = []
+        digests: dict[tuple[str, int], bytes] = {}
+        index_blob: list[bytes] = []
+
+        def write_one(witem: WriteItem, item: Item, value: Any) -> Iterator[memoryview]:
+            if type(value) is memoryview and item.nbytes <= BLOCK_BYTES and not hashes:
+                # the offline tools' small chunks (byte ranges of cached tensors): one block
+                if value.nbytes != item.nbytes:
+                    raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {value.nbytes}")
+                if item.nbytes:
+                    crcs.append(crc32c.crc32c(value))
+                    yield value
+                return
+            if isinstance(value, torch.Tensor):
+                fence.before_copy(value)
+            sums = _Checksums(_crc_step(item))
+            hashed = known.get((item.key, item.sub))  # hashed already, by the reuse check
+            hasher = ContentHash() if hashes and hashed is None else None
+
+            def consume(data: memoryview) -> None:
+                sums.feed(data)
+                if hasher is not None:
+                    hasher.feed(data)
+
+            fed = isinstance(value, torch.Tensor) and _copy_first(value, direct)
+            got = 0
+            for data in _copied_slices(value.detach(), consume) if fed else _pieces(value):
+                if not fed:
+                    consume(data)
+                got += data.nbytes
+                yield data
+            value = data = None  # free this chunk before the next one is produced
+            if got != item.nbytes:
+                raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {got}")
+            crcs.extend(sums.finish())
+            if hashes:
+                digests[(item.key, item.sub)] = hashed if hashed is not None else hasher.digest()
+
+        def parts() -> Iterator[memoryview]:
+            yield memoryview(layout.header)
+            pos, i = layout.base, 0
+            while i < len(witems):
+                witem, start = witems[i], layout.starts[i]
+                n = 1 if hashes else _band_run(plan, witems, items, layout.starts, i)
+                values = [planner.resolve_data(witem)]
+                # bands of a row-major tensor are strided: gather them in one copy (bands staged
+                # contiguously by an async save are written as they are, one by one)
+                if n > 1 and _view_of_more(values[0], n) and not values[0].is_contiguous():
+                    values += [planner.resolve_data(w) for w in witems[i + 1:i + n]]
+                    pitch = layout.starts[i + 1] - start
+                    bands = _banded(values, pitch)
+                    if bands is not None:  # every column band of a box, in one copy
+                        if start > pos:
+                            yield memoryview(bytes(start - pos))
+                        yield _gather_bands(bands, pitch, items[i:i + n], crcs)
+                        pos, i = layout.starts[i + n - 1] + items[i + n - 1].nbytes, i + n
+                        continue
+                for k in range(i, i + n):  # one by one, each resolved just before it is written
+                    if layout.starts[k] > pos:
+                        yield memoryview(bytes(layout.starts[k] - pos))
+                    value = values.pop(0) if values else planner.resolve_data(witems[k])
+                    yield from write_one(witems[k], items[k], value)
+                    value = None
+                    pos = layout.starts[k] + items[k].nbytes
+                i += n
+            if layout.index_offset > pos:
+                yield memoryview(bytes(layout.index_offset - pos))
+            blob = encode_index(layout, items, crcs, [digests[(i.key, i.sub)] for i in items] if hashes else None)
+            index_blob.append(blob)
+            yield memoryview(blob)
+
+        written = writer.write_file(name, parts())
+        record = md.FileRecord(name, "", rank, layout.index_offset, layout.index_length,
+                               crc32c.crc32c(memoryview(index_blob[0])[:layout.index_length]), layout.size)
+        return record, digests, written
+
+    if len(groups) > 1:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="dcp-write") as pool:
+            outs = list(pool.map(lambda a: write_group(*a), enumerate(groups)))
+    else:
+        outs = [write_group(i, g) for i, g in enumerate(groups)]
+    for (record, digests, written), witems in zip(outs, groups, strict=True):
+        result.files.append(record)
+        result.nbytes += written
+        if digests:
+            boxes = {(w.key, w.sub): w.box for w in witems}
+            result.digests.update({ks: (d, boxes[ks], record.name) for ks, d in digests.items()})
+        if tables:
+            result.rows.extend((w.key, w.sub, w.box, "", record.name) for w in witems if w.key in tables)
+    return result
+
+
+def _tiles(plan: SavePlan, key: str) -> int:
+    store = plan.entries[key].store
+    return store.tiles if isinstance(store, md.GridStore) else 1
+
+
+def _digest_if_reusable(planner: SavePlanner, item: WriteItem, prior: Any, fence: StreamFence) -> bytes | None:
+    """The content hash of an item that may be reused (same box as before), else None."""
+    if prior is None or prior.box != item.box:
+        return None
+    value = planner.resolve_data(item)
+    if not isinstance(value, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)):
+        return None  # produced in slabs: hashing would consume them
+    if isinstance(value, torch.Tensor):
+        fence.before_copy(value)
+    hasher = ContentHash()
+    for data in _pieces(value):
+        hasher.feed(data)
+    return hasher.digest()
+
+
+def build_metadata(
+    entries: dict[str, EntrySpec], results: Iterable[WriteResult], save_id: str, world_size: int,
+    user: dict[str, Any], extra_files: Iterable[md.FileRecord] = (), dirs: list[str] | None = None,
+) -> md.Metadata:
+    """The coordinator's merge of every rank's write results into the checkpoint's metadata."""
+    with md.paused_gc():
+        return _build_metadata(entries, list(results), save_id, world_size, user, list(extra_files), dirs)
+
+
+def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], save_id: str, world_size: int,
+                    user: dict[str, Any], extra_files: list[md.FileRecord], dirs: list[str] | None) -> md.Metadata:
+    files = list(extra_files) + [f for r in results for f in r.files]
+    dirs = list(dirs or [""])
+    reused: dict[str, list[tuple[int, str]]] = {}
+    for r in results:  # chunks left in earlier steps' files: their files join this checkpoint's list
+        for key, sub, f in r.reused:
+            if f.dir not in dirs:
+                dirs.append(f.dir)
+            reused.setdefault(key, []).append((sub, f.dir))
+            files.append(f)
+    files = list({(f.dir, f.name): f for f in files}.values())
+    file_index = {(f.dir, f.name): i for i, f in enumerate(files)}
+    objects: dict[str, Any] = {}
+    rows: dict[str, list[tuple[int, Box, tuple[str, str]]]] = {}
+    for r in results:
+        objects.update(r.objects)
+        for key, sub, box, d, name in r.rows:
+            rows.setdefault(key, []).append((sub, box, (d, name)))
+    out = {}
+    for key, spec in entries.items():
+        if spec.kind != "object":  # what the reader would refuse is never written (e.g. an import's [-1, 0])
+            md.check_shape(tuple(spec.shape or ()), "the checkpoint being written", key)
+        entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, objects.get(key), spec.store)
+        if spec.kind != "object" and spec.store is None:
+            entry.store = _table(key, spec, sorted(rows.get(key, [])), file_index)
+        elif key in reused:
+            entry.store = _with_where(spec, reused[key], dirs)
+        out[key] = entry
+    return md.Metadata(out, save_id, world_size, user=user, files=files, dirs=dirs).attach()
+
+
+def _with_where(spec: EntrySpec, reused: list[tuple[int, str]], dirs: list[str]) -> md.GridStore:
+    """The key's grid store, saying which step directory holds each reused box (runs)."""
+    store = spec.store
+    layout = store.layout if store.layout is not None else (spec.layout if store.writer is None else None)
+    grid = Grid(spec.shape or (), layout["mesh_shape"], layout["placements"], layout.get("rank_list"), store.tiles) \
+        if layout is not None else Grid(spec.shape or (), (1,), ["R"], [store.writer], store.tiles)
+    where = np.zeros(grid.num_boxes, dtype=np.int64)
+    for sub, d in reused:
+        where[sub // store.tiles] = dirs.index(d)
+    change = np.flatnonzero(np.diff(where)) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [len(where)]])
+    runs = [(int(e - b), int(where[b])) for b, e in zip(starts, ends, strict=True)]
+    return md.GridStore(store.tiles, store.offset, store.copies, store.writer, store.layout, runs)
+
+
+def _table(key: str, spec: EntrySpec, rows: list[tuple[int, Box, tuple[str, str]]], file_index: dict) -> md.TableStore:
+    ndim = len(spec.shape or ())
+    if [s for s, _, _ in rows] != list(range(len(rows))):
+        raise ValueError(f"{key!r}: table chunks must have sub ids 0..n-1, found {[s for s, _, _ in rows][:10]}")
+    return md.TableStore(
+        np.array([b.offsets for _, b, _ in rows], dtype=np.int64).reshape(len(rows), ndim),
+        np.array([b.sizes for _, b, _ in rows], dtype=np.int64).reshape(len(rows), ndim),
+        np.array([file_index[f] for _, _, f in rows], dtype=np.int32))
+
+
