@@ -41,13 +41,13 @@ import fcntl
 import os
 import queue
 import threading
-import uuid
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..base.atomic_file import atomic_file, sync_directory, temporary_name
 from ..base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from ..format.metadata import METADATA_FILE
 from . import direct_io
@@ -61,14 +61,6 @@ DIRECT_MIN = 64 << 10  # direct: aligned parts at least this large are written w
 QUEUE_DEPTH = 2  # writes queued per file beyond the one in progress
 
 _POOL = direct_io.POOL  # one pool of aligned memory for the saver, the writer and the loader
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
@@ -423,24 +415,14 @@ class FileSystemWriter(StorageWriter):
             return None
 
     def commit(self, metadata: bytes, name: str = METADATA_FILE) -> None:
-        tmp = os.path.join(self.path, f"{METADATA_FILE}.tmp-{uuid.uuid4().hex}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(metadata)
-                f.flush()
-                if self.sync_files:
-                    os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(self.path, name))
-        except BaseException:
-            try:
-                self.remove([os.path.basename(tmp)])
-            except OSError:
-                pass  # a stray temporary file is harmless: readers only open .metadata
-            raise
+        # A stray temporary file is harmless (readers only open .metadata; gc sweeps it).
+        with atomic_file(os.path.join(self.path, name), sync=self.sync_files, sync_dir=False,
+                         tmp=temporary_name(os.path.join(self.path, METADATA_FILE))) as f:
+            f.write(metadata)
         # Committed: from here on problems are warnings (see StorageWriter.commit).
         if self.sync_files:
             try:
-                _fsync_dir(self.path)
+                sync_directory(self.path)
             except OSError as exc:
                 warnings.warn(f"{self.path!r}: the checkpoint is committed, but syncing its directory failed "
                               f"({exc}); the commit may not survive a power loss", stacklevel=2)

@@ -36,7 +36,6 @@ import os
 import re
 import struct
 import time
-import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ import torch
 
 from ..backends.filesystem import FileSystemReader
 from ..base import protowire as pw
+from ..base.atomic_file import atomic_file
 from ..base.box import Box
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from ..format import metadata as md
@@ -822,20 +822,11 @@ def export_mindspore(
                 f"{dst}: a tensor is named '__metadata__', which safetensors reserves for its header's metadata; "
                 "export as .ckpt (format='ckpt'), or rename the tensor first")
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-        tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "wb") as out:
-                if fmt == "ckpt":
-                    _write_ckpt(out, plan, data, crc, summary, progress)
-                else:
-                    _write_safetensors(out, plan, data, crc, summary, progress)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, dst)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_file(dst, sync_dir=False) as out:
+            if fmt == "ckpt":
+                _write_ckpt(out, plan, data, crc, summary, progress)
+            else:
+                _write_safetensors(out, plan, data, crc, summary, progress)
     finally:
         reader.close()
     summary.seconds = time.perf_counter() - t0

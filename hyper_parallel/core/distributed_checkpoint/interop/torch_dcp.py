@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..backends.filesystem import FileSystemReader
 from ..backends.protocol import StorageReader, location, reader_for
+from ..base.atomic_file import atomic_file
 from ..base.box import Box
 from ..base.errors import CheckpointError, UnsupportedValueError
 from ..format import metadata as md
@@ -286,25 +287,8 @@ def _torch_metadata(files: dict[int, list[_TensorChunk | _Object]], mappings: di
 
 def _commit(dst: str, tmeta: Metadata, sync_files: bool) -> None:
     """``.metadata`` last: a temporary name, fsync, rename, fsync of the directory."""
-    final = os.path.join(dst, md.METADATA_FILE)
-    tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as f:
-            pickle.dump(tmeta, f)
-            f.flush()
-            if sync_files:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    if sync_files:
-        fd = os.open(dst, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    with atomic_file(os.path.join(dst, md.METADATA_FILE), sync=sync_files) as f:
+        pickle.dump(tmeta, f)
 
 
 def _previous_files(dst: str) -> set[str]:

@@ -53,7 +53,6 @@ This module knows files and bytes; the tier's protocol is in :mod:`.local_tier`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -70,6 +69,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..base.atomic_file import atomic_file
 from ..base.errors import CorruptCheckpointError, UnsupportedValueError
 from ..format import metadata as md
 from ..planning.standard_planner import dtensor_box, layout_record
@@ -290,35 +290,14 @@ def write_shard_file(final: str, pieces: list[memoryview], sync: bool = False, s
     ``final`` (the commit). ``spare``: a retired file of the same directory to overwrite
     instead of creating one (its pages are reused: on tmpfs that halves the cost)."""
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = spare if spare is not None else tmp_path_for(final)
     size = sum(p.nbytes for p in pieces)
-    try:
-        with open(tmp, "r+b" if spare is not None else "wb", buffering=0) as f:
-            for piece in pieces:
-                done = 0
-                while done < piece.nbytes:
-                    done += f.write(piece[done:])
-            if spare is not None:
-                f.truncate(size)
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if sync:
-        fsync_dir(os.path.dirname(final))
+    with atomic_file(final, "r+b" if spare is not None else "wb", sync=sync,
+                     tmp=spare if spare is not None else tmp_path_for(final)) as f:
+        for piece in pieces:
+            f.write(piece)
+        if spare is not None:
+            f.truncate(size)
     return size
-
-
-def fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ----------------------------------------------------------------------------- reading

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..backends.protocol import StorageReader, StorageWriter, location, reader_for, writer_for
+from ..base.atomic_file import sync_directory, write_atomically
 from ..base.box import Box
 from ..base.coordination import Coordinator
 from ..base.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
@@ -499,7 +500,7 @@ def _swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], 
     stale = _previous_export(dst_dir) - {name for _, name in written}
     if os.path.exists(index_path):
         os.remove(index_path)
-        _sync_dir(dst_dir)
+        sync_directory(dst_dir)
     # Before any rename: what a reader would take instead of the new export. Without a new
     # index, every old shard (an old model.safetensors or its shards would win over the new
     # single file, half renamed); with one, an old model.safetensors (transformers looks for
@@ -510,25 +511,15 @@ def _swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], 
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(dst_dir, name))
         stale -= early
-        _sync_dir(dst_dir)
+        sync_directory(dst_dir)
     for tmp, name in written:
         os.replace(tmp, os.path.join(dst_dir, name))
-    _sync_dir(dst_dir)
+    sync_directory(dst_dir)
     if index is not None:
-        _write_atomically(index_path, json.dumps(index, indent=2).encode())
-        _sync_dir(dst_dir)
+        write_atomically(index_path, json.dumps(index, indent=2).encode())
     for name in sorted(stale | {f for f in os.listdir(dst_dir) if _HF_DEBRIS.match(f)}):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(dst_dir, name))
-
-
-def _sync_dir(path: str | os.PathLike) -> None:
-    """Make the renames and deletions in a directory durable, in the order they were made."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 
@@ -542,15 +533,6 @@ def _previous_export(dst_dir: str | os.PathLike) -> set[str]:
     except (OSError, ValueError, AttributeError):
         pass
     return names
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _hf_sources(src: str | os.PathLike) -> dict[str, set[str] | None]:

@@ -41,6 +41,7 @@ from typing import IO, Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..base.atomic_file import write_atomically
 from ..base.box import Box
 from ..format.metadata import MAX_WORLD
 from ..state.flatten import flatten
@@ -738,11 +739,7 @@ def save_layout(strategy: Mapping[str, TensorLayout], file: str | os.PathLike | 
     if hasattr(file, "write"):
         file.write(text)
         return
-    path = os.fspath(file)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_atomically(file, text)
 
 
 def load_layout(file: str | os.PathLike | IO[str] | IO[bytes]) -> LayoutStrategy:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..base import protowire as pw
+from ..base.atomic_file import write_atomically
 from ..base.errors import MetadataError
 from ..format.metadata import MAX_MESH_NDIM, MAX_NDIM, MAX_WORLD
 from .layout import Layout, LayoutStrategy, TensorLayout
@@ -336,8 +337,4 @@ def write_strategy(strategy: Mapping[str, TensorLayout], path: str | os.PathLike
                        + pw.int_field(5, 0) + pw.int_field(6, 0) + pw.int_field(7, 0))
             parts.append(pw.len_field(3, pw.str_field(1, name) + pw.len_field(2, layouts)))
         data = b"".join(parts)
-    target = os.fspath(path)
-    tmp = f"{target}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, target)
+    write_atomically(path, data)
