@@ -31,7 +31,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .core.distributed_checkpoint.backends.protocol import reader_for, writer_for
+from .core.distributed_checkpoint.backends.locations import is_url
+from .core.distributed_checkpoint.backends.resolve import reader_for, writer_for
 from .core.distributed_checkpoint.base.errors import CheckpointError
 from .core.distributed_checkpoint.format import metadata as md
 from .core.distributed_checkpoint.format.chunks import count as chunk_count
@@ -177,7 +178,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     from .core.distributed_checkpoint.manager.step_directory import list_steps
 
-    if "://" not in args.path and not os.path.isdir(args.path):
+    if not is_url(args.path) and not os.path.isdir(args.path):
         raise CheckpointError(f"{args.path!r} is not a directory")
     infos = list_steps(args.path)
     committed = [i.step for i in infos if i.state == "committed"]

@@ -52,7 +52,8 @@ from ..base.errors import CheckpointError, CorruptCheckpointError, NotACheckpoin
 from ..format.metadata import METADATA_FILE
 from . import direct_io
 from .direct_io import ALIGN, O_DIRECT
-from .protocol import Buffer, StorageReader, StorageWriter, checkpoint_path
+from .locations import checkpoint_path
+from .protocol import Buffer, StorageReader, StorageWriter
 
 COALESCE_BYTES = 256 << 10  # buffered: parts under this are gathered into one write
 BOUNCE_BYTES = 8 << 20  # direct: size of a bounce buffer

@@ -83,7 +83,8 @@ class BoundedCalls:
         return value
 
 
-def _fs(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+def open_filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the root path inside it (no trailing slash)."""
     try:
         import fsspec
     except ImportError:  # pragma: no cover - exercised only without the extra installed
@@ -98,14 +99,14 @@ class FsspecWriter(StorageWriter):
     def __init__(self, url: str, **storage_options: Any):
         self.url = url
         self._options = storage_options
-        self.fs, self.root = _fs(url, storage_options)
+        self.fs, self.root = open_filesystem(url, storage_options)
         self._call = BoundedCalls(url)
 
     def reset(self, checkpoint_id: str) -> None:
         """Point this writer at another URL with the same storage options (torch DCP's
         ``StorageWriter.reset``: ``save(checkpoint_id=...)`` calls it)."""
         self.url = checkpoint_id
-        self.fs, self.root = _fs(checkpoint_id, self._options)
+        self.fs, self.root = open_filesystem(checkpoint_id, self._options)
         self._call.url = checkpoint_id
 
     def bound_calls(self, seconds: float) -> None:
@@ -192,7 +193,7 @@ class FsspecReader(StorageReader):
     def __init__(self, url: str, **storage_options: Any):
         self.url = url
         self._options = storage_options
-        self.fs, self.root = _fs(url, storage_options)
+        self.fs, self.root = open_filesystem(url, storage_options)
         self._call = BoundedCalls(url)
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -206,7 +207,7 @@ class FsspecReader(StorageReader):
         """Point this reader at another URL with the same storage options (torch DCP's
         ``StorageReader.reset``: ``load(checkpoint_id=...)`` calls it)."""
         self.url = checkpoint_id
-        self.fs, self.root = _fs(checkpoint_id, self._options)
+        self.fs, self.root = open_filesystem(checkpoint_id, self._options)
         self._call.url = checkpoint_id
         self._sizes.clear()
 

@@ -39,7 +39,6 @@ StorageReader — the loader calls:
 from __future__ import annotations
 
 import abc
-import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -210,52 +209,3 @@ def check_range(reader: StorageReader, name: str, offset: int, length: int, what
             "the file is truncated, or the metadata that points there is damaged")
     return size
 
-
-def checkpoint_path(path: str | os.PathLike) -> str:
-    """Normalise a ``path``/``checkpoint_id`` argument to a string."""
-    return os.fspath(path)
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    """Whether a checkpoint location is an fsspec URL (``s3://``, ``memory://``, ...); a
-    ``file://`` URL is a local path."""
-    path = os.fspath(path)
-    return "://" in path and not path.startswith("file://")
-
-
-def location(path: str | os.PathLike) -> str:
-    """A checkpoint location in a form two names of one place share: an absolute local path
-    with symlinks resolved, or a URL without a trailing slash."""
-    path = os.fspath(path)
-    if is_url(path):
-        return path.rstrip("/")
-    return os.path.realpath(path.removeprefix("file://"))
-
-
-def reader_for(path: str | os.PathLike) -> StorageReader:
-    """The reader of a checkpoint at ``path``: an :class:`~.fsspec_storage.FsspecReader` for
-    an fsspec URL, a :class:`~.filesystem_storage.FileSystemReader` for anything else (what
-    ``load``, the offline tools and ``verify_checkpoint`` accept alike)."""
-    path = os.fspath(path)
-    if is_url(path):
-        from .fsspec import FsspecReader
-
-        return FsspecReader(path)
-    from .filesystem import FileSystemReader
-
-    return FileSystemReader(path.removeprefix("file://"))
-
-
-def writer_for(path: str | os.PathLike, sync_files: bool = True, defer_sync: bool = False) -> StorageWriter:
-    """The writer of a checkpoint at ``path``, as :func:`reader_for` picks readers: an
-    :class:`~.fsspec_storage.FsspecWriter` for an fsspec URL (object stores have no fsync:
-    ``sync_files`` and ``defer_sync`` apply to local files only), else a
-    :class:`~.filesystem_storage.FileSystemWriter`."""
-    path = os.fspath(path)
-    if is_url(path):
-        from .fsspec import FsspecWriter
-
-        return FsspecWriter(path)
-    from .filesystem import FileSystemWriter
-
-    return FileSystemWriter(path.removeprefix("file://"), sync_files=sync_files, defer_sync=defer_sync)

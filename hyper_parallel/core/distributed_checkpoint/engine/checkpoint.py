@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..backends.protocol import StorageReader, StorageWriter, location, reader_for, writer_for
+from ..backends.locations import location
+from ..backends.protocol import StorageReader, StorageWriter
+from ..backends.resolve import reader_for, writer_for
 from ..base.box import Box
 from ..base.coordination import Coordinator, as_timeout
 from ..base.errors import (
@@ -95,14 +97,6 @@ def _resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage
             raise ValueError(f"checkpoint_id={os.fspath(chosen)!r}, but the {type(storage).__name__} given "
                              f"points at {os.fspath(own)!r} and has no reset() to point it there; pass one")
     return None if chosen is None else os.fspath(chosen)
-
-
-def _default_writer(path: str, sync_files: bool) -> StorageWriter:
-    return writer_for(path, sync_files)
-
-
-def _default_reader(path: str) -> StorageReader:
-    return reader_for(path)
 
 
 def _bound_calls(storage: Any, coord: Coordinator) -> None:
@@ -325,7 +319,7 @@ def save(
         if user_metadata is not None:  # inside the exchange: a bad value on one rank fails every rank
             md.check_user_metadata(user_metadata)
         if writer is None:
-            writer = _default_writer(where, sync_files)
+            writer = writer_for(where, sync_files)
         writer.set_up(coord.rank, coord.is_coordinator)
         _bound_calls(writer, coord)
         flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
@@ -520,7 +514,7 @@ def _save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter |
     """``save(..., use_collectives=False)``: this rank's shards and fragment, no collective."""
     rank = dist.get_rank(process_group) if process_group is not None else dist.get_rank()
     world = dist.get_world_size(process_group) if process_group is not None else dist.get_world_size()
-    writer = writer if writer is not None else _default_writer(where, sync_files)
+    writer = writer if writer is not None else writer_for(where, sync_files)
     writer.set_up(rank, rank == 0)
     planner = _for_this_call(planner if planner is not None else StandardPlanner(), allow_pickle)
     flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
@@ -742,7 +736,7 @@ def load(
         # learn of it at once instead of waiting out the timeout.
         nonlocal reader, flat
         if reader is None:
-            reader = _default_reader(where)
+            reader = reader_for(where)
         reader.set_up(coord.rank, coord.is_coordinator)
         _bound_calls(reader, coord)
         flat = flatten(state_dict) if state_dict is not None else None

@@ -113,7 +113,7 @@ def drop_stale_fragments(where: str, writer: StorageWriter, world: int) -> None:
     """Rank 0 of a rank-local save removes the fragments (their files and markers) of ranks
     its world does not have: a bigger world's earlier save there would make every reader
     refuse the checkpoint as a mix of world sizes. Best effort."""
-    from ..backends.protocol import reader_for
+    from ..backends.resolve import reader_for
     from .commit import reclaim_replaced
 
     try:

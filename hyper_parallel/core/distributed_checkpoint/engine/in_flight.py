@@ -17,7 +17,7 @@ import os
 import threading
 from typing import Any
 
-from ..backends.protocol import location
+from ..backends.locations import location
 from ..base.errors import CheckpointError
 
 _LOCK = threading.Lock()

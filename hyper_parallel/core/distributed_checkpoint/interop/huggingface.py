@@ -53,7 +53,9 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from ..backends.protocol import Buffer, StorageReader, checkpoint_path
+from ..backends.fsspec import FsspecReader
+from ..backends.locations import checkpoint_path, is_url, local_path
+from ..backends.protocol import Buffer, StorageReader
 from ..base.box import Box, first_overlap, uncovered
 from ..base.errors import (
     CheckpointError,
@@ -356,12 +358,10 @@ class HuggingFaceStorageReader(StorageReader):
         self.thread_count = thread_count
         if storage_reader is not None:
             self.files = storage_reader
-        elif "://" in self.path and not self.path.startswith("file://"):
-            from ..backends.fsspec import FsspecReader
-
+        elif is_url(self.path):
             self.files = FsspecReader(self.path)
         else:
-            self.files = _LocalFiles(self.path.removeprefix("file://"))
+            self.files = _LocalFiles(local_path(self.path))
 
     @property
     def bytes_read(self) -> int:  # type: ignore[override]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..backends.protocol import location
+from ..backends.locations import location
 from ..base.box import Box, first_overlap
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from ..format import metadata as md

@@ -61,7 +61,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..backends.filesystem import FileSystemReader
-from ..backends.protocol import StorageReader, location, reader_for
+from ..backends.locations import location
+from ..backends.protocol import StorageReader
+from ..backends.resolve import reader_for
 from ..base.atomic_file import atomic_file
 from ..base.box import Box
 from ..base.errors import CheckpointError, UnsupportedValueError

@@ -100,6 +100,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..backends.locations import is_url
 from ..base.coordination import Coordinator
 from ..base.errors import CorruptCheckpointError
 from ..base.priority import lower_priority, lower_this_thread, thread_ids
@@ -234,7 +235,7 @@ class LocalTier:
                  replication_timeout: float = 60.0, sync_files: bool = False,
                  durable: tuple[int, str | None] | None = None):
         self.local_dir = os.path.abspath(os.fspath(local_dir))
-        self.directory = directory if "://" in directory else os.path.abspath(directory)
+        self.directory = directory if is_url(directory) else os.path.abspath(directory)
         # One subdirectory per manager directory: jobs sharing /dev/shm never touch each other's files.
         self.root = os.path.join(self.local_dir, tier_dir_name(self.directory))
         self.interval_steps, self.keep, self.replicas = interval_steps, keep, replicas

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..backends.filesystem import FileSystemReader, FileSystemWriter
-from ..backends.protocol import StorageReader, StorageWriter, is_url, location
+from ..backends.fsspec import BoundedCalls, FsspecReader, FsspecWriter, open_filesystem
+from ..backends.locations import is_url, local_path, location
+from ..backends.protocol import StorageReader, StorageWriter
 from ..base.errors import CheckpointError, NotACheckpointError
 from ..engine.commit import unreferenced_files
 from ..format import metadata as md
@@ -212,15 +214,8 @@ class FsspecDirectory:
     """The manager's directory under an fsspec URL (object stores: one listing, whole-object PUTs)."""
 
     def __init__(self, url: str, options: dict[str, Any]):
-        try:
-            import fsspec
-        except ImportError:  # pragma: no cover - exercised only without the extra installed
-            raise ImportError("object storage needs fsspec: pip install 'hyper-parallel[s3]'") from None
-        from ..backends.fsspec import BoundedCalls
-
         self.url, self.options = url.rstrip("/"), options
-        self.fs, root = fsspec.core.url_to_fs(url, **options)
-        self.root = root.rstrip("/")
+        self.fs, self.root = open_filesystem(url, options)
         self._call = BoundedCalls(self.url)
 
     def bound_calls(self, seconds: float) -> None:
@@ -269,13 +264,9 @@ class FsspecDirectory:
             raise NotACheckpointError(f"{self.step_path(name)!r} has no {md.METADATA_FILE}") from None
 
     def writer(self, name: str) -> StorageWriter:
-        from ..backends.fsspec import FsspecWriter
-
         return FsspecWriter(self.step_path(name), **self.options)
 
     def reader(self, name: str) -> StorageReader:
-        from ..backends.fsspec import FsspecReader
-
         return FsspecReader(self.step_path(name), **self.options)
 
     def make_root(self) -> None:
@@ -382,7 +373,7 @@ def open_directory(directory: PathLike, storage_options: dict[str, Any] | None) 
         return FsspecDirectory(path, dict(storage_options or {}))
     if storage_options:
         raise ValueError(f"storage_options apply to fsspec URLs (s3://...), not to the local path {path!r}")
-    return LocalDirectory(path.removeprefix("file://"))
+    return LocalDirectory(local_path(path))
 
 
 # ----------------------------------------------------------------------------- what a directory holds
@@ -496,7 +487,7 @@ def files_other_steps_use(path: PathLike) -> set[str]:
         return _files_siblings_use(given.rstrip("/"))
     # the step under the name given ("step/." and "." normalised; run/step_1 may be a symlink
     # to another volume) and under the name it resolves to (an alias of the step directory)
-    names = {os.path.abspath(given.removeprefix("file://")), location(given)}
+    names = {os.path.abspath(local_path(given)), location(given)}
     return set().union(*(_files_siblings_use(p) for p in sorted(names)))
 
 

@@ -31,7 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..backends.protocol import StorageReader, StorageWriter, location, reader_for, writer_for
+from ..backends.locations import location
+from ..backends.protocol import StorageReader, StorageWriter
+from ..backends.resolve import reader_for, writer_for
 from ..base.atomic_file import sync_directory, write_atomically
 from ..base.box import Box
 from ..base.coordination import Coordinator

@@ -40,7 +40,9 @@ from typing import Any
 
 import torch
 
-from ..backends.protocol import StorageReader, StorageWriter, is_url, location, reader_for, writer_for
+from ..backends.locations import is_url, location
+from ..backends.protocol import StorageReader, StorageWriter
+from ..backends.resolve import reader_for, writer_for
 from ..base.box import Box, uncovered
 from ..base.coordination import Coordinator
 from ..base.errors import CorruptCheckpointError

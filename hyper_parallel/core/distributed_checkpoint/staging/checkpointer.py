@@ -57,7 +57,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..backends.fsspec import start_io_thread
-from ..backends.protocol import StorageWriter, is_url
+from ..backends.locations import is_url, local_path
+from ..backends.protocol import StorageWriter
 from ..base.coordination import as_timeout, group_timeout, is_broken
 from ..base.errors import CheckpointError, LostContactError, UnsupportedValueError
 from ..base.priority import BACKGROUND_NICE, lower_priority, lower_this_thread, thread_ids
@@ -548,7 +549,7 @@ class AsyncCheckpointer:
         where = None if where is None else os.fspath(where)
         given = where
         if where is not None and not is_url(where):  # the caller's directory now, not the writer's later
-            where = os.path.abspath(where.removeprefix("file://"))
+            where = os.path.abspath(local_path(where))
         elif where is not None and self.background_nice:
             # the writer would start fsspec's process-wide I/O thread at its own niceness
             start_io_thread()

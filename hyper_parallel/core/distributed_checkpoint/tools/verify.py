@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import crc32c
 
-from ..backends.protocol import StorageReader, reader_for
+from ..backends.protocol import StorageReader
+from ..backends.resolve import reader_for
 from ..base.box import Box
 from ..base.errors import CheckpointError
 from ..engine.commit import unreferenced_files
