@@ -34,10 +34,10 @@ from typing import Any
 from .core.distributed_checkpoint.backends.locations import is_url
 from .core.distributed_checkpoint.backends.resolve import reader_for, writer_for
 from .core.distributed_checkpoint.base.errors import CheckpointError
+from .core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 from .core.distributed_checkpoint.format import metadata as md
 from .core.distributed_checkpoint.format.chunks import count as chunk_count
 from .core.distributed_checkpoint.tools.verify import verify_checkpoint
-from .core.distributed_checkpoint.transfer.loader import read_metadata
 
 
 def _human(n: float) -> str:
@@ -70,7 +70,7 @@ def _layout_text(layout: dict | None) -> str:
 def _checkpoint_bytes(path: str) -> int:
     """Total data bytes of a checkpoint (0 when unreadable: the command will say why)."""
     try:
-        meta = read_metadata(reader_for(path))
+        meta = read_checkpoint_metadata(reader_for(path))
     except (CheckpointError, OSError):
         return 0
     return sum(e.nbytes for e in meta.entries.values())
@@ -79,14 +79,14 @@ def _checkpoint_bytes(path: str) -> int:
 def _tensor_bytes(path: str) -> int:
     """Bytes of the tensors' global data (replicas once; 0 when unreadable)."""
     try:
-        meta = read_metadata(reader_for(path))
+        meta = read_checkpoint_metadata(reader_for(path))
     except (CheckpointError, OSError):
         return 0
     return sum(md.itemsize(e.dtype) * math.prod(e.shape or ()) for e in meta.entries.values() if e.kind == "tensor")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    meta = read_metadata(reader_for(args.path))
+    meta = read_checkpoint_metadata(reader_for(args.path))
     rows = []
     for key, e in meta.entries.items():
         rows.append({

@@ -26,8 +26,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
 )
 from hyper_parallel.core.distributed_checkpoint.engine import checkpoint as api_module
+from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.format.metadata import seal_json
-from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
 
 def small_sd() -> dict:
@@ -229,7 +229,7 @@ def _data_file(path) -> str:
 
 
 def load_metadata(path: str):
-    return read_metadata(FileSystemReader(path))
+    return read_checkpoint_metadata(FileSystemReader(path))
 
 
 def _payload_start(path, entry: str) -> int:
@@ -402,7 +402,7 @@ def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, a
         warnings.simplefilter("ignore")  # strict=False: the other keys are not asked for
         load(target, storage_reader=reader, strict=False)
     assert torch.equal(target["w1"], sd["w1"])
-    meta = read_metadata(FileSystemReader(dst))
+    meta = read_checkpoint_metadata(FileSystemReader(dst))
     indexes = {(f.path, f.index_offset, f.index_length) for f in meta.files}
     assert set(reader.hints[0]) == indexes  # every file's index first
     if accept:  # then the 8-row chunk of "w1" in each of the 32 files

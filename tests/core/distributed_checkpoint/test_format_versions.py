@@ -20,8 +20,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     offline_transform,
     verify_checkpoint,
 )
+from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
-from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
 V1 = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "v1")
 
@@ -34,7 +34,7 @@ def expected() -> dict:
 
 
 def test_a_v1_checkpoint_loads_bit_exact_in_one_process():
-    meta = read_metadata(FileSystemReader(os.path.join(V1, "ckpt")))
+    meta = read_checkpoint_metadata(FileSystemReader(os.path.join(V1, "ckpt")))
     assert meta.version == 1
     assert_same(expected(), load(path=os.path.join(V1, "ckpt")))
 
@@ -60,7 +60,7 @@ def test_a_v1_checkpoint_verifies_reshards_converts_and_inspects(tmp_path, capsy
     assert verify_checkpoint(src).ok
     reshard(src, str(tmp_path / "tp3"), dst_mesh={"dp": 3})
     assert_same(expected(), load(path=str(tmp_path / "tp3")))  # the result is format v2
-    assert read_metadata(FileSystemReader(str(tmp_path / "tp3"))).version == 2
+    assert read_checkpoint_metadata(FileSystemReader(str(tmp_path / "tp3"))).version == 2
     assert verify_checkpoint(str(tmp_path / "tp3")).ok
     offline_transform(src, str(tmp_path / "t"), dst_layout={"dp": 4})
     assert_same(expected(), load(path=str(tmp_path / "t")))

@@ -41,8 +41,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     offline_transform,
     save,
 )
+from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
-from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
 DIMS = (6, 5, 7, 3, 4)  # layer i maps DIMS[i] -> DIMS[i + 1]; 5, 7 and 3 rows split unevenly over 2 ranks
 PER_STAGE = 2
@@ -94,7 +94,7 @@ def to_global(p: int) -> TopologyMapper:
 
 
 def keys_of(path: str) -> list[str]:
-    return sorted(read_metadata(FileSystemReader(path)).entries)
+    return sorted(read_checkpoint_metadata(FileSystemReader(path)).entries)
 
 
 def zeroed(module: nn.Module) -> nn.Module:

@@ -26,11 +26,11 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
 )
 from hyper_parallel.core.distributed_checkpoint.base.box import first_overlap, uncovered
+from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.format.chunks import overlapping
 from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec, WriteItem
 from hyper_parallel.core.distributed_checkpoint.resharding.offline_transform import write_streaming
 from hyper_parallel.core.distributed_checkpoint.resharding.reshard import Box, reshard
-from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
 TP8 = Layout((8,), ("tp",))
 
@@ -279,7 +279,7 @@ def test_reshard_reads_only_overlapping_bytes(tmp_path):
         dst = str(tmp_path / f"s1-{verify}")
         reshard(None, dst, dst_mesh={"tp": 2}, rules={"w": Layout((2,), ("tp",))("None", "tp")},
                 storage_reader=reader, verify=verify)
-        index = sum(f.index_length for f in read_metadata(FileSystemReader(str(tmp_path / "s0"))).files)
+        index = sum(f.index_length for f in read_checkpoint_metadata(FileSystemReader(str(tmp_path / "s0"))).files)
         ratios[verify] = (reader.bytes_read - index) / g.nbytes  # each file's index is read once
         assert torch.equal(load(path=dst)["w"], g)
     print(f"\nreshard Shard(0) on 4 -> Shard(1) on 2: bytes read / bytes written {ratios}")

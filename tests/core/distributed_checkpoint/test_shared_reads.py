@@ -149,9 +149,9 @@ def test_a_corrupt_shared_chunk_fails_every_rank_naming_it(tmp_path):
     save({"b": make_tensor((512,), seed=2)}, checkpoint_id=path, no_dist=True)
     name = next(f for f in os.listdir(path) if f.endswith(".safetensors"))
     reader = FileSystemReader(path)
-    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
+    from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 
-    meta = read_metadata(reader)
+    meta = read_checkpoint_metadata(reader)
     f = meta.files[0]
     with open(os.path.join(path, name), "r+b") as fh:  # flip a byte of the payload (before the index)
         fh.seek(f.index_offset - 100)
@@ -190,9 +190,9 @@ def test_a_corrupt_slab_in_an_early_round_fails_every_rank_without_waiting(tmp_p
     then raises, naming the key."""
     path = str(tmp_path / "ckpt")
     run_ranks(rank_hsdp, 4, path, True, None)
-    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
+    from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 
-    meta = read_metadata(FileSystemReader(path))
+    meta = read_checkpoint_metadata(FileSystemReader(path))
     f = max(meta.files, key=lambda f: f.index_offset)  # a file holding part of "w"
     with open(os.path.join(path, f.path), "r+b") as fh:
         fh.seek(f.index_offset // 3)
@@ -207,11 +207,11 @@ def test_a_corrupt_slab_in_an_early_round_fails_every_rank_without_waiting(tmp_p
 def test_slabs_are_cut_at_checksum_blocks(tmp_path, monkeypatch, slab_bytes, rows):
     """Targets are shared in slabs of whole rows, cut only where every saved chunk starts a
     checksum block (4 blocks of 4096 rows here), so no block is read by two owners."""
+    from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
     from hyper_parallel.core.distributed_checkpoint.planning.standard_planner import StandardPlanner
-    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_metadata
 
     save({"w": make_tensor((16384, 64), seed=1)}, checkpoint_id=str(tmp_path), no_dist=True)
-    meta = read_metadata(FileSystemReader(str(tmp_path)))
+    meta = read_checkpoint_metadata(FileSystemReader(str(tmp_path)))
     planner = StandardPlanner()
     planner.set_up_load({"w": torch.zeros(16384, 64)}, meta, True)
     monkeypatch.setattr(shared_reads, "SLAB_BYTES", slab_bytes)

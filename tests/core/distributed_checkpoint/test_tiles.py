@@ -178,12 +178,13 @@ def test_untiled_checkpoints_still_load(tmp_path):
 
 
 def test_read_box_of_part_of_a_tiled_chunk(tmp_path):
-    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_box, read_metadata
+    from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
+    from hyper_parallel.core.distributed_checkpoint.transfer.loader import read_box
     full = make_tensor((512, 2048))
     path = str(tmp_path / "ckpt")
     save({"w": full}, path, no_dist=True)
     reader = FileSystemReader(path)
-    meta = read_metadata(reader)
+    meta = read_checkpoint_metadata(reader)
     out, _ = read_box(meta.entries["w"], reader, Box((10, 100), (300, 900)), meta=meta)
     assert torch.equal(out, full[10:310, 100:1000])
 

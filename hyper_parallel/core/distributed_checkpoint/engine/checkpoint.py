@@ -50,22 +50,22 @@ from .commit import (
     NotCommittedError,
     commit_and_agree,
     commit_metadata,
+    drop_stale_fragments,
     reclaim_replaced,
     remove_own_files,
     write_and_report,
 )
 from .fragments import (
     check_own_fragment,
-    drop_stale_fragments,
     fragment_name,
     fragment_of,
     mark_failed,
-    read_checkpoint_metadata,
     read_fragment,
     table_sub_ids,
     unmark_failed,
 )
 from .incremental import IncrementalState
+from .metadata_reader import metadata_bytes
 
 PathLike = str | os.PathLike
 
@@ -731,7 +731,7 @@ def load(
     auto_share: list[bool] = []
     label = f"{where or 'checkpoint'}/{md.METADATA_FILE}"
 
-    def read_metadata() -> None:
+    def read_and_share_metadata() -> None:
         # Everything that can fail on one rank happens inside an exchange, so the others
         # learn of it at once instead of waiting out the timeout.
         nonlocal reader, flat
@@ -750,7 +750,7 @@ def load(
                 check_own_fragment(reader, frag, where or "checkpoint")
                 raw.append(frag.to_json())
         elif coord.is_coordinator:
-            raw.append(read_checkpoint_metadata(reader, where or "checkpoint"))
+            raw.append(metadata_bytes(reader, where or "checkpoint"))
             if broadcast_replicated_tensors is None:  # decided once, for every rank
                 auto_share.append(not getattr(reader, "memory_backed", False))
 
@@ -760,7 +760,7 @@ def load(
     # 50-200 ms on the critical path, so the cyclic GC waits until the data is in place.
     with md.paused_gc():
         try:
-            coord.exchange("load (reading metadata)", read_metadata)
+            coord.exchange("load (reading metadata)", read_and_share_metadata)
             if rank_local:
                 meta_bytes, enabled = raw[0], False
             else:

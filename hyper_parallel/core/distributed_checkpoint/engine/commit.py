@@ -46,10 +46,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ..backends.protocol import StorageWriter
+from ..backends.resolve import reader_for
 from ..base.coordination import Coordinator
 from ..base.errors import CommitError, LostContactError, NotACheckpointError, RankFailedError, StorageTimeoutError
 from ..format import metadata as md
-from .fragments import read_checkpoint_metadata
+from .fragments import failed_name, fragment_name, fragment_ranks
+from .metadata_reader import metadata_bytes
 
 T = TypeVar("T")
 
@@ -293,7 +295,7 @@ def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False,
     removed (or, with ``dry_run``, that would be).
     """
     try:
-        referenced = md.Metadata.from_json(read_checkpoint_metadata(reader)).file_names()
+        referenced = md.Metadata.from_json(metadata_bytes(reader)).file_names()
     except NotACheckpointError:
         referenced = []
     garbage = unreferenced_files(reader, [*referenced, *keep])
@@ -301,3 +303,18 @@ def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False,
         for name in garbage:
             writer.remove([name])
     return garbage
+
+
+def drop_stale_fragments(where: str, writer: StorageWriter, world: int) -> None:
+    """Rank 0 of a rank-local save removes the fragments (their files and markers) of ranks
+    its world does not have: a bigger world's earlier save there would make every reader
+    refuse the checkpoint as a mix of world sizes. Best effort."""
+    try:
+        names = reader_for(where).list_files()
+    except Exception:  # unlistable storage (or no such place yet): nothing to drop
+        return
+    for r in fragment_ranks(names):
+        if r >= world:
+            raw = writer.read_committed(fragment_name(r))
+            writer.remove([fragment_name(r), failed_name(r)])
+            reclaim_replaced(writer, raw, [])

@@ -41,6 +41,7 @@ import numpy as np
 from ..backends.protocol import StorageReader, StorageWriter
 from ..base.errors import CorruptCheckpointError, MetadataError, NotACheckpointError
 from ..format import metadata as md
+from ..planning.planner import WriteItem
 
 _FRAGMENT = re.compile(r"^\.metadata-r(\d{5,7})$")
 
@@ -109,24 +110,6 @@ def check_own_fragment(reader: StorageReader, frag: md.Metadata, where: str) -> 
     check_not_mixed(failed_ranks(names), world, where)
 
 
-def drop_stale_fragments(where: str, writer: StorageWriter, world: int) -> None:
-    """Rank 0 of a rank-local save removes the fragments (their files and markers) of ranks
-    its world does not have: a bigger world's earlier save there would make every reader
-    refuse the checkpoint as a mix of world sizes. Best effort."""
-    from ..backends.resolve import reader_for
-    from .commit import reclaim_replaced
-
-    try:
-        names = reader_for(where).list_files()
-    except Exception:  # unlistable storage (or no such place yet): nothing to drop
-        return
-    for r in fragment_ranks(names):
-        if r >= world:
-            raw = writer.read_committed(fragment_name(r))
-            writer.remove([fragment_name(r), failed_name(r)])
-            reclaim_replaced(writer, raw, [])
-
-
 def read_small(reader: StorageReader, name: str) -> bytes:
     """A whole (small) file of the checkpoint, through the reader's byte-range interface."""
     buf = bytearray(reader.file_size(name))
@@ -145,29 +128,6 @@ def read_fragment(reader: StorageReader, rank: int, where: str = "checkpoint") -
     if meta.fragment is None or meta.fragment[0] != rank:
         raise MetadataError(f"{where}/{name} is not rank {rank}'s fragment (it says {meta.fragment})")
     return meta
-
-
-def read_checkpoint_metadata(reader: StorageReader, where: str = "checkpoint") -> bytes:
-    """The checkpoint's metadata: ``.metadata``, or all fragments merged into one document.
-
-    Raises:
-        NotACheckpointError: neither ``.metadata`` nor any fragment exists.
-        MetadataError: fragments are missing or disagree (names the ranks).
-    """
-    try:
-        return reader.read_metadata()
-    except NotACheckpointError as missing:
-        try:
-            names = reader.list_files()
-        except (NotImplementedError, OSError):
-            raise missing from None
-        ranks = fragment_ranks(names)
-        if not ranks:
-            raise
-    fragments = [read_fragment(reader, r, where) for r in ranks]
-    merged = merge_fragments(fragments, where)
-    check_not_mixed(failed_ranks(names), merged.world_size, where)
-    return merged.to_json()
 
 
 def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> md.Metadata:
@@ -236,8 +196,6 @@ def fragment_of(meta: md.Metadata, rank: int, world: int) -> md.Metadata:
 
 def table_sub_ids(entries: dict[str, Any], items: list[Any]) -> list[Any]:
     """Items of a rank-local save with sub ids 0..n-1 per key (each rank's own table)."""
-    from ..planning.planner import WriteItem
-
     counts: dict[str, int] = {}
     out = []
     for item in items:

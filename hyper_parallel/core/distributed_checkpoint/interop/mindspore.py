@@ -49,12 +49,13 @@ from ..base import protowire as pw
 from ..base.atomic_file import atomic_file
 from ..base.box import Box
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
+from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
 from ..format.data_file import tensor_bytes
 from ..planning.planner import EntrySpec, WriteItem
 from ..resharding.offline_transform import _prefixed_path, write_streaming
 from ..sharding.mindspore_strategy import MindSporeLayout, read_strategy
-from ..transfer.loader import read_box, read_metadata
+from ..transfer.loader import read_box
 
 __all__ = ["read_mindspore_checkpoint", "import_mindspore", "export_mindspore", "MindSporeFile",
            "open_mindspore_file", "ExportSummary", "MS_DTYPES"]
@@ -784,7 +785,7 @@ def export_mindspore(
         raise CheckpointError(f"{dst!r} already exists; pass overwrite=True to replace it")
     reader = FileSystemReader(src)
     try:
-        meta = read_metadata(reader)
+        meta = read_checkpoint_metadata(reader)
         summary = ExportSummary(dst, fmt)
         plan: list[tuple[str, str, tuple[int, ...], md.Entry | None, Any]] = []  # name, dtype, shape, entry, value
         for key, e in meta.entries.items():

@@ -67,11 +67,12 @@ from ..backends.resolve import reader_for
 from ..base.atomic_file import atomic_file
 from ..base.box import Box
 from ..base.errors import CheckpointError, UnsupportedValueError
+from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
 from ..resharding.offline_transform import parse_size
 from ..sharding.layout import TensorLayout
 from ..state.flatten import unflatten
-from ..transfer.loader import check_files_hold, read_box, read_metadata
+from ..transfer.loader import check_files_hold, read_box
 
 try:  # the version torch's FileSystemWriter stamps on its metadata ("1.0.0" in torch 2.13)
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _TORCH_DCP_VERSION
@@ -371,7 +372,7 @@ def export_torch_dcp(
         raise CheckpointError(f"{dst!r} exists and is not a directory; a checkpoint is a directory")
     if os.path.exists(os.path.join(dst, md.METADATA_FILE)) and not overwrite:
         raise CheckpointError(f"{dst!r} already holds a checkpoint; pass overwrite=True to replace it")
-    meta = read_metadata(reader)
+    meta = read_checkpoint_metadata(reader)
     check_files_hold(meta, reader, md.METADATA_FILE if isinstance(src, StorageReader)
                      else f"{os.fspath(src)}/{md.METADATA_FILE}")
     pickled = [k for k, e in meta.entries.items() if e.kind == "pickle"]

@@ -39,6 +39,7 @@ from ..base.box import Box
 from ..base.coordination import Coordinator
 from ..base.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from ..engine.commit import commit_and_agree, write_and_report
+from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
 from ..format.chunks import largest_chunk_bytes
 from ..interop.huggingface import check_safetensors_file
@@ -47,7 +48,7 @@ from ..planning.standard_planner import bytes_tensor, numpy_tensor
 from ..sharding.layout import Layout, LayoutStrategy, TensorLayout, load_layout
 from ..state.flatten import path_from_parts
 from ..state.topology_mapper import MapperLike
-from ..transfer.loader import read_box, read_metadata
+from ..transfer.loader import read_box
 from ..transfer.saver import WriteResult, build_metadata, data_file_names, tensor_bytes, write_plan
 
 HF_INDEX = "model.safetensors.index.json"
@@ -71,10 +72,6 @@ def parse_size(size: int | str) -> int:
 
 def _reader(path: str | os.PathLike | StorageReader) -> StorageReader:
     return path if isinstance(path, StorageReader) else reader_for(path)
-
-
-def _read_metadata(reader: StorageReader) -> md.Metadata:
-    return read_metadata(reader)
 
 
 def _check_destination(dst: str | os.PathLike | StorageWriter, overwrite: bool) -> None:
@@ -249,7 +246,7 @@ def offline_transform(
         raise ValueError("dst_path must differ from src_path")
     _check_destination(dst_path, overwrite)
     reader = reader_for(src_path)
-    meta = _read_metadata(reader)
+    meta = read_checkpoint_metadata(reader)
     if src_layout is not None:
         _check_src_layout(meta, src_layout)
     if max_memory is None:
@@ -429,7 +426,7 @@ def save_state_dict_as_huggingface_format(
         close = lambda: None
     else:
         reader = _reader(src)
-        meta = _read_metadata(reader)
+        meta = read_checkpoint_metadata(reader)
         entries = {e.key[len(prefix):]: e for e in _tensor_entries(meta, prefix)}
         tensors = [(name, e.dtype, tuple(e.shape)) for name, e in entries.items()]
         produce = lambda name: read_box(entries[name], reader, verify=verify)[0]

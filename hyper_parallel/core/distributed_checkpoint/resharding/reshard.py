@@ -47,7 +47,7 @@ from ..base.box import Box, uncovered
 from ..base.coordination import Coordinator
 from ..base.errors import CorruptCheckpointError
 from ..engine.commit import commit_and_agree, write_and_report
-from ..engine.fragments import read_checkpoint_metadata
+from ..engine.metadata_reader import metadata_bytes
 from ..format import metadata as md
 from ..format.chunks import all_chunks, covered
 from ..format.data_file import tensor_bytes
@@ -508,16 +508,16 @@ def reshard(
     where = f"{os.fspath(src_path) if src_path is not None else 'source'}/{md.METADATA_FILE}"
     raw: list[Any] = []
 
-    def read_metadata() -> None:
+    def read_and_share_metadata() -> None:
         storage_reader.set_up(coord.rank, coord.is_coordinator)
         storage_writer.set_up(coord.rank, coord.is_coordinator)
         if coord.is_coordinator:
-            raw.append((read_checkpoint_metadata(storage_reader, where), uuid.uuid4().hex[:16]))
+            raw.append((metadata_bytes(storage_reader, where), uuid.uuid4().hex[:16]))
 
     state: dict[str, Any] = {}
     mine: list[int] = []
     try:
-        coord.exchange("reshard (reading metadata)", read_metadata)
+        coord.exchange("reshard (reading metadata)", read_and_share_metadata)
         meta_bytes, save_id = coord.broadcast(raw[0] if raw else None)
 
         def plan() -> tuple[str, str, int]:

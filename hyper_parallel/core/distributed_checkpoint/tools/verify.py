@@ -27,7 +27,7 @@ from ..backends.resolve import reader_for
 from ..base.box import Box
 from ..base.errors import CheckpointError
 from ..engine.commit import unreferenced_files
-from ..engine.fragments import read_checkpoint_metadata
+from ..engine.metadata_reader import metadata_bytes
 from ..format import metadata as md
 from ..format.chunks import all_chunks, covered
 from ..format.data_file import INDEX_NAME, FileIndex, check_index, key_id
@@ -106,7 +106,7 @@ def verify_checkpoint(
     reader = storage_reader or reader_for(path)
     report = VerifyReport(str(path or getattr(reader, "path", getattr(reader, "url", ""))))
     try:
-        meta = md.Metadata.from_json(read_checkpoint_metadata(reader, report.path))
+        meta = md.Metadata.from_json(metadata_bytes(reader, report.path))
     except CheckpointError as exc:
         report.problems.append(str(exc))
         return report

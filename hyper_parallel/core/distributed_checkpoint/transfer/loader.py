@@ -597,13 +597,3 @@ def check_files_hold(meta: md.Metadata, reader: StorageReader, where: str) -> No
             f"{where}: its tensors need {need} bytes, its {len(meta.files)} data file(s) hold {held} in all "
             f"(the largest, {big.key!r}, is {big.dtype} of shape {list(big.shape or ())}); the metadata is damaged "
             "or forged")
-
-
-def read_metadata(reader: StorageReader, where: str | None = None) -> md.Metadata:
-    """Read and validate a checkpoint's ``.metadata`` through ``reader`` (for offline tools)."""
-    from ..engine.fragments import read_checkpoint_metadata
-
-    return md.Metadata.from_json(read_checkpoint_metadata(reader, where or "checkpoint"),
-                                 where=where or md.METADATA_FILE).attach()
-
-
