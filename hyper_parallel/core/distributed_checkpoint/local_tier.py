@@ -70,8 +70,9 @@ the newest durable step.
 
 Nothing in recovery reads ``directory``.
 
-**Bounded waits.** Every replication wait and the confirmation are bounded by
-``replication_timeout``; a peer that fails or stalls past it ends replication for the rest
+**Bounded waits.** Every replication wait, the confirmation, and the making of the
+replication group (at the first local save: a peer dead before it never joins) are bounded
+by ``replication_timeout``; a peer that fails or stalls past it ends replication for the rest
 of the run on the ranks that notice (a gloo group cannot recover from a timeout; the next
 start builds a new one) with a warning, while local saves go on unreplicated and
 unconfirmed. The next local save waits for the previous one at most ``2 *
@@ -320,11 +321,7 @@ class LocalTier:
                           "running (storage or a peer is stuck)", stacklevel=3)
             return False
         if self._needs_group and self._group is None:
-            ranks = self.coord.group_ranks  # collective: every rank makes its first local save at the same step
-            before = thread_ids()
-            self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
-                                         use_local_synchronization=len(ranks) != dist.get_world_size())
-            lower_priority(thread_ids(gloo_only=True) - before)  # the group's own I/O threads
+            self._make_group()
         waited = time.perf_counter()
         job = _Job(step, self.timeline, self.durable_base, started, waited_s=waited - started)
         try:
@@ -339,6 +336,24 @@ class LocalTier:
         if job.error is not None:
             raise job.error
         return True
+
+    def _make_group(self) -> None:
+        """Make the replication group (collective: every rank makes its first local save at the
+        same step). A peer that is dead or later than ``replication_timeout`` ends replication
+        for this run, as any replication wait does (the save goes on unreplicated), instead of
+        raising gloo's bare "Wait timeout" into the training loop; it is not tried again."""
+        ranks = self.coord.group_ranks
+        before = thread_ids()
+        try:
+            self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
+                                         use_local_synchronization=len(ranks) != dist.get_world_size())
+        except RuntimeError as exc:
+            self._needs_group = False
+            self._stop_replication(f"making the replication group: a rank did not join within "
+                                   f"{self.replication_timeout:g}s ({type(exc).__name__}: {exc})")
+            return
+        finally:
+            lower_priority(thread_ids(gloo_only=True) - before)  # the group's own I/O threads
 
     def _snapshot(self, job: _Job, flat: Flat) -> None:
         """Copy every payload (tensors, arrays, bytes) into one reused staging buffer, laid out
@@ -421,10 +436,10 @@ class LocalTier:
     def _replicate(self, step: int, timeline: str, shard: ShardFile | None) -> tuple[bool, int, int, bool]:
         """Send this rank's file to its peers, receive its sources' files. Returns (all went
         well, bytes sent, bytes received, whether a failed send may still read the file)."""
+        if self.replication_error is not None:  # stopped (or its group could never be made)
+            return False, 0, 0, False
         if self._group is None or (not self.peers and not self.sources):
             return True, 0, 0, False
-        if self.replication_error is not None:
-            return False, 0, 0, False
         deadline = time.monotonic() + self.replication_timeout
         keep_alive: list[Any] = []  # everything gloo may touch until the transfers are over
         sent = received = 0
