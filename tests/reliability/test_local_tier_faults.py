@@ -13,10 +13,12 @@ by rank (r + 2) % 4.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import pytest
@@ -308,3 +310,69 @@ def test_a_peer_killed_or_stalled_during_recovery_fails_the_survivors_in_time_an
     results = run_ranks(rank_resume, WS, root)
     for rank, r in enumerate(results):
         assert (r["step"], r["source"], r["exact"]) == (last, "local", True), (rank, r)
+
+
+# ----------------------------------------------------------------------------- a full local directory at recovery
+
+
+@pytest.fixture
+def full_node1(tmp_path):
+    """Node 1's local directory on an 8 MiB tmpfs of its own (needs root; skipped otherwise),
+    filled to the last byte by the caller's ``fill()``."""
+    mnt = tmp_path / "node1"
+    mnt.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {out.stderr.decode().strip()}")
+
+    def fill() -> None:
+        with open(mnt / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+
+    yield fill
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def rank_train_with_durable(rank: int, ws: int, root: str, last: int, durable: int | None) -> None:
+    mesh = init_device_mesh("cpu", (ws,))
+    with manager(root, rank) as mgr:
+        for step in range(1, last + 1):
+            mgr.save(step, state_at(step, mesh), force=step == durable)
+        mgr.wait()
+
+
+def rank_resume_or_fail(rank: int, ws: int, root: str) -> dict:
+    mesh = init_device_mesh("cpu", (ws,))
+    target = empty_state(mesh)
+    with manager(root, rank) as mgr:
+        try:
+            step = mgr.load(target)
+        except CheckpointError as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return {"step": step, "source": mgr.local_tier.last_recovery.source, "exact": exact(target, step, mesh)}
+
+
+@pytest.mark.parametrize("durable", [2, None])
+def test_a_full_local_directory_at_recovery_falls_back_to_the_durable_step_or_fails_clearly(tmp_path, full_node1,
+                                                                                            durable):
+    """Node 1 lost its files and its local directory (a tmpfs, like /dev/shm) is full: its ranks
+    cannot store the copies they fetch. They received into a mapped sparse file, which cannot
+    grow on a full tmpfs: the transfer failed inside gloo, every rank waited the whole timeout
+    and raised "lost contact" (a write from Python there is a SIGBUS). Now every rank learns it
+    before any transfer and loads the durable step (if any), else raises an error naming the
+    ranks and ENOSPC, keeping the local steps."""
+    root, last = str(tmp_path), 3
+    run_ranks(rank_train_with_durable, WS, root, last, durable)
+    for name in os.listdir(f"{root}/node1"):
+        shutil.rmtree(f"{root}/node1/{name}")
+    full_node1()
+    results = run_ranks(rank_resume_or_fail, WS, root)
+    for rank, r in enumerate(results):
+        if durable is not None:
+            assert r == {"step": durable, "source": "durable", "exact": True}, (rank, r)
+        else:
+            assert r["error"] == "CheckpointError" and "No space left" in r["message"], (rank, r)
+            assert "rank 2" in r["message"] and "rank 3" in r["message"], r["message"]
+    if durable is None:  # the local steps are still there for a start with room
+        assert complete_steps(root, [0]) == [last - 1, last]
