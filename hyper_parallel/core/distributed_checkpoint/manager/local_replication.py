@@ -97,8 +97,11 @@ class MappedFile:
         writable = size is not None
         self.fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_EXCL) if writable else os.O_RDONLY, 0o644)
         try:
-            if writable:
-                os.ftruncate(self.fd, size)
+            if writable and size:
+                # Blocks allocated now: writes through a mapping of a sparse file on a full
+                # filesystem (tmpfs: /dev/shm) fail at the page fault (SIGBUS, or an error deep
+                # inside a transfer); here they are a plain ENOSPC before anything is sent.
+                os.posix_fallocate(self.fd, 0, size)
             self.size = os.fstat(self.fd).st_size
             # ACCESS_COPY: a private mapping that torch may treat as writable; nothing writes to it.
             self.map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)

@@ -44,18 +44,22 @@ every rank):
    steps of an *abandoned* timeline (below). If the durable directory has a newer committed
    step, or no local step is complete, the answer is "durable" and the manager loads from
    ``directory`` as before (this is also how a changed layout ends: the fingerprints differ).
-3. Each rank without a copy in its own directory receives it from a rank of a directory
-   that has one (the least loaded) over the process group, straight into a file of its
-   ``local_dir`` (restoring its copy); then every rank reads its file into its own tensors
-   (in place, crc32c checked) (one exchange). A checksum failure anywhere excludes that copy
-   and the choice is made again (another copy, an older step, or the durable tier).
-4. Non-tensor values and Stateful objects are put back only after every rank has read
+3. Each rank without a copy in its own directory allocates the file it will receive it
+   into (one exchange): a full ``local_dir`` is then an ENOSPC that every rank learns before
+   any transfer, and the manager loads the durable step instead (or, with none, every rank
+   raises a CheckpointError naming the ranks; the local steps are kept).
+4. Each such rank receives its copy from a rank of a directory that has one (the least
+   loaded) over the process group, straight into that file (restoring its copy); then every
+   rank reads its file into its own tensors (in place, crc32c checked) (one exchange). A
+   checksum failure anywhere excludes that copy and the choice is made again (another copy,
+   an older step, or the durable tier).
+5. Non-tensor values and Stateful objects are put back only after every rank has read
    successfully (one exchange).
-5. Files of the runs before are deleted except the ``local_keep`` newest complete steps up
+6. Files of the runs before are deleted except the ``local_keep`` newest complete steps up
    to the one loaded; the job continues on a new *timeline*, so files of an abandoned run
    never mix with the new run's steps.
 
-**Abandoned timelines.** Step 5 deletes only what the new run's ranks can see: a run at
+**Abandoned timelines.** Step 6 deletes only what the new run's ranks can see: a run at
 another world size (an elastic scale-down) loads from the durable tier and never sees the
 directories of the nodes it left out, whose files come back with those nodes. So step
 numbers alone cannot tell a newer local step from an abandoned one. Every durable step
@@ -70,11 +74,13 @@ the newest durable step.
 
 Nothing in recovery reads ``directory``.
 
-**Bounded waits.** Every replication wait and the confirmation are bounded by
-``replication_timeout``; a peer that fails or stalls past it ends replication for the rest
-of the run on the ranks that notice (a gloo group cannot recover from a timeout; the next
-start builds a new one) with a warning, while local saves go on unreplicated and
-unconfirmed. The next local save waits for the previous one at most ``2 *
+**Bounded waits.** Every replication wait, the confirmation, and the making of the
+replication group (at the first local save: a peer dead before it never joins) are bounded
+by ``replication_timeout`` (gloo retries connecting to a peer that died halfway through
+making a group, each try waiting that long: up to about five times it); a peer that fails
+or stalls past it ends replication for the rest of the run on the ranks that notice (a gloo
+group cannot recover from a timeout; the next start builds a new one) with a warning, while
+local saves go on unreplicated and unconfirmed. The next local save waits for the previous one at most ``2 *
 replication_timeout`` plus the write time, and is skipped (with a warning) past that.
 
 **Memory** (``local_dir`` in ``/dev/shm`` is memory): per node, about ``(local_keep + 2) *
@@ -102,7 +108,7 @@ import torch.distributed as dist
 
 from ..backends.locations import is_url
 from ..base.coordination import Coordinator
-from ..base.errors import CorruptCheckpointError
+from ..base.errors import CheckpointError, CorruptCheckpointError
 from ..base.priority import lower_priority, lower_this_thread, thread_ids
 from ..staging.checkpointer import StagingStats, _BufferPool, _copy_into, _copy_value, _tensor_spec
 from ..state.flatten import Flat, flatten, update_in_place
@@ -264,6 +270,7 @@ class LocalTier:
         self._abandoned: list[Any] = []
         self._rx: dict[int, torch.Tensor] = {}  # receive buffers by source rank
         self._spares: dict[str, str] = {}  # a retired file per directory this rank writes, to overwrite
+        self._room: tuple[MappedFile, str] | None = None  # recovery: (the file receiving this rank's copy, its name)
         identity = node_identity(node_rank)
 
         def start() -> tuple:
@@ -321,11 +328,7 @@ class LocalTier:
                           "running (storage or a peer is stuck)", stacklevel=3)
             return False
         if self._needs_group and self._group is None:
-            ranks = self.coord.group_ranks  # collective: every rank makes its first local save at the same step
-            before = thread_ids()
-            self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
-                                         use_local_synchronization=len(ranks) != dist.get_world_size())
-            lower_priority(thread_ids(gloo_only=True) - before)  # the group's own I/O threads
+            self._make_group()
         waited = time.perf_counter()
         job = _Job(step, self.timeline, self.durable_base, started, waited_s=waited - started)
         try:
@@ -340,6 +343,24 @@ class LocalTier:
         if job.error is not None:
             raise job.error
         return True
+
+    def _make_group(self) -> None:
+        """Make the replication group (collective: every rank makes its first local save at the
+        same step). A peer that is dead or later than ``replication_timeout`` ends replication
+        for this run, as any replication wait does (the save goes on unreplicated), instead of
+        raising gloo's bare "Wait timeout" into the training loop; it is not tried again."""
+        ranks = self.coord.group_ranks
+        before = thread_ids()
+        try:
+            self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
+                                         use_local_synchronization=len(ranks) != dist.get_world_size())
+        except RuntimeError as exc:
+            self._needs_group = False
+            self._stop_replication(f"making the replication group: a rank did not join within "
+                                   f"{self.replication_timeout:g}s ({type(exc).__name__}: {exc})")
+            return
+        finally:
+            lower_priority(thread_ids(gloo_only=True) - before)  # the group's own I/O threads
 
     def _snapshot(self, job: _Job, flat: Flat) -> None:
         """Copy every payload (tensors, arrays, bytes) into one reused staging buffer, laid out
@@ -422,10 +443,10 @@ class LocalTier:
     def _replicate(self, step: int, timeline: str, shard: ShardFile | None) -> tuple[bool, int, int, bool]:
         """Send this rank's file to its peers, receive its sources' files. Returns (all went
         well, bytes sent, bytes received, whether a failed send may still read the file)."""
+        if self.replication_error is not None:  # stopped (or its group could never be made)
+            return False, 0, 0, False
         if self._group is None or (not self.peers and not self.sources):
             return True, 0, 0, False
-        if self.replication_error is not None:
-            return False, 0, 0, False
         deadline = time.monotonic() + self.replication_timeout
         keep_alive: list[Any] = []  # everything gloo may touch until the transfers are over
         sent = received = 0
@@ -665,7 +686,24 @@ class LocalTier:
                 return None
             chosen = (decision["step"], decision["timeline"])
             sources = decision["sources"]
-            # 3. Missing copies travel, then every rank reads its own file (checksums checked).
+            # 3. Room for the copies that travel, before any transfer: a full local_dir is known to
+            #    every rank at once (receiving into a mapped file that cannot grow failed inside gloo).
+            full = [why for why in self.coord.exchange("local tier recovery (room for copies)",
+                                                       lambda c=chosen, src=sources: self._make_room(c, src))
+                    if why is not None]
+            if full:
+                self._drop_room()
+                why = "; ".join(full)
+                if durable_latest is None:
+                    raise CheckpointError(f"CheckpointManager: local step {chosen[0]} cannot be recovered: {why}. "
+                                          "Free space in local_dir (the local steps are kept) and start again")
+                if self.rank == 0:
+                    warnings.warn(f"CheckpointManager: local step {chosen[0]} cannot be recovered ({why}); loading "
+                                  f"durable step {durable_latest} instead", stacklevel=2)
+                self.last_recovery = Recovery("durable", None, seconds=time.perf_counter() - started,
+                                              attempts=attempts, phases=phases)
+                return None
+            # 4. Missing copies travel, then every rank reads its own file (checksums checked).
             results = self.coord.exchange("local tier recovery (fetching and reading)",
                                           lambda c=chosen, src=sources: self._fetch_and_read(c, src, target))
             lap("fetch_read")
@@ -676,7 +714,7 @@ class LocalTier:
             if self.rank == 0:
                 warnings.warn(f"CheckpointManager: local step {chosen[0]}: damaged copies "
                               f"({'; '.join(why for _, why in results if why)}); trying other copies", stacklevel=2)
-        # 4. Values and Stateful objects go back only once every rank has read everything.
+        # 5. Values and Stateful objects go back only once every rank has read everything.
         values = target["values_loaded"]
         self.coord.exchange("local tier recovery (applying)", lambda: _apply(target["flat"], values))
         lap("apply")
@@ -722,14 +760,38 @@ class LocalTier:
                 out.append((owner, step, timeline, man.size, man.fingerprint, man.durable_base))
         return out
 
+    def _make_room(self, chosen: tuple[int, str], sources: dict[int, tuple[int, int]]) -> str | None:
+        """Allocate the file this rank receives its copy into (if it lacks its own); None, or
+        why it cannot (a full or unwritable ``local_dir``)."""
+        holder, size = sources[self.rank]
+        if holder == self.rank:
+            return None
+        final = self._path(self.rank, chosen[0], chosen[1])
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            self._room = (MappedFile(tmp_path_for(final), size), final)
+        except OSError as exc:
+            return (f"rank {self.rank} cannot store its copy ({size} bytes) in {os.path.dirname(final)}: "
+                    f"{type(exc).__name__}: {exc}")
+        return None
+
+    def _drop_room(self) -> None:
+        if self._room is not None:
+            mf, _ = self._room
+            self._room = None
+            mf.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(mf.path)
+
     def _fetch(self, chosen: tuple[int, str], sources: dict) -> int:
-        """Send the copies this rank was picked to serve; receive this rank's own if it lacks it."""
+        """Send the copies this rank was picked to serve; receive this rank's own if it lacks it
+        (into the file :meth:`_make_room` allocated)."""
         step, timeline = chosen
         group = self.coord.group
         deadline = time.monotonic() + self.coord.timeout.total_seconds()
         outgoing: list[MappedFile] = []
         works = []
-        receiving: tuple[MappedFile, str] | None = None
+        receiving, self._room = self._room, None
         done = False
         try:
             for owner, (holder, _) in sorted(sources.items()):
@@ -739,12 +801,8 @@ class LocalTier:
                     outgoing.append(mf)
                     works.append(send_file(mf, self._global(owner), group, _TAG_FETCH))
             holder, size = sources[self.rank]
-            if holder != self.rank:
-                final = self._path(self.rank, step, timeline)
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                mf = MappedFile(tmp_path_for(final), size)
-                receiving = (mf, final)
-                works.append(recv_file(mf, self._global(holder), group, _TAG_FETCH))
+            if receiving is not None:
+                works.append(recv_file(receiving[0], self._global(holder), group, _TAG_FETCH))
             wait_all(works, deadline)
             done = True
             if receiving is None:
