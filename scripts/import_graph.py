@@ -1,0 +1,222 @@
+"""The import graph of ``hyper_parallel.core.distributed_checkpoint``: its layers, checked and drawn.
+
+The package is a stack of subpackages (:data:`LAYERS`, bottom first). A module may import
+the modules of lower layers, and the modules of its own subpackage listed before it;
+nothing else: no circles, no import running back up, whether it sits at the top of a module
+or inside a function. Siblings of one layer do not import each other. The faces (the
+package's own modules, which re-export for the public import paths) sit above every layer
+and import only subpackages.
+
+    python scripts/import_graph.py            # list every broken rule (exit 1 if any)
+    python scripts/import_graph.py --write    # regenerate docs/layers.md, the picture
+
+``tests/core/distributed_checkpoint/test_layers.py`` checks both: the rules hold, and the
+committed picture is the one this script draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = "hyper_parallel.core.distributed_checkpoint"
+PKG_DIR = ROOT.joinpath(*PKG.split("."))
+PICTURE = ROOT / "docs" / "layers.md"
+
+# Bottom first. A layer is one or more sibling subpackages; inside a subpackage a module may
+# import only the modules listed before it.
+LAYERS: list[dict[str, list[str]]] = [
+    {"base": ["errors", "limits", "box", "dtypes", "sizes", "atomic_file", "protowire", "priority", "coordination"]},
+    {"state": ["flatten", "topology_mapper", "train_state"]},
+    {"sharding": ["placements", "layout", "tensor_layout", "strategy", "grid", "records", "mindspore_strategy",
+                  "layout_files"]},
+    {"format": ["values", "metadata", "chunks", "safetensors", "data_file"]},
+    {"backends": ["locations", "protocol", "direct_io", "filesystem", "fsspec", "resolve"],
+     "planning": ["planner", "plan_cache", "staged_bands", "standard_planner"]},
+    {"transfer": ["host_copy", "streams", "saver", "loader", "shared_reads"]},
+    {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "commit", "streaming_writer",
+                "targets", "checkpoint"]},
+    {"staging": ["checkpointer"],
+     "interop": ["single_file", "huggingface", "hyper_parallel", "mindspore", "torch_dcp"],
+     "tools": ["verify"]},
+    {"resharding": ["reshard", "offline_transform"],
+     "manager": ["step_directory", "local_format", "local_replication", "local_tier", "checkpoint_manager"]},
+]
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name relative to the package ("" = __init__)."""
+    out = {}
+    for path in sorted(PKG_DIR.rglob("*.py")):
+        parts = list(path.relative_to(PKG_DIR).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the package's modules it imports, wherever in its body the import sits."""
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        here = name.split(".") if name else []
+        package = here if path.name == "__init__.py" else here[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    if node.level - 1 > len(package):
+                        continue  # above the package (hyper_parallel.platform, ...)
+                    base = package[: len(package) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                elif node.module == PKG or (node.module or "").startswith(PKG + "."):
+                    mod = node.module[len(PKG) + 1:]
+                else:
+                    continue
+                for alias in node.names:
+                    sub = f"{mod}.{alias.name}" if mod else alias.name
+                    targets.append(sub if sub in mods else mod)
+            elif isinstance(node, ast.Import):
+                targets = [a.name[len(PKG) + 1:] for a in node.names if a.name.startswith(PKG + ".")]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def subpackage(name: str) -> str:
+    """The subpackage a module belongs to ("" for the faces and the package itself)."""
+    return name.split(".")[0] if "." in name or name in _SUBPACKAGES else ""
+
+
+_SUBPACKAGES = {sub for layer in LAYERS for sub in layer}
+
+
+def ranks() -> dict[str, tuple[int, int]]:
+    """module -> (layer, position inside its subpackage); a subpackage's __init__ is position -1."""
+    out: dict[str, tuple[int, int]] = {}
+    for i, layer in enumerate(LAYERS):
+        for sub, order in layer.items():
+            out[sub] = (i, -1)
+            out.update({f"{sub}.{m}": (i, j) for j, m in enumerate(order)})
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph) + 100))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def violations() -> list[str]:
+    """Every broken rule, one line each; empty when the package is layered."""
+    mods = modules()
+    graph = imports(mods)
+    rank = ranks()
+    faces = {m for m in mods if subpackage(m) == ""}
+    problems = [f"{m}: not placed in LAYERS (scripts/import_graph.py)" for m in sorted(mods)
+                if m not in rank and m not in faces]
+    problems += [f"circle: {' -> '.join(c)}" for c in cycles(graph)]
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            if m in faces:
+                if d in faces and m != "":
+                    problems.append(f"{m} imports {d}: a face imports subpackages only")
+                continue
+            if d in faces:
+                problems.append(f"{m} imports the face {d or 'the package'}: import the subpackage's module")
+            elif m in rank and d in rank:
+                (lm, pm), (ld, pd) = rank[m], rank[d]
+                if subpackage(m) == subpackage(d):
+                    if pd >= pm:
+                        problems.append(f"{m} imports {d}: inside {subpackage(m)}/, only modules listed before it")
+                elif ld >= lm:
+                    problems.append(f"{m} imports {d}: {subpackage(d)}/ is not below {subpackage(m)}/")
+    return problems
+
+
+def picture() -> str:
+    """docs/layers.md: the layers, the imports between subpackages, and each module's size."""
+    mods = modules()
+    graph = imports(mods)
+    edges = sorted({(subpackage(m), subpackage(d)) for m, deps in graph.items() for d in deps
+                    if subpackage(m) and subpackage(d) and subpackage(m) != subpackage(d)})
+    lines = [
+        "# The layers of `hyper_parallel.core.distributed_checkpoint`",
+        "",
+        "Generated by `python scripts/import_graph.py --write`; do not edit. Arrows point from a",
+        "subpackage to the ones it imports: always down. The faces (top) only re-export.",
+        "",
+        "```mermaid",
+        "flowchart TD",
+        '  faces["faces: __init__, api, planner, standard_planner, saver, loader, storage,<br/>'
+        'filesystem_storage, metadata, reshard, async_staging, offline_transform, layout, util"]',
+    ]
+    for i, layer in reversed(list(enumerate(LAYERS))):
+        lines.append(f'  subgraph L{i}["layer {i}"]')
+        lines += [f"    {sub}" for sub in layer]
+        lines.append("  end")
+    lines.append("  faces --> " + " & ".join(sorted(LAYERS[-1])))
+    lines += [f"  {a} --> {b}" for a, b in edges]
+    lines += ["```", "", "| layer | subpackage | modules, bottom first (lines) |", "|---|---|---|"]
+    for i, layer in reversed(list(enumerate(LAYERS))):
+        for sub, order in layer.items():
+            listed = ", ".join(f"{m} ({_lines(mods[f'{sub}.{m}'])})" for m in order if f"{sub}.{m}" in mods)
+            lines.append(f"| {i} | `{sub}/` | {listed} |")
+    return "\n".join(lines) + "\n"
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Check the package's layering; draw docs/layers.md.")
+    ap.add_argument("--write", action="store_true", help="regenerate docs/layers.md")
+    args = ap.parse_args(argv)
+    if args.write:
+        PICTURE.write_text(picture())
+    problems = violations()
+    print("\n".join(problems) if problems else "layered: no circles, every import points down")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
