@@ -134,6 +134,25 @@ def test_loading_never_runs_code_from_the_checkpoint(tmp_path):
     assert not marker.exists()
 
 
+def test_a_state_dict_that_contains_itself_or_nests_too_deep_is_refused(tmp_path):
+    """A cycle is refused naming the key, not a RecursionError; a container shared many times is
+    scanned once (45 levels of [x, x] is 2**45 visits otherwise)."""
+    loop = [torch.ones(2)]
+    loop.append(loop)
+    with pytest.raises(UnsupportedValueError, match=r"'a\.1' contains itself"):
+        save({"a": loop}, str(tmp_path / "loop"))
+    deep = [torch.ones(1)]
+    for _ in range(150):
+        deep = [deep]
+    with pytest.raises(UnsupportedValueError, match="'deep' nests containers more than 100"):
+        save({"deep": deep}, str(tmp_path / "deep"))
+    shared: list = [1]
+    for _ in range(45):
+        shared = [shared, shared]
+    with pytest.raises(UnsupportedValueError, match="more than 1048576 items"):
+        save({"s": shared, "t": torch.ones(1)}, str(tmp_path / "shared"))
+
+
 def test_shape_dtype_and_kind_mismatches_name_the_key(tmp_path):
     save(small_sd(), str(tmp_path))
     cases = [

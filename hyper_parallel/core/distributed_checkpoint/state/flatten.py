@@ -35,14 +35,27 @@ def _is_data(v: Any) -> bool:
     return isinstance(v, (torch.Tensor, np.ndarray, bytes, bytearray)) or is_stateful(v)
 
 
-def _holds_data(v: Any) -> bool:
+MAX_DEPTH = 100  # containers nested in containers: far beyond any real state dict
+
+
+def _holds_data(v: Any, memo: dict[int, bool | None], where: str, depth: int = 0) -> bool:
+    """Whether a tensor, array, bytes or Stateful sits anywhere inside ``v``. Each container is
+    scanned once (``memo`` by id: a list shared 45 levels deep is not 2**45 lists). A container
+    met again inside itself, or nesting past :data:`MAX_DEPTH`, is refused naming ``where``."""
     if _is_data(v):
         return True
-    if isinstance(v, dict):
-        return any(_holds_data(x) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return any(_holds_data(x) for x in v)
-    return False
+    if not isinstance(v, (dict, list, tuple)):
+        return False
+    if id(v) in memo:
+        if memo[id(v)] is None:  # still being scanned: we came back round
+            raise UnsupportedValueError(f"{where!r} contains itself: a state dict must be a tree")
+        return bool(memo[id(v)])
+    if depth >= MAX_DEPTH:
+        raise UnsupportedValueError(f"{where!r} nests containers more than {MAX_DEPTH} levels deep")
+    memo[id(v)] = None
+    found = any(_holds_data(x, memo, where, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    memo[id(v)] = found
+    return found
 
 
 def update_in_place(old: dict, new: dict) -> None:
@@ -144,6 +157,11 @@ def flatten(state_dict: Any) -> Flat:
         )
     leaves: dict[str, Leaf] = {}
     statefuls: list[tuple[Any, Any]] = []
+    scanned: dict[int, bool | None] = {}  # container id -> holds data (every one stays alive meanwhile)
+    inside: set[int] = set()  # the containers being walked: meeting one again is a cycle
+
+    def holds_data(path: tuple[PathPart, ...], value: Any) -> bool:
+        return _holds_data(value, scanned, key_of(path) or "state_dict")
 
     def add(path: tuple[PathPart, ...], value: Any, setter: Callable[[Any], None] | None) -> None:
         key = key_of(path)
@@ -155,6 +173,17 @@ def flatten(state_dict: Any) -> Flat:
         leaves[key] = Leaf(path, value, setter)
 
     def walk(path: tuple[PathPart, ...], value: Any, setter: Callable[[Any], None] | None) -> None:
+        if not isinstance(value, (dict, list, tuple)):
+            return descend(path, value, setter)
+        if id(value) in inside:
+            raise UnsupportedValueError(f"{key_of(path)!r} contains itself: a state dict must be a tree")
+        inside.add(id(value))
+        try:
+            descend(path, value, setter)
+        finally:
+            inside.discard(id(value))
+
+    def descend(path: tuple[PathPart, ...], value: Any, setter: Callable[[Any], None] | None) -> None:
         if is_stateful(value):
             inner = value.state_dict()
             if not isinstance(inner, dict):
@@ -166,15 +195,15 @@ def flatten(state_dict: Any) -> Flat:
                 walk_item(path, inner, k, v)
             statefuls.append((value, inner))
             return
-        if isinstance(value, dict) and value and _holds_data(value):
+        if isinstance(value, dict) and value and holds_data(path, value):
             for k, v in value.items():
                 walk_item(path, value, k, v)
             return
-        if isinstance(value, list) and _holds_data(value):
+        if isinstance(value, list) and holds_data(path, value):
             for i, v in enumerate(value):
                 walk(path + (("i", i),), v, lambda x, c=value, j=i: c.__setitem__(j, x))
             return
-        if isinstance(value, tuple) and _holds_data(value):
+        if isinstance(value, tuple) and holds_data(path, value):
             # a tuple cannot change: a new value of an item puts a new tuple where this one sat
             items = list(value)
 
