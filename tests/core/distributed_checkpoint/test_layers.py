@@ -1,0 +1,95 @@
+"""The package as layers: imports point down, the picture is current, public paths never move.
+
+The rules live in ``scripts/import_graph.py`` (its ``LAYERS``); these tests hold every change
+to them, and to the public import paths that code written for this library, for torch DCP
+and for HyperParallel uses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+import_graph = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(import_graph)
+
+PKG = "hyper_parallel.core.distributed_checkpoint"
+
+# Every name the package exported before it became layers (release 2), and since.
+PUBLIC = [
+    "offline_transform", "save_state_dict_as_huggingface_format", "parse_checkpoint_from_huggingface",
+    "full_state_dict_to_dcp_format", "dcp_to_full_state_dict", "convert_full_checkpoint_to_dcp", "import_torch_dcp",
+    "import_hyper_parallel", "save_checkpoint", "load_checkpoint", "export_torch_dcp", "import_mindspore",
+    "export_mindspore", "read_mindspore_checkpoint", "verify_checkpoint", "FsspecWriter", "FsspecReader", "save",
+    "load", "async_save", "CheckpointManager", "StepInfo", "SaveTiming", "list_steps", "AsyncSaveResponse",
+    "AsyncCheckpointer", "AsyncSaveError", "AsyncStagingError", "StagingStats", "default_checkpointer",
+    "register_optimizer_hook", "StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner", "SavePlanner",
+    "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "StorageWriter", "StorageReader",
+    "TopologyMapper", "FileSystemWriter", "FileSystemReader", "HuggingFaceStorageReader",
+    "TorchShardedSafetensorsReader", "Metadata", "Layout", "TensorLayout", "LayoutStrategy", "save_layout",
+    "load_layout", "get_current_layout", "CheckpointError", "CommitError", "LostContactError", "StorageTimeoutError",
+    "CorruptCheckpointError", "MetadataError", "NotACheckpointError", "RankFailedError", "StateDictMismatchError",
+    "UnsupportedValueError", "TrainState", "get_train_state_dict", "set_train_state_dict", "rng_state_dict",
+    "load_rng_state_dict",
+]
+
+# Import paths of the seed, the docs and HyperParallel's code and tests: module -> names it must hold.
+PATHS = {
+    "api": ["save", "load"],
+    "planner": ["SavePlanner", "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "EntrySpec"],
+    "standard_planner": ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner"],
+    "saver": ["save_checkpoint"],
+    "loader": ["load_checkpoint"],
+    "storage": ["StorageWriter", "StorageReader"],
+    "filesystem_storage": ["FileSystemWriter", "FileSystemReader"],
+    "metadata": ["Metadata", "CHUNK_INFO", "ChunkInfo", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "MetadataIndex", "TensorProperties", "TensorStorageMetadata"],
+    "reshard": ["reshard"],
+    "async_staging": ["async_save", "AsyncCheckpointer", "AsyncSaveResponse"],
+    "offline_transform": ["offline_transform", "convert_full_checkpoint_to_dcp", "import_torch_dcp"],
+    "layout": ["Layout", "TensorLayout", "LayoutStrategy", "save_layout", "load_layout", "get_current_layout"],
+    "util": ["_MAX_BROADCASTS_IN_FLIGHT"],
+}
+
+
+def test_imports_point_down_with_no_circles():
+    assert import_graph.violations() == []
+
+
+def test_the_committed_picture_of_the_layers_is_current():
+    assert (ROOT / "docs" / "layers.md").read_text() == import_graph.picture(), (
+        "docs/layers.md is stale: run python scripts/import_graph.py --write")
+
+
+def test_the_checker_sees_a_circle_and_an_import_running_back_up():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert import_graph.cycles(graph) == [["a", "b", "c"]]
+    mods = import_graph.modules()
+    graph = import_graph.imports(mods)
+    assert "base.errors" in graph["format.metadata"]  # the walker resolves relative imports
+    assert not graph["base.errors"]
+
+
+def test_every_public_name_is_exported():
+    pkg = importlib.import_module(PKG)
+    assert sorted(set(PUBLIC) - set(pkg.__all__)) == []
+    for name in pkg.__all__:
+        assert getattr(pkg, name) is not None, name
+
+
+@pytest.mark.parametrize("module", sorted(PATHS))
+def test_every_compatibility_path_holds_its_names(module):
+    mod = importlib.import_module(f"{PKG}.{module}")
+    assert [n for n in PATHS[module] if not hasattr(mod, n)] == []
+
+
+def test_a_face_module_does_not_shadow_the_function_of_its_name():
+    # importing the face module offline_transform must leave the package's offline_transform a function
+    importlib.import_module(f"{PKG}.offline_transform")
+    pkg = importlib.import_module(PKG)
+    assert callable(pkg.offline_transform) and not isinstance(pkg.offline_transform, type(pkg))
