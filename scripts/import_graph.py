@@ -195,22 +195,33 @@ def picture() -> str:
         lines.append("  end")
     lines.append("  faces --> " + " & ".join(sorted(LAYERS[-1])))
     lines += [f"  {a} --> {b}" for a, b in edges]
-    lines += ["```", "", "| layer | subpackage | modules, bottom first (lines) |", "|---|---|---|"]
+    lines += ["```", "", "| layer | subpackage | what it owns | modules, bottom first |", "|---|---|---|---|"]
     for i, layer in reversed(list(enumerate(LAYERS))):
         for sub, order in layer.items():
-            listed = ", ".join(f"{m} ({_lines(mods[f'{sub}.{m}'])})" for m in order if f"{sub}.{m}" in mods)
-            lines.append(f"| {i} | `{sub}/` | {listed} |")
+            listed = ", ".join(m for m in order if f"{sub}.{m}" in mods)
+            lines.append(f"| {i} | `{sub}/` | {_summary(mods.get(sub))} | {listed} |")
     return "\n".join(lines) + "\n"
 
 
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines())
+def _summary(path: Path | None) -> str:
+    """The first paragraph of a module's docstring, on one line (sizes stay out: the picture
+    changes when the layers do, not with every edit)."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) if path else None
+    return " ".join((doc or "").split("\n\n")[0].split()).replace("|", "\\|")
+
+
+def sizes() -> list[tuple[str, int]]:
+    """(module, lines) for every module of the package, largest first."""
+    return sorted(((m, len(p.read_text().splitlines())) for m, p in modules().items()), key=lambda x: -x[1])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Check the package's layering; draw docs/layers.md.")
     ap.add_argument("--write", action="store_true", help="regenerate docs/layers.md")
+    ap.add_argument("--sizes", action="store_true", help="print every module's line count, largest first")
     args = ap.parse_args(argv)
+    if args.sizes:
+        print("\n".join(f"{n:6d}  {m or '__init__'}" for m, n in sizes()))
     if args.write:
         PICTURE.write_text(picture())
     problems = violations()
