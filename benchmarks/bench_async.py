@@ -41,6 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import slowest, text_table  # noqa: E402
+
 METRICS = [
     ("sync_save", "sync save (committed)"),
     ("eager_blocking", "async eager: blocking"),
@@ -237,18 +239,16 @@ def main() -> None:
 
     ranks = run(args)
     # per repetition, the slowest rank decides how long training paused; then the median
-    med, per_rep = {}, {}
-    for key, _ in METRICS:
-        per_rep[key] = [max(r["times"][key][i] for r in ranks) for i in range(args.reps)]
-        med[key] = statistics.median(per_rep[key])
+    per_rep = {key: slowest([r["times"][key] for r in ranks]) for key, _ in METRICS}
+    med = {key: statistics.median(per_rep[key]) for key, _ in METRICS}
     mb = ranks[0]["local_bytes"] / (1 << 20)
     print(f"state dict: {args.size_mb:g} MB over {args.world_size} ranks ({mb:.1f} MB local per rank, "
           f"{args.tensors} tensors), {args.reps} reps, {args.threads} torch thread(s) per rank")
     print(f"staging allocations per rank over all saves: {[r['allocations'] for r in ranks]}")
-    print(f"  {'median of the slowest rank':<40} {'ms':>10}" + ("   every repetition (ms)" if args.verbose else ""))
-    for key, label in METRICS:
-        reps = "   " + " ".join(f"{t * 1e3:.1f}" for t in per_rep[key]) if args.verbose else ""
-        print(f"  {label:<40} {med[key] * 1e3:10.2f}{reps}")
+    header = ["median of the slowest rank", "ms"] + (["every repetition (ms)"] if args.verbose else [])
+    print(text_table(header, [[label, f"{med[key] * 1e3:.2f}"]
+                              + ([" ".join(f"{t * 1e3:.1f}" for t in per_rep[key])] if args.verbose else [])
+                              for key, label in METRICS]))
     memcpy = min(med["memcpy"], med["memmove"])
     targets = [
         ("eager blocking <= 1.2x memcpy", med["eager_blocking"], 1.2 * memcpy),

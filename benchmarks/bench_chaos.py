@@ -78,6 +78,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import write_json  # noqa: E402
+
 # ----------------------------------------------------------------------------- the state: a pure function of the step
 
 # name, global shape, dtype, period (the tensor changes at steps divisible by it; 0: never)
@@ -752,8 +754,7 @@ def main() -> None:
     figures = figures_of(records, time.monotonic() - began, disk.mode, args)
     print_figures(figures, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "figures": figures, "runs": records}, f, indent=1, default=str)
+        write_json(args.json, {"args": vars(args), "figures": figures, "runs": records})
     failed = figures["committed_steps_lost"] or figures["wrong_resumes"] or figures["hangs"] or \
         figures["unclear_errors"] or figures["unexpected_failures"] or figures["wrong_committed_steps"]
     sys.exit(1 if failed else 0)

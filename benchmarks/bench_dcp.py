@@ -63,6 +63,7 @@ os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks import dcp_report as report  # noqa: E402
+from benchmarks.common import write_json  # noqa: E402
 from benchmarks.dcp_common import GiB, MiB, model_specs, parse_size, transformer_specs  # noqa: E402
 
 STEPS = ("prep", "limits", "sync_save", "load_same", "load_reshard_s0_s1", "load_reshard_2n_n", "load_n_1",
@@ -340,8 +341,7 @@ def finish(doc: dict, out: str, baseline_path: str | None, profile: bool) -> int
     md = report.markdown(doc)
     with open(os.path.join(out, "latest.md"), "w") as f:
         f.write(md)
-    with open(os.path.join(out, "latest.json"), "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+    write_json(os.path.join(out, "latest.json"), doc)
     print(md)
     print(report.targets_text(doc))
     print(f"\n[bench] {doc['elapsed_s']:.0f} s; results in {out}/latest.{{md,json}}"

@@ -31,7 +31,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +39,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.common import Timer, text_table  # noqa: E402
 from hyper_parallel.core.distributed_checkpoint import CheckpointManager, load  # noqa: E402
 
 MiB = 1 << 20
@@ -81,11 +81,10 @@ def run_manager(root: str, sd: dict, steps: int, incremental: bool) -> tuple[lis
     out, saved = [], {}
     with CheckpointManager(root, incremental=incremental, keep_latest=2) as mgr:
         for step in range(1, steps + 1):
-            t = time.perf_counter()
-            mgr.save(step, sd)  # synchronous: committed when it returns
-            elapsed = time.perf_counter() - t
+            with Timer() as t:
+                mgr.save(step, sd)  # synchronous: committed when it returns
             mgr.wait()  # retention's deletions run in the background; not part of the save
-            out.append((elapsed, data_bytes(mgr.step_path(step))))
+            out.append((t.wall_s, data_bytes(mgr.step_path(step))))
             saved = clone(sd) if step == steps else saved  # outside the timed region
             train_step(sd)
     return out, saved
@@ -97,11 +96,10 @@ def run_torch(root: str, sd: dict, steps: int) -> list[tuple[float, int]]:
     out = []
     for step in range(1, steps + 1):
         path = os.path.join(root, f"step_{step}")
-        t = time.perf_counter()
-        with warnings.catch_warnings():
+        with Timer() as t, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tdcp.save(sd, checkpoint_id=path, no_dist=True)
-        out.append((time.perf_counter() - t, data_bytes(path)))
+        out.append((t.wall_s, data_bytes(path)))
         train_step(sd)
     return out
 
@@ -144,10 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(d, ignore_errors=True)
         med = {name: [(statistics.median(r[s][0] for r in rs), statistics.median(r[s][1] for r in rs))
                       for s in range(args.steps)] for name, rs in runs.items()}
-        print(f"\n{'step':>4}  " + "  ".join(f"{n:>26}" for n in med))
-        for s in range(args.steps):
-            print(f"{s + 1:>4}  " + "  ".join(f"{med[n][s][0]:>8.3f} s {med[n][s][1] / MiB:>9.1f} MiB"
-                                              for n in med))
+        print()
+        print(text_table(["step", *med], [[s + 1, *(f"{med[n][s][0]:.3f} s {med[n][s][1] / MiB:9.1f} MiB" for n in med)]
+                                          for s in range(args.steps)], indent=0))
         full_t = statistics.median(t for r in runs["hp full"] for t, _ in r)  # every full save, all reps
         full_b = med["hp full"][1][1]
         later = med["hp incremental"][1:]

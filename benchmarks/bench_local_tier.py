@@ -41,7 +41,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -59,6 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import cpu_seconds, median_of_slowest, percentile, slowest, write_json  # noqa: E402
 
 # ----------------------------------------------------------------------------- the job
 
@@ -122,14 +122,6 @@ def differing(a: dict, b: dict) -> list[str]:
         elif x != y:
             bad.append(k)
     return bad
-
-
-def cpu_seconds() -> float:
-    """CPU time of this process (every thread) so far."""
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def local_bytes(state) -> int:
@@ -307,15 +299,6 @@ def launch(phase: str, args: argparse.Namespace) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 
 
-def slowest(per_rank: list[list[float]]) -> list[float]:
-    return [max(vals) for vals in zip(*per_rank, strict=True)]
-
-
-def pct(values: list[float], q: float) -> float:
-    vals = sorted(values)
-    return vals[min(len(vals) - 1, int(round(q * (len(vals) - 1))))]
-
-
 def start_s3() -> tuple[object, str, dict]:
     """An S3-compatible server on loopback (moto, as the tests use) and a fresh bucket."""
     import uuid
@@ -335,10 +318,6 @@ def start_s3() -> tuple[object, str, dict]:
     options = {"key": "testing", "secret": "testing",
                "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
     return server, f"s3://{bucket}/run", options
-
-
-def median_of_slowest(results: list[dict], key: str) -> float:
-    return statistics.median(slowest([r[key] for r in results]))
 
 
 def main() -> None:
@@ -394,8 +373,8 @@ def main() -> None:
     lost = [i for i, f in enumerate(recover[-1]["fetched"]) if f]  # the local recoveries after a node loss
     figures = {
         "state_bytes": total, "state_bytes_per_rank": per_rank, "step_s_idle": step_s,
-        "blocking_median_s": statistics.median(blocking), "blocking_p90_s": pct(blocking, 0.9),
-        **{f"{k}_median_s": median_of_slowest(train, k)
+        "blocking_median_s": statistics.median(blocking), "blocking_p90_s": percentile(blocking, 0.9),
+        **{f"{k}_median_s": median_of_slowest([r[k] for r in train])
            for k in ("waited", "state_dict", "snapshot", "write", "replicate", "cpu")},
         "throughput_kept": kept, "throughput_kept_sum": kept_sum, "cpu_kept": cpu_kept,
         "idle_blocks_s": idle, "save_blocks_s": busy,
@@ -407,7 +386,7 @@ def main() -> None:
     for kind in ["local", "restart", *args.durables]:
         figures[f"recovery_{kind}_s"] = slowest([r[kind] for r in recover])
         figures[f"recovery_{kind}_median_s"] = statistics.median(figures[f"recovery_{kind}_s"])
-        figures[f"start_{kind}_median_s"] = median_of_slowest(recover, f"{kind}_open")
+        figures[f"start_{kind}_median_s"] = median_of_slowest([r[f"{kind}_open"] for r in recover])
     speedups = {k: figures[f"recovery_{k}_median_s"] / figures["recovery_local_median_s"] for k in args.durables}
     figures["speedups"] = speedups
 
@@ -455,9 +434,7 @@ def main() -> None:
         print("WRONG LOADS:", wrong)
     print(f"(wall time {elapsed:.0f} s; load average before: {args.load_before})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "durables"}, "figures": figures}, f,
-                      indent=1, default=str)
+        write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "durables"}, "figures": figures})
     if wrong or sources != {"local"}:
         sys.exit(1)
 

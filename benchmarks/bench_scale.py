@@ -50,6 +50,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [os.environ.get(
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks import dcp_planning  # noqa: E402
+from benchmarks.common import Timer, target_line, write_json  # noqa: E402
 from benchmarks.dcp_common import (  # noqa: E402
     MiB,
     TensorSpec,
@@ -71,37 +72,6 @@ PLAN_TARGET = (8192, 1000)
 
 def _specs(tensors: int, rows: int, cols: int) -> list[TensorSpec]:
     return [TensorSpec(f"model.layers.{i}.weight", (rows, cols), "bfloat16", i) for i in range(tensors)]
-
-
-class _Timed:
-    """Times a block; with ``HP_BENCH_PROFILE=<file>`` in the environment, also profiles it
-    with cProfile (the calling thread: here planning and metadata parsing, which run there)
-    and writes the top functions by cumulative and by own time to that file."""
-
-    def __enter__(self) -> _Timed:
-        self.path = os.environ.get("HP_BENCH_PROFILE")
-        self.prof = None
-        if self.path:
-            import cProfile
-
-            self.prof = cProfile.Profile()
-            self.prof.enable()
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.perf_counter() - self.t0
-        if self.prof is not None:
-            import io
-            import pstats
-
-            self.prof.disable()
-            text = io.StringIO()
-            stats = pstats.Stats(self.prof, stream=text)
-            stats.sort_stats("tottime").print_stats(30)
-            stats.sort_stats("cumulative").print_stats(30)
-            with open(self.path, "w") as f:
-                f.write(text.getvalue())
 
 
 def _vmhwm() -> int:
@@ -134,7 +104,7 @@ def worker_transform(src: str, dst: str, ranks: int) -> dict:
 
     base = _base()
     strategy = {"*": Layout((ranks,), ("dp",))("dp", "None")}
-    with _Timed() as t:
+    with Timer(profile=os.environ.get("HP_BENCH_PROFILE")) as t:
         offline_transform(src, dst, dst_layout=strategy)
     return {"wall_s": t.seconds, "vmhwm": _vmhwm(), "rss_base": base}
 
@@ -149,7 +119,7 @@ def worker_load_one(path: str, tensors: int, rows: int, cols: int) -> dict:
     target = {spec.name: torch.zeros(spec.shape, dtype=torch.bfloat16)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # strict=False warns about the other keys
-        with _Timed() as t:
+        with Timer(profile=os.environ.get("HP_BENCH_PROFILE")) as t:
             load(target, path, strict=False)
     return {"wall_s": t.seconds, "vmhwm": _vmhwm(), "rss_base": base,
             "exact": check_box(target[spec.name], spec, (0, 0)), "key": spec.name}
@@ -173,7 +143,7 @@ def worker_load_rank(path: str, ranks: int, tensors: int, rows: int, cols: int) 
     sd = {s.name: DTensor.from_local(torch.zeros((n, cols), dtype=torch.bfloat16), mesh, [Shard(0)],
                                      run_check=False, shape=torch.Size(s.shape), stride=(cols, 1))
           for s in specs}
-    with _Timed() as t:
+    with Timer(profile=os.environ.get("HP_BENCH_PROFILE")) as t:
         load(sd, path, no_dist=True)
     wall = t.seconds
     exact = all(check_box(sd[s.name]._local_tensor, s, (off, 0)) for s in specs)
@@ -437,9 +407,7 @@ def markdown(doc: dict) -> str:
 
 def targets_text(doc: dict) -> str:
     lines = ["Targets (issue 12):"]
-    for t in doc["targets"]:
-        mark = {True: "met    ", False: "NOT met", None: "n/a    "}[t["met"]]
-        lines.append(f"  [{mark}] {t['target']}: {t['detail']}")
+    lines += [target_line(t) for t in doc["targets"]]
     return "\n".join(lines)
 
 
@@ -555,8 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(doc)
     with open(os.path.join(a.out, "scale.md"), "w") as f:
         f.write(md)
-    with open(os.path.join(a.out, "scale.json"), "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+    write_json(os.path.join(a.out, "scale.json"), doc)
     print(md)
     print(targets_text(doc))
     print(f"\n[bench] {doc['elapsed_s']:.0f} s; results in {a.out}/scale.{{md,json}}")

@@ -19,6 +19,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -26,13 +27,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import table_head, table_row, time_reps  # noqa: E402
 
 
 def rank_main(rank: int, ws: int, store: str, where: str, layers: int, size: int, reps: int) -> None:
-    sys.path.insert(0, ROOT)
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as tdcp
@@ -62,17 +65,17 @@ def rank_main(rank: int, ws: int, store: str, where: str, layers: int, size: int
         "ours": (lambda p: save(source, p, sync_files=False), lambda p: load(target, p)),
         "torch DCP": (lambda p: tdcp.save(source, checkpoint_id=p), lambda p: tdcp.load(target, checkpoint_id=p)),
     }
+    def slowest_rank(seconds: float) -> float:
+        mine = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return mine.item()
+
     times: dict[str, list[float]] = {}
     for lib, (do_save, do_load) in ops.items():
         path = os.path.join(where, lib.replace(" ", "_"))
         for kind, fn in (("save", do_save), ("load", do_load)):
-            for _ in range(reps):
-                dist.barrier()
-                t = time.perf_counter()
-                fn(path)
-                mine = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-                dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-                times.setdefault(f"{lib}|{kind}", []).append(mine.item())
+            times[f"{lib}|{kind}"] = time_reps(functools.partial(fn, path), reps, before=dist.barrier,
+                                               reduce=slowest_rank)
         ok = all(torch.equal(target[k].to_local(), source[k].to_local()) for k in source)
         for t in target.values():
             t.to_local().zero_()
@@ -112,11 +115,12 @@ def main() -> None:
     n = 28 if a.layers == 2 else 12 * a.layers + 4
     print(f"{a.size_mib} MiB global in {n} tensors, {a.ranks} ranks, {a.reps} reps, in {a.dir} (warm); "
           "seconds of the slowest rank: best / median")
-    print("| operation | ours | torch DCP | torch / ours (median) |\n|---|---|---|---|")
+    print("\n".join(table_head("operation", "ours", "torch DCP", "torch / ours (median)")))
     for kind in ("save", "load"):
         ours, tor = times[f"ours|{kind}"], times[f"torch DCP|{kind}"]
-        print(f"| {kind} | {min(ours):.3f} / {statistics.median(ours):.3f} | {min(tor):.3f} / "
-              f"{statistics.median(tor):.3f} | {statistics.median(tor) / statistics.median(ours):.2f}x |")
+        print(table_row(kind, f"{min(ours):.3f} / {statistics.median(ours):.3f}",
+                        f"{min(tor):.3f} / {statistics.median(tor):.3f}",
+                        f"{statistics.median(tor) / statistics.median(ours):.2f}x"))
     print(f"values correct: ours {bool(times['ours|correct'][0])}, torch DCP {bool(times['torch DCP|correct'][0])}")
 
 

@@ -12,8 +12,6 @@ import ctypes
 import mmap
 import os
 import re
-import resource
-import statistics
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -260,12 +258,6 @@ def io_counters() -> dict[str, int]:
     return out
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process so far (every thread)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def rss_status() -> dict[str, int]:
     """VmRSS / VmHWM of this process, in bytes."""
     out = {}
@@ -293,11 +285,3 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * KiB
     return 0
-
-
-def summary(values: list[float]) -> dict[str, float | list[float]]:
-    """Median and spread (min–max) of repeated measurements."""
-    vals = [float(v) for v in values]
-    if not vals:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "values": []}
-    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "values": vals}

@@ -49,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import Timer  # noqa: E402
 from benchmarks.dcp_common import chunk_box, mem_available, reset_peak_rss, rss_status  # noqa: E402
 
 TIMED = ("local_plan_s", "exchange_decode_s", "global_plan_s", "build_metadata_s", "to_json_s", "from_json_s",
@@ -126,61 +127,61 @@ def simulate(kind: str, ranks: int, tensors: int, hidden: int = 8192, tp: int = 
 
     rank = ranks // 2
     dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
-    t_setup = time.perf_counter()
-    sd, boxes = _state(kind, ranks, tensors, rank, hidden, tp)
-    keys = list(sd)
-    ad.rank_save_plan({keys[0]: sd[keys[0]]})  # warm-up: torch's lazy imports and caches, not scale
-    setup_s = time.perf_counter() - t_setup
+    with Timer() as setup:
+        sd, boxes = _state(kind, ranks, tensors, rank, hidden, tp)
+        keys = list(sd)
+        ad.rank_save_plan({keys[0]: sd[keys[0]]})  # warm-up: torch's lazy imports and caches, not scale
+    setup_s = setup.wall_s
     gc.collect()
     start_rss = rss_status().get("VmRSS", 0)
     t_point = time.perf_counter()
     out: dict = {"kind": kind, "ranks": ranks, "tensors": tensors, "chunks": ranks * tensors, "rank": rank,
                  "setup_s": setup_s, "extrapolated": False}
 
-    t = time.perf_counter()
-    local = ad.rank_save_plan(sd)
-    out["local_plan_s"] = time.perf_counter() - t
+    with Timer() as t:
+        local = ad.rank_save_plan(sd)
+    out["local_plan_s"] = t.wall_s
 
-    t = time.perf_counter()
-    plans = ad.all_rank_plans(local, ranks, lambda r: ((k, boxes[k][r]) for k in keys))
-    out["local_plans_sim_s"] = time.perf_counter() - t
+    with Timer() as t:
+        plans = ad.all_rank_plans(local, ranks, lambda r: ((k, boxes[k][r]) for k in keys))
+    out["local_plans_sim_s"] = t.wall_s
     picked = plans[:: max(1, ranks // sample)]
     blobs = ad.encode_exchange(picked)
-    t = time.perf_counter()
-    ad.decode_exchange(blobs)
-    out["exchange_decode_s"] = (time.perf_counter() - t) * ranks / len(picked)
+    with Timer() as t:
+        ad.decode_exchange(blobs)
+    out["exchange_decode_s"] = t.wall_s * ranks / len(picked)
     out["plan_exchange_bytes"] = sum(map(len, blobs)) * ranks // len(picked)
     del blobs, picked
 
-    t = time.perf_counter()
-    global_plans = ad.global_save_plan(plans)
-    out["global_plan_s"] = time.perf_counter() - t
+    with Timer() as t:
+        global_plans = ad.global_save_plan(plans)
+    out["global_plan_s"] = t.wall_s
     del plans
     gc.collect()
 
     results = ad.simulated_writes(global_plans)
-    t = time.perf_counter()
-    meta = ad.build_metadata(global_plans, results, ranks)
-    out["build_metadata_s"] = time.perf_counter() - t
+    with Timer() as t:
+        meta = ad.build_metadata(global_plans, results, ranks)
+    out["build_metadata_s"] = t.wall_s
     del results, global_plans
     gc.collect()
 
-    t = time.perf_counter()
-    raw = ad.serialise_metadata(meta)
-    out["to_json_s"] = time.perf_counter() - t
+    with Timer() as t:
+        raw = ad.serialise_metadata(meta)
+    out["to_json_s"] = t.wall_s
     out["metadata_bytes"] = len(raw)
     del meta
     gc.collect()
 
-    t = time.perf_counter()
-    meta = ad.parse_metadata(raw)
-    out["from_json_s"] = time.perf_counter() - t
+    with Timer() as t:
+        meta = ad.parse_metadata(raw)
+    out["from_json_s"] = t.wall_s
     del raw
     gc.collect()
 
-    t = time.perf_counter()
-    out["load_reads"] = ad.rank_load_plan(sd, meta, rank)
-    out["load_plan_s"] = time.perf_counter() - t
+    with Timer() as t:
+        out["load_reads"] = ad.rank_load_plan(sd, meta, rank)
+    out["load_plan_s"] = t.wall_s
     out["point_wall_s"] = time.perf_counter() - t_point
     out["total_s"] = sum(out[k] for k in ("local_plan_s", "exchange_decode_s", "global_plan_s",
                                           "build_metadata_s", "to_json_s"))
@@ -240,16 +241,16 @@ def run_point(kind: str, ranks: int, tensors: int, timeout_s: float, fresh_proce
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
+        with Timer() as t:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"{kind} {ranks} x {tensors}: killed after {timeout_s:.0f} s"}
     if proc.returncode:
         tail = proc.stderr.strip().splitlines()[-3:]
         return {"error": f"{kind} {ranks} x {tensors}: exit {proc.returncode}: {' | '.join(tail)}"}
     out = json.loads(proc.stdout)
-    out["process_wall_s"] = time.perf_counter() - t
+    out["process_wall_s"] = t.wall_s
     return out
 
 

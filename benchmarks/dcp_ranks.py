@@ -26,11 +26,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from benchmarks.common import cpu_seconds
 from benchmarks.dcp_common import (
     MiB,
     TensorSpec,
     check_box,
-    cpu_seconds,
     drop_page_cache,
     io_counters,
     make_box,

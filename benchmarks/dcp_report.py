@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks.dcp_common import GiB, MiB, human_bytes, summary
+from benchmarks.common import summary, table_head, target_line
+from benchmarks.dcp_common import GiB, MiB, human_bytes
 
 # scenario -> (title, raw-limit key it is compared with)
 LOADS = {
@@ -460,8 +461,8 @@ def markdown(doc: dict) -> str:
              "ours = the reader's `bytes_read`; syscall = `rchar` of the ranks (torch's reads show here); "
              "storage = `read_bytes` fetched from the device.")
     L.append("")
-    L.append("| load | variant | needed | ours bytes_read | syscall | storage | read / needed | values correct |")
-    L.append("|---|---|---|---|---|---|---|---|")
+    L += table_head("load", "variant", "needed", "ours bytes_read", "syscall", "storage", "read / needed",
+                    "values correct")
     for key in LOADS:
         e = sc[key]
         for variant, b in e.get("bytes", {}).items():
@@ -517,8 +518,7 @@ def markdown(doc: dict) -> str:
                  f"{_cell(h['save']['variants'].get('ours', {}).get('seconds'), 3)} s, torch DCP "
                  f"{_cell(h['save']['variants'].get('torch', {}).get('seconds'), 3)} s.")
         L.append("")
-        L.append("| library | rank | ours bytes_read | syscall | storage |")
-        L.append("|---|---|---|---|---|")
+        L += table_head("library", "rank", "ours bytes_read", "syscall", "storage")
         for lib, e in h.get("reads", {}).items():
             for row in e["per_rank"]:
                 asked = human_bytes(row["reader_bytes_read"] or 0) if lib != "torch" else "–"
@@ -533,8 +533,7 @@ def markdown(doc: dict) -> str:
     L.append(f"## Raw limits of this machine ({cfg['world_size']} processes in parallel, one file each, "
              f"{cfg['io_chunk_mib']:g} MiB per call)")
     L.append("")
-    L.append("| limit | GiB/s (all ranks) | seconds | CPU s/GiB |")
-    L.append("|---|---|---|---|")
+    L += table_head("limit", "GiB/s (all ranks)", "seconds", "CPU s/GiB")
     for key, title in LIMITS.items():
         e = res["limits"].get(key)
         if e:
@@ -544,8 +543,7 @@ def markdown(doc: dict) -> str:
     if ref["variants"]:
         L.append("## Single-process references (the whole state from one process)")
         L.append("")
-        L.append("| reference | GiB/s | seconds | CPU s/GiB |")
-        L.append("|---|---|---|---|")
+        L += table_head("reference", "GiB/s", "seconds", "CPU s/GiB")
         for _, e in ref["variants"].items():
             L.append(f"| {e['title']} | {_cell(e['GiBps'])} | {_cell(e['seconds'], 3)} | {_med(e)} |")
         L.append("")
@@ -648,8 +646,7 @@ def markdown(doc: dict) -> str:
             L.append("")
             L.append("threads: " + ", ".join(f"{t} {share:.0%}" for t, share in prof["threads"]))
             L.append("")
-            L.append("| innermost frame (self) | share | library frame (inclusive) | share |")
-            L.append("|---|---|---|---|")
+            L += table_head("innermost frame (self)", "share", "library frame (inclusive)", "share")
             rows = max(len(prof["self"][:12]), len(prof["inclusive"][:12]))
             for i in range(rows):
                 a = prof["self"][i] if i < len(prof["self"]) else ("", None)
@@ -675,9 +672,7 @@ def targets_text(doc: dict) -> str:
         group = [t for t in doc["targets"] if t.get("issue") == tag]
         if group:
             lines.append(f" {title}")
-        for t in group:
-            mark = {True: "met    ", False: "NOT met", None: "n/a    "}[t["met"]]
-            lines.append(f"  [{mark}] {t['target']}: {t['detail']}")
+        lines += [target_line(t) for t in group]
     return "\n".join(lines)
 
 

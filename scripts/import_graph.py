@@ -31,8 +31,7 @@ PICTURE = ROOT / "docs" / "layers.md"
 LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "limits", "box", "dtypes", "sizes", "atomic_file", "protowire", "priority", "coordination"]},
     {"state": ["flatten", "topology_mapper", "train_state"]},
-    {"sharding": ["placements", "layout", "tensor_layout", "strategy", "grid", "records", "mindspore_strategy",
-                  "layout_files"]},
+    {"sharding": ["placements", "grid", "layout", "strategy", "records", "mindspore_strategy", "layout_files"]},
     {"format": ["values", "metadata", "chunks", "safetensors", "data_file"]},
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "fsspec", "resolve"],
      "planning": ["planner", "plan_cache", "staged_bands", "standard_planner"]},

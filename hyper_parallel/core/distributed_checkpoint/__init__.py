@@ -40,7 +40,9 @@ from .offline_transform import (
 )
 from .planning.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
-from .sharding.layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
+from .sharding.layout import Layout, TensorLayout
+from .sharding.layout_files import load_layout, save_layout
+from .sharding.strategy import LayoutStrategy, get_current_layout
 from .staging.checkpointer import (
     AsyncCheckpointer,
     AsyncSaveError,

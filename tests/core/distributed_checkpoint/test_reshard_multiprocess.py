@@ -93,7 +93,7 @@ def rank_save_tp8(rank: int, ws: int, path: str) -> None:
 
 
 def rules_match(rules: dict, key: str) -> TensorLayout:
-    from hyper_parallel.core.distributed_checkpoint.sharding.layout import match_layout
+    from hyper_parallel.core.distributed_checkpoint.sharding.strategy import match_layout
 
     return match_layout(rules, key)
 

@@ -36,7 +36,7 @@ from ..base.errors import CorruptCheckpointError, StateDictMismatchError, Unsupp
 from ..format import metadata as md
 from ..format.chunks import overlapping
 from ..sharding.grid import Grid, parse_placement, shared_grid
-from ..sharding.layout import placement_to_name
+from ..sharding.placements import placement_to_name
 from ..state.flatten import renamed_path
 from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
 from .plan_cache import PLAN_CACHE, CachedSaveResult, PlanCache

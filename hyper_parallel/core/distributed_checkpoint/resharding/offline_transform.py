@@ -45,7 +45,9 @@ from ..format.chunks import largest_chunk_bytes
 from ..interop.huggingface import check_safetensors_file
 from ..planning.planner import EntrySpec, SavePlan, WriteItem
 from ..planning.standard_planner import bytes_tensor, numpy_tensor
-from ..sharding.layout import Layout, LayoutStrategy, TensorLayout, load_layout
+from ..sharding.layout import Layout, TensorLayout
+from ..sharding.layout_files import load_layout
+from ..sharding.strategy import LayoutStrategy
 from ..state.flatten import path_from_parts
 from ..state.topology_mapper import MapperLike
 from ..transfer.loader import read_box

@@ -53,7 +53,9 @@ from ..format.chunks import all_chunks, covered
 from ..format.data_file import tensor_bytes
 from ..planning.planner import EntrySpec, SavePlan, WriteItem
 from ..sharding.grid import Grid
-from ..sharding.layout import Layout, TensorLayout, match_layout, placement_to_name
+from ..sharding.layout import Layout, TensorLayout
+from ..sharding.placements import placement_to_name
+from ..sharding.strategy import match_layout
 from ..state.flatten import renamed_path
 from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
 from ..transfer.loader import check_files_hold, read_box

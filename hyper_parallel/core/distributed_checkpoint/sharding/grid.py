@@ -26,24 +26,26 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from ..base.box import Box
+from .placements import split_placement_name
 
 _R, _S, _SS = "R", "S", "SS"
 
 
 def parse_placement(name: str, ndim: int) -> tuple:
     """``"R"`` -> ("R",); ``"S(d)"`` -> ("S", d); ``"_S(d,k)"`` -> ("SS", d, k); dims made non-negative."""
-    if name == "R":
+    parts = split_placement_name(name)
+    if parts is None or parts[0] == "P":
+        raise ValueError(f"placement {name!r} is not one of 'R', 'S(d)', '_S(d,k)'")
+    if parts[0] == _R:
         return (_R,)
-    if name.startswith("S(") and name.endswith(")"):
-        return (_S, int(name[2:-1]) % ndim)
-    if name.startswith("_S(") and name.endswith(")"):
-        d, k = name[3:-1].split(",")
-        return (_SS, int(d) % ndim, int(k))
-    raise ValueError(f"placement {name!r} is not one of 'R', 'S(d)', '_S(d,k)'")
+    return (parts[0], parts[1] % ndim) + parts[2:]
 
 
-def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
-    """``torch.chunk``'s piece ``index`` of ``length`` in ``parts``: (start, size)."""
+def chunk_piece(length: int, parts: int, index: int) -> tuple[int, int]:
+    """``torch.chunk``'s piece ``index`` of ``length`` in ``parts``: (start, size).
+
+    An empty piece past the end starts at ``length`` (as torch reports an empty shard).
+    """
     full = -(-length // parts) if length else 0
     lo = min(length, full * index)
     return lo, max(0, min(length, lo + full) - lo)
@@ -52,7 +54,7 @@ def _chunk(length: int, parts: int, index: int) -> tuple[int, int]:
 def band_columns(cols: int, tiles: int) -> list[tuple[int, int]]:
     """(start, size) of each column band of a box ``cols`` wide, as :meth:`Grid.sub_box` cuts
     it (torch.chunk's pieces, empty ones included)."""
-    return [_chunk(cols, tiles, k) for k in range(tiles)]
+    return [chunk_piece(cols, tiles, k) for k in range(tiles)]
 
 
 def _select(intervals: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -83,15 +85,13 @@ def dim_intervals(length: int, steps: tuple[tuple, ...]) -> tuple[tuple[int, int
             logical = sum(s for _, s in ivs)
             for c in range(parts):
                 if kind == _S:
-                    lo, size = _chunk(logical, parts, c)
+                    lo, size = chunk_piece(logical, parts, c)
                     nxt.append(_select(ivs, lo, lo + size))
                     continue
                 picked: list[tuple[int, int]] = []
-                piece = -(-logical // split) if logical else 0
                 for j in range(split):  # split into `split` pieces, take chunk c of each
-                    p0 = min(logical, piece * j)
-                    plen = max(0, min(logical, p0 + piece) - p0)
-                    lo, size = _chunk(plen, parts, c)
+                    p0, plen = chunk_piece(logical, split, j)
+                    lo, size = chunk_piece(plen, parts, c)
                     picked.extend(_select(ivs, p0 + lo, p0 + lo + size))
                 nxt.append(picked)
         states = nxt
@@ -208,7 +208,7 @@ class Grid:
         box = self.box(sub // self.tiles)
         if self.tiles == 1:
             return box
-        lo, size = _chunk(box.sizes[1], self.tiles, sub % self.tiles)
+        lo, size = chunk_piece(box.sizes[1], self.tiles, sub % self.tiles)
         return Box(box.offsets[:1] + (box.offsets[1] + lo,) + box.offsets[2:],
                    box.sizes[:1] + (size,) + box.sizes[2:])
 

@@ -22,93 +22,33 @@ mesh order (``("dp", "tp")``) is ``[Shard(0), Shard(0)]``; the reverse order
 same box torch's DTensor gives its local shard — uneven sizes split like ``torch.chunk``,
 an empty shard has size 0 and offset equal to the dim's size.
 
-A *strategy* maps parameter names — exact names or glob patterns such as ``"*.wq.weight"``,
-the first match wins — to tensor layouts; :func:`save_layout` / :func:`load_layout` store
-it as JSON and :func:`get_current_layout` captures the one a model's DTensors have now.
+The two types live together: a mesh called with entries makes a tensor layout, and a tensor
+layout is a mesh plus splits. Not here: strategies (``strategy.py``), layout files
+(``layout_files.py``), placement names (``placements.py``).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import json
 import math
-import os
-import re
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..base.atomic_file import write_atomically
 from ..base.box import Box
-from ..format.metadata import MAX_WORLD
-from ..state.flatten import flatten
+from ..base.limits import MAX_WORLD
+from .grid import chunk_piece
+from .placements import StridedShard as _StridedShard
+from .placements import is_placement, is_strided, placement_from_name, placement_to_name
 
-try:  # torch >= 2.5
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - older torch has no strided shards
-    _StridedShard = None
-
-__all__ = [
-    "Layout",
-    "TensorLayout",
-    "LayoutStrategy",
-    "save_layout",
-    "load_layout",
-    "get_current_layout",
-    "match_layout",
-    "placement_from_name",
-    "placement_to_name",
-]
+__all__ = ["Layout", "TensorLayout"]
 
 NONE = "None"
-LAYOUT_FORMAT = "hyper-parallel-layout"
-LAYOUT_VERSION = 1
 
 Entry = str | tuple[str, ...]
-
-
-# ---------------------------------------------------------------------------- placements
-
-
-_PLACEMENT = re.compile(r"^\s*(?:(R)|S\((-?\d+)\)|_S\((-?\d+),\s*(\d+)\)|P\((\w*)\))\s*$")
-
-
-def placement_to_name(p: Any) -> str:
-    """The short name of a placement, as checkpoint metadata records it: ``S(0)``, ``R``, ``_S(0,2)``."""
-    if _StridedShard is not None and isinstance(p, _StridedShard):
-        return f"_S({p.dim},{p.split_factor})"
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Partial):
-        return f"P({getattr(p, 'reduce_op', 'sum')})"
-    raise ValueError(f"unknown placement {p!r}; expected Shard, Replicate or _StridedShard")
-
-
-def placement_from_name(name: str) -> Any:
-    """Parse ``S(0)``, ``R``, ``_S(0,2)`` back into a torch placement.
-
-    Raises:
-        ValueError: the name is not one of those (``P(...)`` — a Partial — is refused: a
-            checkpoint never holds partial values).
-    """
-    m = _PLACEMENT.match(name) if isinstance(name, str) else None
-    if m is None:
-        raise ValueError(f"placement {name!r} is not one of 'R', 'S(<dim>)', '_S(<dim>,<split_factor>)'")
-    if m.group(1):
-        return Replicate()
-    if m.group(2) is not None:
-        return Shard(int(m.group(2)))
-    if m.group(3) is not None:
-        if _StridedShard is None:  # pragma: no cover
-            raise ValueError(f"placement {name!r} needs a torch with _StridedShard")
-        return _StridedShard(int(m.group(3)), split_factor=int(m.group(4)))
-    raise ValueError(f"placement {name!r} is Partial: its values are not the tensor's; reduce it first")
-
 
 # ---------------------------------------------------------------------------- device layout
 
@@ -224,9 +164,9 @@ class Layout:
             ValueError: an unknown name, a mesh dim used twice, or placements of the wrong count.
         """
         if len(entries) == 1 and isinstance(entries[0], list) and entries[0] and all(
-                _is_placement(p) for p in entries[0]):
+                is_placement(p) for p in entries[0]):
             return TensorLayout.from_placements(self, entries[0], ndim=ndim)
-        if entries and all(_is_placement(p) for p in entries):
+        if entries and all(is_placement(p) for p in entries):
             return TensorLayout.from_placements(self, list(entries), ndim=ndim)
         if ndim is not None and ndim != len(entries):
             raise ValueError(f"{len(entries)} alias entries given for ndim={ndim}")
@@ -317,9 +257,6 @@ class Layout:
         ranks = "" if isinstance(self.rank_list, range) else f", rank_list={list(self.rank_list)}"
         return f"Layout({self.mesh_shape}, {self.alias_name}{ranks})"
 
-
-def _is_placement(p: Any) -> bool:
-    return isinstance(p, (Shard, Replicate, Partial)) or (_StridedShard is not None and isinstance(p, _StridedShard))
 
 
 # ---------------------------------------------------------------------------- tensor layout
@@ -454,7 +391,7 @@ class TensorLayout:
                                  "reduce it to Replicate first")
             if isinstance(p, Replicate):
                 continue
-            strided = _StridedShard is not None and isinstance(p, _StridedShard)
+            strided = is_strided(p)
             if not (strided or isinstance(p, Shard)):
                 raise ValueError(f"unknown placement {p!r} on mesh dim {m}")
             d = p.dim
@@ -523,12 +460,8 @@ class TensorLayout:
             d %= n
             start, size = 0, shape[d]
             for m in ms:  # torch.chunk, applied outermost first (mesh order for Shard)
-                k = self.layout.mesh_shape[m]
-                full = size // k if size % k == 0 else -(-size // k)
-                lo = full * coord[m]
-                local = max(0, min(size, lo + full) - lo)
-                start += min(size, lo)
-                size = local
+                lo, size = chunk_piece(size, self.layout.mesh_shape[m], coord[m])
+                start += lo
             offsets[d], sizes[d] = (start, size) if size else (shape[d], 0)
         return Box(tuple(offsets), tuple(sizes))
 
@@ -662,170 +595,3 @@ def _torch_box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple
 
     sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
     return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
-
-
-# ---------------------------------------------------------------------------- strategies
-
-
-class LayoutStrategy(dict):
-    """Parameter names (exact or glob patterns) -> :class:`TensorLayout`; the first match wins.
-
-    Example::
-
-        mesh = Layout((4,), ("tp",))
-        strategy = LayoutStrategy({"*.wq.weight": mesh("tp", "None"), "*.wo.weight": mesh("None", "tp")})
-        strategy.match("layers.0.wq.weight")   # mesh("tp", "None")
-    """
-
-    def match(self, name: str) -> TensorLayout | None:
-        """The layout of the first key equal to, or glob-matching, ``name``; None if none does."""
-        return match_layout(self, name)
-
-
-def match_layout(strategy: Mapping[str, Any], name: str) -> Any:
-    """The value of the first key of ``strategy`` equal to or glob-matching ``name`` (else None)."""
-    for pattern, value in strategy.items():
-        if pattern == name or fnmatch.fnmatchcase(name, pattern):
-            return value
-    return None
-
-
-def save_layout(strategy: Mapping[str, TensorLayout], file: str | os.PathLike | IO[str], *,
-                format: str = "hyper-parallel") -> None:
-    """Write a strategy as JSON (meshes listed once, rules in match order).
-
-    Args:
-        strategy: ``{name or glob pattern: TensorLayout}``; order is match order.
-        file: a path (written atomically: temporary file, then rename) or a text file object.
-        format: ``"hyper-parallel"`` (this JSON), ``"mindspore"`` (a MindSpore strategy file,
-            protobuf, as ``mindspore.transform_checkpoints`` reads) or ``"mindspore-json"``
-            (its JSON form). MindSpore's forms need a path, exact parameter names (no globs)
-            and meshes in rank order.
-
-    Raises:
-        TypeError: a value is not a :class:`TensorLayout`.
-        ValueError: an unknown format, or a strategy a MindSpore file cannot hold.
-
-    Example::
-
-        save_layout({"*.weight": Layout((4,), ("tp",))("tp", "None")}, "tp4.json")
-        save_layout({"fc.weight": Layout((2,), ("tp",))("tp", "None")}, "strategy.ckpt", format="mindspore")
-    """
-    if format in ("mindspore", "mindspore-json"):
-        from .mindspore_strategy import write_strategy
-
-        if hasattr(file, "write"):
-            raise ValueError("a MindSpore strategy is written to a path, not a file object")
-        write_strategy(strategy, file, as_json=format == "mindspore-json")  # type: ignore[arg-type]
-        return
-    if format != "hyper-parallel":
-        raise ValueError(f"format must be 'hyper-parallel', 'mindspore' or 'mindspore-json', found {format!r}")
-    meshes: list[Layout] = []
-    rules = []
-    for name, tl in strategy.items():
-        if not isinstance(tl, TensorLayout):
-            raise TypeError(f"strategy[{name!r}] is a {type(tl).__name__}, expected a TensorLayout")
-        if tl.layout not in meshes:
-            meshes.append(tl.layout)
-        rule: dict[str, Any] = {"name": name, "mesh": meshes.index(tl.layout)}
-        d = tl.to_dict()
-        for k in ("tensor_map", "placements"):
-            if k in d:
-                rule[k] = d[k]
-        rules.append(rule)
-    doc = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION,
-           "meshes": [m.to_dict() for m in meshes], "layouts": rules}
-    text = json.dumps(doc, indent=1)
-    if hasattr(file, "write"):
-        file.write(text)
-        return
-    write_atomically(file, text)
-
-
-def load_layout(file: str | os.PathLike | IO[str] | IO[bytes]) -> LayoutStrategy:
-    """Read a strategy written by :func:`save_layout`, or a MindSpore strategy file.
-
-    The kind is told by content: our JSON (``"format": "hyper-parallel-layout"``), or the
-    strategy file a MindSpore job saves (protobuf ``ParallelStrategyMap``, or its JSON form
-    with ``parallel_layout_item``), whose parameters come back by exact name on meshes with
-    dims ``dim0``, ``dim1``, ... (see ``mindspore_strategy.py``).
-
-    Raises:
-        ValueError: the file is none of those, of a newer version, or malformed (the
-            message names the file and the rule).
-
-    Example::
-
-        strategy = load_layout("tp4.json")
-        strategy.match("layers.3.wq.weight")
-        load_layout("strategy.ckpt")          # a MindSpore job's strategy file
-    """
-    if hasattr(file, "read"):
-        where, raw = str(getattr(file, "name", "<stream>")), file.read()
-    else:
-        where = os.fspath(file)
-        with open(where, "rb") as f:
-            raw = f.read()
-    data = raw.encode() if isinstance(raw, str) else raw
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        doc = None
-        json_error = exc if isinstance(exc, ValueError) else "nested too deep"
-    if doc is None or (isinstance(doc, dict) and "parallel_layout_item" in doc):
-        from .mindspore_strategy import NotAStrategyError, parse_strategy, strategy_to_layouts
-
-        try:
-            layouts = parse_strategy(data, where)
-        except NotAStrategyError as ms_exc:  # a strategy with a bad layout says so itself
-            if doc is None:
-                why = str(ms_exc).removeprefix(f"{where}: ")
-                raise ValueError(f"{where}: not a layout file: neither JSON ({json_error}) nor a MindSpore "
-                                 f"strategy ({why})") from None
-            raise
-        return strategy_to_layouts(layouts, where)
-    if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT:
-        raise ValueError(f"{where}: format is {doc.get('format') if isinstance(doc, dict) else None!r}, "
-                         f"expected {LAYOUT_FORMAT!r}")
-    version = doc.get("version")
-    if type(version) is not int or not 1 <= version <= LAYOUT_VERSION:
-        raise ValueError(f"{where}: layout file version {version!r} is not one this hyper-parallel reads "
-                         f"(1..{LAYOUT_VERSION})")
-    try:
-        meshes = [Layout.from_dict(m) for m in doc.get("meshes", [])]
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{where}: bad mesh: {exc}") from None
-    out = LayoutStrategy()
-    for i, rule in enumerate(doc.get("layouts", [])):
-        try:
-            name, mesh = rule["name"], meshes[rule["mesh"]]
-            if "tensor_map" in rule:
-                out[name] = TensorLayout.from_tensor_map(mesh, rule["tensor_map"])
-            else:
-                out[name] = TensorLayout.from_placements(mesh, rule["placements"])
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: layout rule {i} ({rule!r:.120}) is malformed: {exc}") from None
-    return out
-
-
-def get_current_layout(state_dict_or_module: Any) -> LayoutStrategy:
-    """The layout of every DTensor in a state dict or module, by flattened key.
-
-    Keys are the checkpoint's keys (nested dicts joined with dots, as :func:`save` names
-    them); plain tensors and other values are left out.
-
-    Args:
-        state_dict_or_module: a (nested) state dict, or a ``torch.nn.Module`` (its ``state_dict()``).
-
-    Example::
-
-        save_layout(get_current_layout(model), "current.json")
-    """
-    sd = state_dict_or_module
-    if isinstance(sd, torch.nn.Module):
-        sd = sd.state_dict()
-    out = LayoutStrategy()
-    for key, leaf in flatten(sd).leaves.items():
-        if isinstance(leaf.value, DTensor):
-            out[key] = TensorLayout.from_dtensor(leaf.value)
-    return out
