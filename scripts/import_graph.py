@@ -35,7 +35,7 @@ LAYERS: list[dict[str, list[str]]] = [
                   "layout_files"]},
     {"format": ["values", "metadata", "chunks", "safetensors", "data_file"]},
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "fsspec", "resolve"],
-     "planning": ["planner", "plan_cache", "staged_bands", "standard_planner"]},
+     "planning": ["planner", "plan_cache", "staged_bands", "leaves", "global_plan", "standard_planner"]},
     {"transfer": ["host_copy", "streams", "saver", "loader", "shared_reads"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "commit", "streaming_writer",
                 "targets", "checkpoint"]},

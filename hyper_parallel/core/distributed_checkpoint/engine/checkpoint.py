@@ -38,9 +38,9 @@ from ..base.errors import (
     UnsupportedValueError,
 )
 from ..format import metadata as md
-from ..planning.plan_cache import PLAN_CACHE, CachedSaveResult, entry_key, entry_prefix
+from ..planning.plan_cache import PLAN_CACHE, CachedSaveResult, entry_key, entry_prefix, plan_digest
 from ..planning.planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
-from ..planning.standard_planner import StandardPlanner, plan_digest
+from ..planning.standard_planner import StandardPlanner
 from ..state.flatten import FlatStateDict, flatten, unflatten, update_in_place
 from ..transfer.loader import read_plan
 from ..transfer.saver import build_metadata, data_file_names, write_plan

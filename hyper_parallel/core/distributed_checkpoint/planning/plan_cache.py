@@ -51,7 +51,7 @@ from typing import Any
 from ..format.metadata import Metadata
 from .planner import SavePlan
 
-__all__ = ["PLAN_CACHE", "CachedSaveResult", "PlanCache", "entry_key", "entry_prefix"]
+__all__ = ["PLAN_CACHE", "CachedSaveResult", "PlanCache", "entry_key", "entry_prefix", "plan_digest"]
 
 DEFAULT_SIZE = 8
 
@@ -133,3 +133,13 @@ def entry_prefix(scope: Any) -> str:
 def entry_key(scope: Any, fingerprint: str) -> str:
     """The entry key of one scope's plan for one set of local plans."""
     return entry_prefix(scope) + fingerprint
+
+
+def plan_digest(plan: SavePlan) -> str:
+    """A fingerprint of a local plan's structure (keys, kinds, dtypes, shapes, boxes), for a
+    planner without ``structure_digest``; every rank's together make an entry's fingerprint."""
+    h = hashlib.sha256()
+    h.update(repr(sorted(plan.entries.items())).encode())
+    h.update(repr([(i.key, i.box) for i in plan.items]).encode())
+    h.update(repr(plan.objects).encode())
+    return h.hexdigest()
