@@ -4,6 +4,12 @@ Save: flatten -> local plan -> (cached) global plan -> each rank writes its shar
 write results to the coordinator -> coordinator commits ``.metadata``. Load: coordinator
 reads ``.metadata`` -> broadcast -> each rank plans and reads its overlaps. Each phase ends
 in a status exchange, so a failure anywhere fails every rank with the same message.
+
+The steps of the phases live beside this module, in engine/: where and with which ranks
+(:mod:`.scope`), the save's planning exchange (:mod:`.plan_exchange`), the commit
+(:mod:`.commit`), the load target's checks and filling (:mod:`.targets`), the rank-local save
+(:mod:`.rank_local_save`), the metadata read (:mod:`.metadata_reader`); the plan cache's
+hooks are called as :mod:`..planning.plan_cache` describes.
 """
 
 from __future__ import annotations
@@ -133,7 +139,7 @@ def save(
         if user_metadata is not None:
             md.check_user_metadata(user_metadata)  # no collective here: this rank alone
         return save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
-                                thread_count, sync_files, user_metadata)
+                               thread_count, sync_files, user_metadata)
     scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
     process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
     scoped = (scoped and process_group is not None) or (_mesh_scoped and not no_dist)
@@ -165,7 +171,7 @@ def save(
         plain = (plain_digests(planner, local[0], coord.world_size <= PLAIN_DETAIL_RANKS)
                  if coord.world_size > 1 else None)
         return Summary(digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None,
-                        location(where) if where is not None else None, plain)
+                       location(where) if where is not None else None, plain)
 
     summaries = coord.exchange("save (planning)", plan_locally)
     check_one_location([s.place for s in summaries], coord)
