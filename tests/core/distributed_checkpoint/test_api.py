@@ -25,9 +25,9 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint.engine import checkpoint as api_module
 from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.format.metadata import seal_json
+from hyper_parallel.core.distributed_checkpoint.planning.plan_cache import PLAN_CACHE
 
 
 def small_sd() -> dict:
@@ -331,7 +331,7 @@ def test_a_custom_planner_can_rename_and_filter_keys(tmp_path):
 
 
 def test_global_plans_are_cached_while_the_structure_is_unchanged(tmp_path):
-    api_module._PLAN_CACHE.clear()
+    PLAN_CACHE.clear()
     calls = []
 
     class Counting(StandardPlanner):

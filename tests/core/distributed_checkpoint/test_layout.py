@@ -28,7 +28,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     save_layout,
 )
 from hyper_parallel.core.distributed_checkpoint.base.box import Box, uncovered
-from hyper_parallel.core.distributed_checkpoint.planning.standard_planner import layout_record
+from hyper_parallel.core.distributed_checkpoint.sharding.records import layout_record
 
 
 @contextlib.contextmanager

@@ -3,7 +3,9 @@
 A collective save commits ``.metadata``; a rank-local save commits one fragment per rank
 (:mod:`.fragments`), which readers merge into one document. :func:`metadata_bytes` returns
 that document (what a coordinator broadcasts); :func:`read_checkpoint_metadata` parses and
-checks it. ``StorageReader.read_metadata()`` is the storage's own ``.metadata`` bytes only.
+checks it. A rank-local load reads :func:`own_metadata_bytes` instead: ``.metadata`` where
+there is one, else the rank's own fragment alone. ``StorageReader.read_metadata()`` is the
+storage's own ``.metadata`` bytes only.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from ..backends.protocol import StorageReader
 from ..base.errors import NotACheckpointError
 from ..format import metadata as md
-from .fragments import check_not_mixed, failed_ranks, fragment_ranks, merge_fragments, read_fragment
+from .fragments import check_not_mixed, check_own_fragment, failed_ranks, fragment_ranks, merge_fragments, read_fragment
 
 
 def metadata_bytes(reader: StorageReader, where: str = "checkpoint") -> bytes:
@@ -35,6 +37,19 @@ def metadata_bytes(reader: StorageReader, where: str = "checkpoint") -> bytes:
     merged = merge_fragments(fragments, where)
     check_not_mixed(failed_ranks(names), merged.world_size, where)
     return merged.to_json()
+
+
+def own_metadata_bytes(reader: StorageReader, rank: int, where: str = "checkpoint") -> bytes:
+    """What ``load(..., use_collectives=False)`` on ``rank`` reads: the whole checkpoint's
+    metadata where there is one (``.metadata``, or a foreign reader's such as Hugging Face
+    files: no fragment needed), else this rank's own fragment, checked to be loadable alone.
+    """
+    try:
+        return reader.read_metadata()
+    except NotACheckpointError:
+        frag = read_fragment(reader, rank, where)
+        check_own_fragment(reader, frag, where)
+        return frag.to_json()
 
 
 def read_checkpoint_metadata(reader: StorageReader, where: str | None = None) -> md.Metadata:

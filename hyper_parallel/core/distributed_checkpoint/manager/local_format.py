@@ -72,7 +72,7 @@ from torch.distributed.tensor import DTensor
 from ..base.atomic_file import atomic_file
 from ..base.errors import CorruptCheckpointError, UnsupportedValueError
 from ..format import metadata as md
-from ..planning.standard_planner import dtensor_box, layout_record
+from ..sharding.records import dtensor_box, layout_record
 from ..state.flatten import Flat
 
 FORMAT_NAME = "hyper-parallel-local"

@@ -1,5 +1,9 @@
 """The save-plan cache: plans kept from one save to the next, and the planner hooks that see it.
 
+Here too: the calls a save makes around the cache (:func:`cache_scope`, :func:`cached_plans`,
+:func:`announce_plan`, :func:`remember_plan`), so the hooks' order is written once, beside
+its description below.
+
 What it is: one map per process, :data:`PLAN_CACHE`, from an entry key to a
 :class:`CachedSaveResult` (one rank's plan of one save).
 It is bounded (the least recently used entry goes first) and thread-safe (``async_save``'s
@@ -7,7 +11,7 @@ writer thread saves while the caller may save too). ``StandardPlanner._cached_sa
 and ``StandardPlanner.cached_save_result`` are this same object (HyperParallel's names), so
 ``StandardSavePlanner._cached_save_result.clear()`` empties the cache.
 
-What it is not: the decision to use an entry. That is :func:`~.api.save`'s, made by every rank
+What it is not: the decision to use an entry. That is :func:`~..engine.checkpoint.save`'s, made by every rank
 together: a cached plan is used only when EVERY rank of the save has one for the exact same set
 of local plans, since ranks working from different plans would run different collectives.
 
@@ -43,15 +47,18 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..base.coordination import Coordinator
 from ..format.metadata import Metadata
 from .planner import SavePlan
 
-__all__ = ["PLAN_CACHE", "CachedSaveResult", "PlanCache", "entry_key", "entry_prefix"]
+__all__ = ["PLAN_CACHE", "CachedSaveResult", "PlanCache", "entry_key", "entry_prefix", "plan_digest",
+           "cache_scope", "cached_plans", "announce_plan", "remember_plan"]
 
 DEFAULT_SIZE = 8
 
@@ -133,3 +140,76 @@ def entry_prefix(scope: Any) -> str:
 def entry_key(scope: Any, fingerprint: str) -> str:
     """The entry key of one scope's plan for one set of local plans."""
     return entry_prefix(scope) + fingerprint
+
+
+def plan_digest(plan: SavePlan) -> str:
+    """A fingerprint of a local plan's structure (keys, kinds, dtypes, shapes, boxes), for a
+    planner without ``structure_digest``; every rank's together make an entry's fingerprint."""
+    h = hashlib.sha256()
+    h.update(repr(sorted(plan.entries.items())).encode())
+    h.update(repr([(i.key, i.box) for i in plan.items]).encode())
+    h.update(repr(plan.objects).encode())
+    return h.hexdigest()
+
+
+# Held from setting a planner's ``_cached_plans_key`` until its hook returns: an async save's
+# copy of a planner calls the hooks of the caller's object, which a save of the caller's own
+# may be using at the same time (reentrant: a hook may save).
+_HOOKS_LOCK = threading.RLock()
+
+
+def cache_scope(planner: Any, coord: Coordinator) -> tuple | None:
+    """Where a planner's plans may be reused: same planner kind and options (``cache_key()``,
+    told apart by its ``repr``), same group (by a token that is never reused), same rank.
+    None: this planner is not cached."""
+    key = getattr(planner, "cache_key", None)
+    if key is None or not getattr(planner, "enable_plan_caching", True):
+        return None
+    return (type(planner).__module__, type(planner).__qualname__, key(), coord.group_token, coord.rank)
+
+
+def cached_plans(scope: tuple | None) -> dict[str, CachedSaveResult]:
+    """This rank's cached plans for ``scope``, by fingerprint (a snapshot)."""
+    return {} if scope is None else PLAN_CACHE.under(entry_prefix(scope))
+
+
+def announce_plan(planner: Any, scope: tuple | None, fingerprint: str, used: CachedSaveResult | None) -> None:
+    """Hook 1: tell the planner what the ranks agreed: ``_cached_plans_key``, then
+    ``get_cached()`` once, returning ``used`` (None: a new plan)."""
+    if scope is None:
+        return
+    key = entry_key(scope, fingerprint)
+    if used is not None:
+        PLAN_CACHE.touch(key)
+    planner = getattr(planner, "_plan_cache_owner", planner)
+    if not hasattr(planner, "get_cached"):
+        return
+    with _HOOKS_LOCK:  # the attributes are per call; another thread's save may share the planner
+        planner._cached_plans_key = key
+        planner._plan_cache_decision = (used,)
+        try:
+            planner.get_cached()
+        finally:
+            planner._plan_cache_decision = None
+
+
+def remember_plan(planner: Any, scope: tuple | None, fingerprint: str, plan: SavePlan, meta: Metadata,
+                  where: str | None) -> None:
+    """Hook 2, after the commit of a save that made a new plan: ``planner.cache_result``
+    (whose base stores it), or store it directly for a planner without that hook. The save
+    has succeeded, so a hook that raises is a warning."""
+    if scope is None:
+        return
+    key = entry_key(scope, fingerprint)
+    planner = getattr(planner, "_plan_cache_owner", planner)
+    hook = getattr(planner, "cache_result", None)
+    if hook is None:
+        PLAN_CACHE[key] = CachedSaveResult(plan, None)
+        return
+    try:
+        with _HOOKS_LOCK:
+            planner._cached_plans_key = key
+            hook(plan, meta)
+    except Exception as exc:
+        warnings.warn(f"save to {where or 'storage'} is committed, but {type(planner).__qualname__}.cache_result "
+                      f"raised {type(exc).__name__}: {exc}; the plan may not be cached", stacklevel=3)

@@ -4,10 +4,9 @@ Save: each rank describes its state dict by *structure* (keys, kinds, dtypes, sh
 for DTensors the layout: mesh shape, placements, the ranks of the mesh). Ranks with the same
 structure share one description, so the exchange sends a digest per rank and each distinct
 structure once. From the structures alone every rank computes the same global plan, in
-O(tensors): a DTensor is stored as the grid of its layout (:mod:`.grid`) and each box is
-written by one of its holders, the replicas taking turns by box id; a tensor held whole by
-several ranks (plain tensors, numpy arrays, bytes) goes to the least-loaded holder,
-largest first. A rank then works out only its own writes.
+O(tensors) (:mod:`.global_plan`); a rank then works out only its own writes. A DTensor's
+layout is recorded as :mod:`..sharding.records` says; leaves become stored tensors, and
+targets are checked, as :mod:`.leaves` says.
 
 Load: every target box (a DTensor's local shard, or a whole tensor) is intersected with the
 saved chunks by arithmetic (:mod:`.chunks`); the loader copies each overlap straight into
@@ -18,12 +17,10 @@ dtype and converted (``convert_dtype=False`` refuses instead).
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import pickle
 import threading
 import warnings
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,137 +32,29 @@ from ..base.box import Box, uncovered
 from ..base.errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
 from ..format.chunks import overlapping
-from ..sharding.grid import Grid, parse_placement, shared_grid
-from ..sharding.placements import placement_to_name
+from ..sharding.grid import parse_placement
+from ..sharding.records import dtensor_box, layout_record
 from ..state.flatten import renamed_path
 from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
+from .global_plan import GlobalPlan
+from .leaves import (
+    bytes_tensor,
+    check_saveable,
+    check_writable,
+    describe,
+    fill_plain,
+    kind_of,
+    number_kind,
+    numpy_tensor,
+    numpy_tensor_view,
+    part_name,
+    shaped_like,
+)
 from .plan_cache import PLAN_CACHE, CachedSaveResult, PlanCache
 from .planner import EntrySpec, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .staged_bands import BandedSnapshot
 
-__all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner", "dtensor_box", "layout_record"]
-
-
-_MESH_RANKS: dict[int, tuple[Any, list[int]]] = {}
-
-
-def _mesh_ranks(mesh: Any) -> list[int]:
-    """The global ranks of a mesh, row-major (cached per mesh object: a model's DTensors share a few)."""
-    cached = _MESH_RANKS.get(id(mesh))
-    if cached is None or cached[0] is not mesh:
-        if len(_MESH_RANKS) > 256:
-            _MESH_RANKS.clear()
-        cached = _MESH_RANKS[id(mesh)] = (mesh, [int(r) for r in mesh.mesh.flatten().tolist()])
-    return cached[1]
-
-
-def layout_record(t: DTensor, group_rank: dict[int, int] | None = None) -> dict[str, Any]:
-    """A DTensor's layout as metadata records it; ``rank_list`` (ranks in the saving group,
-    row-major) only when the mesh is not simply ranks 0..N-1."""
-    mesh = t.device_mesh
-    rec: dict[str, Any] = {
-        "mesh_shape": list(mesh.shape),
-        "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-        "placements": [placement_to_name(p) for p in t.placements],
-    }
-    ranks = _mesh_ranks(mesh)
-    if group_rank is not None:
-        missing = [r for r in ranks if r not in group_rank]
-        if missing:
-            raise UnsupportedValueError(
-                f"a DTensor's mesh holds rank(s) {missing[:8]} outside the process group that saves it; "
-                "save with a process_group that contains the whole mesh")
-        ranks = [group_rank[r] for r in ranks]
-    if ranks[0] != 0 or ranks[-1] != len(ranks) - 1 or ranks != list(range(len(ranks))):
-        rec["rank_list"] = ranks
-    return rec
-
-
-def dtensor_box(t: DTensor, key: str) -> Box | None:
-    """The global box of this rank's local shard, or None if the rank holds nothing."""
-    if any(p.is_partial() for p in t.placements):
-        raise UnsupportedValueError(
-            f"{key!r}: DTensor has Partial placement {list(t.placements)}; its local values are "
-            "not the tensor's values. Reduce it first, e.g. "
-            "t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])"
-        )
-    coord = t.device_mesh.get_coordinate()
-    if coord is None:
-        return None
-    # The box by arithmetic (grid.py, checked against torch's own shard math), not torch's
-    # index lists, which cost O(rows) per strided DTensor.
-    mesh_shape = tuple(t.device_mesh.shape)
-    try:  # uneven strided shards are not contiguous boxes: refuse rather than save wrong data
-        grid = shared_grid(tuple(t.shape), mesh_shape, [placement_to_name(p) for p in t.placements])
-    except ValueError as exc:
-        raise UnsupportedValueError(f"{key!r}: {exc}") from None
-    position = 0
-    for c, size in zip(coord, mesh_shape, strict=True):
-        position = position * size + c
-    box = grid.box(grid.locate(position)[0])
-    local = t._local_tensor
-    if tuple(local.shape) != box.sizes:
-        if not local.numel() and not box.numel:  # FSDP2 gives a rank with none of a TP shard (0, 0)
-            return None
-        raise UnsupportedValueError(
-            f"{key!r}: local tensor shape {tuple(local.shape)} differs from its chunk {box}"
-        )
-    return box if box.numel else None
-
-
-def bytes_tensor(value: bytes | bytearray) -> torch.Tensor:
-    """``bytes`` as the uint8 tensor a checkpoint stores them as (a copy)."""
-    buf = bytearray(value)
-    return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-
-
-def _check_saveable(key: str, t: torch.Tensor) -> None:
-    """Refuse, naming the key, a tensor the format cannot hold (torch's own errors would not)."""
-    if t.is_nested or t.layout != torch.strided:
-        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
-        hint = "its components (t.unbind())" if t.is_nested else "it dense (t.to_dense())"
-        raise UnsupportedValueError(f"{key!r}: a {kind} tensor cannot be saved; save {hint}")
-    if t.device.type == "meta":
-        raise UnsupportedValueError(f"{key!r}: the tensor is on the meta device and holds no data; "
-                                    "materialize it (e.g. model.to_empty(device=...) and initialize it) first")
-    try:
-        md.dtype_name(t.dtype)
-    except md.MetadataError as exc:
-        raise UnsupportedValueError(f"{key!r}: {exc}") from None
-
-
-def _number_kind(dtype: torch.dtype) -> int:
-    """0 bool, 1 integer, 2 floating point (float8 included), 3 complex: a lesser kind loses values."""
-    if dtype.is_complex:
-        return 3
-    if dtype.is_floating_point:
-        return 2
-    return 0 if dtype == torch.bool else 1
-
-
-def _check_writable(key: str, t: torch.Tensor) -> None:
-    """Refuse, naming the key, a load target torch could not write in place."""
-    if t.is_inference() and not torch.is_inference_mode_enabled():
-        raise StateDictMismatchError(f"{key!r}: the target was made under torch.inference_mode() and cannot be "
-                                     "written outside it; load into a tensor made outside inference mode")
-    if t.layout != torch.strided or t.is_nested:
-        raise StateDictMismatchError(f"{key!r}: the target is a {t.layout} tensor; load into a dense tensor")
-    if t.numel() and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
-        raise StateDictMismatchError(f"{key!r}: several elements of the target share memory (an expand()ed "
-                                     "or broadcast view); load into a tensor of its own (t.clone())")
-
-
-def numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
-    """A numpy array as the tensor a checkpoint stores it as (native byte order, its shape)."""
-    if not arr.dtype.isnative:  # a big-endian array: its values, in this machine's byte order
-        arr = arr.astype(arr.dtype.newbyteorder("="))
-    try:
-        # np.ascontiguousarray makes a 0-d array 1-d; keep the shape
-        return torch.from_numpy(np.ascontiguousarray(arr).reshape(arr.shape))
-    except TypeError:
-        raise UnsupportedValueError(
-            f"{key!r}: numpy dtype {arr.dtype} cannot be stored as a tensor"
-        ) from None
+__all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner"]
 
 
 class StandardPlanner(SavePlanner, LoadPlanner):
@@ -344,7 +233,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             path = self._path(key)
             if isinstance(value, DTensor):
                 if self._staged(value._local_tensor) is None:
-                    _check_saveable(key, value._local_tensor)
+                    check_saveable(key, value._local_tensor)
                 box = dtensor_box(value, key)
                 dtype = md.dtype_name(value.dtype)
                 entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value, group_rank))
@@ -373,7 +262,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                     "scalar), or pass allow_pickle=True to save (and again to load) if you trust the checkpoint"
                 )
             if self._staged(tensor) is None:  # a staged one stands for checked bands
-                _check_saveable(key, tensor)
+                check_saveable(key, tensor)
             shape = tuple(tensor.shape)
             entries[key] = EntrySpec(kind, path, md.dtype_name(tensor.dtype), shape)
             if tensor.numel():
@@ -400,7 +289,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         rank's own plan when it is asked for, so each rank does O(tensors) work.
         """
         with md.paused_gc():
-            return _GlobalPlan(self, plans)
+            return GlobalPlan(self.tiles, plans)
 
     #: Column bands (format v2 ``tiles``): a saved chunk of at least ``tile_min_chunk_bytes``
     #: is cut along dim 1 into up to ``max_tiles`` bands (a power of two), each at least
@@ -499,9 +388,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             if entry is None:
                 continue
             if entry.kind == "object":
-                if _kind_of(target) in ("tensor", "ndarray", "bytes"):
+                if kind_of(target) in ("tensor", "ndarray", "bytes"):
                     raise self._mismatch(key, entry, target)
-                self._results[key] = _fill_plain(key, entry.value, target, self.missing_keys)
+                self._results[key] = fill_plain(key, entry.value, target, self.missing_keys)
                 continue
             if entry.kind == "pickle" and not self.allow_pickle:
                 raise UnsupportedValueError(
@@ -528,17 +417,17 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         an imported torch checkpoint, stores ``{"extra": {"step": 1}}`` as ``extra.step`` and
         ``param_groups`` item by item), asked for by a target that holds them whole: each is
         put together from its parts into ``_results``. Returns {target key: the parts used}."""
-        asked = [k for k, t in wanted.items() if k not in entries and _kind_of(t) == "object"]
+        asked = [k for k, t in wanted.items() if k not in entries and kind_of(t) == "object"]
         if not asked:
             return {}
         under: dict[tuple[str, ...], list[tuple[str, md.Entry]]] = {}  # path prefix -> entries below it
         for k, e in entries.items():
-            names = tuple(_part_name(p) for p in e.path)
+            names = tuple(part_name(p) for p in e.path)
             for n in range(1, len(names)):
                 under.setdefault(names[:n], []).append((k, e))
         out: dict[str, list[str]] = {}
         for key in asked:
-            base = tuple(_part_name(p) for p in self._paths.get(key, (key,)))
+            base = tuple(part_name(p) for p in self._paths.get(key, (key,)))
             parts = under.get(base, [])
             # only a value that is plain all through: tensors below it mean the target is not the checkpoint's
             if not parts or any(e.kind != "object" or k in wanted for k, e in parts):
@@ -546,36 +435,36 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             tree: dict[str, Any] = {}
             for _, e in parts:
                 node = tree
-                rest = [_part_name(p) for p in e.path[len(base):]]
+                rest = [part_name(p) for p in e.path[len(base):]]
                 for name in rest[:-1]:
                     node = node.setdefault(name, {})
                     if not isinstance(node, dict):
                         break
                 else:
                     node[rest[-1]] = e.value
-            value = _shaped_like(tree, wanted[key])
-            self._results[key] = _fill_plain(key, value, wanted[key], self.missing_keys)
+            value = shaped_like(tree, wanted[key])
+            self._results[key] = fill_plain(key, value, wanted[key], self.missing_keys)
             out[key] = [k for k, _ in parts]
         return out
 
     def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, Any]:
         shape, dtype = entry.shape, md.torch_dtype(entry.dtype)
         if target is None or entry.kind in ("bytes", "pickle"):
-            if target is not None and entry.kind != _kind_of(target):
+            if target is not None and entry.kind != kind_of(target):
                 raise self._mismatch(key, entry, target)
             return Box.full(shape), (shape, dtype)
-        if entry.kind not in ("tensor", "ndarray") or _kind_of(target) not in ("tensor", "ndarray"):
+        if entry.kind not in ("tensor", "ndarray") or kind_of(target) not in ("tensor", "ndarray"):
             raise self._mismatch(key, entry, target)
         if isinstance(target, np.ndarray):
             if not target.flags.writeable:
                 raise StateDictMismatchError(f"{key!r}: target numpy array is read-only")
-            target = _numpy_tensor_view(target, key)
+            target = numpy_tensor_view(target, key)
         if tuple(target.shape) != shape or (target.dtype != dtype and not self.convert_dtype):
             raise self._mismatch(key, entry, target)
         local = target._local_tensor if isinstance(target, DTensor) else target
-        _check_writable(key, local)
+        check_writable(key, local)
         box = dtensor_box(target, key) if isinstance(target, DTensor) else Box.full(shape)
-        if target.dtype != dtype and _number_kind(target.dtype) < _number_kind(dtype):
+        if target.dtype != dtype and number_kind(target.dtype) < number_kind(dtype):
             self._lossy.append(f"{key!r} ({entry.dtype} -> {str(target.dtype).removeprefix('torch.')})")
         if target.dtype != dtype and box is not None:
             # read into a temporary of the saved dtype; finish_load converts into the target
@@ -584,7 +473,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         return box, local
 
     def _mismatch(self, key: str, entry: md.Entry, target: Any) -> StateDictMismatchError:
-        found = _describe(target)
+        found = describe(target)
         saved = (f"a plain {type(entry.value).__name__}" if entry.kind == "object"
                  else f"{entry.kind} {entry.dtype} shape {list(entry.shape or ())}")
         return StateDictMismatchError(
@@ -647,190 +536,6 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         return out
 
 
-class _GlobalPlan(Sequence):
-    """The global save plan: entries with their stores for everyone, writes per rank on demand."""
-
-    def __init__(self, planner: StandardPlanner, plans: list[SavePlan]):
-        self.size = len(plans)
-        groups: dict[int, tuple[SavePlan, list[int]]] = {}
-        for r, plan in enumerate(plans):
-            groups.setdefault(id(plan), (plan, []))[1].append(r)
-        merged: dict[str, EntrySpec] = {}
-        first: dict[str, int] = {}
-        holders: dict[str, list[int]] = {}  # for keys held whole: the group ids holding them
-        submeshes: dict[str, dict[tuple[int, ...], None]] = {}  # keys on different sub-meshes of one shape
-        group_members = [members for _, members in groups.values()]
-        for g, (plan, members) in enumerate(groups.values()):
-            for key, spec in plan.entries.items():
-                seen = merged.get(key)
-                if seen is None:
-                    merged[key], first[key] = spec, members[0]
-                    holders[key] = [g]
-                    continue
-                if _same_but_ranks(seen, spec):  # e.g. TP+DP: each DP replica has its own TP sub-mesh
-                    found = submeshes.setdefault(key, {_ranks_of(seen.layout): None})
-                    found[_ranks_of(spec.layout)] = None
-                elif (seen.kind, seen.dtype, seen.shape, seen.layout) != (spec.kind, spec.dtype, spec.shape,
-                                                                          spec.layout):
-                    what = "layout" if seen.layout != spec.layout else "kind, dtype or shape"
-                    raise StateDictMismatchError(
-                        f"{key!r} differs between ranks ({what}): rank {first[key]} has {_spec_text(seen)}, rank "
-                        f"{members[0]} has {_spec_text(spec)}")
-                first[key] = min(first[key], members[0])
-                holders[key].append(g)
-        self.entries: dict[str, EntrySpec] = {}
-        self.grids: dict[str, Grid] = {}
-        self.owner: dict[str, int] = {}
-        single: list[tuple[int, str, tuple]] = []  # (bytes, key, holder set): one box, many holders
-        for key, spec in merged.items():
-            if spec.kind == "object":
-                self.owner[key] = first[key]
-                self.entries[key] = spec
-                continue
-            tiles = planner.tiles(key, spec)
-            nbytes = math.prod(spec.shape or ()) * md.itemsize(spec.dtype)
-            if spec.layout is None or self.size == 1:  # held whole (a process alone holds everything)
-                self.entries[key] = _with_store(spec, None)
-                self.grids[key] = Grid(spec.shape or (), (1,), ["R"], None, tiles)
-                hs = tuple(sorted(holders[key]))
-                single.append((nbytes, key, ("groups", hs)))
-                continue
-            lay = spec.layout if key not in submeshes else _stacked(key, spec.layout, list(submeshes[key]))
-            try:
-                grid = Grid(spec.shape or (), lay["mesh_shape"], lay["placements"], lay.get("rank_list"), tiles)
-            except ValueError as exc:
-                raise UnsupportedValueError(f"{key!r}: {exc}") from None
-            self.grids[key] = grid
-            own = None if lay is spec.layout else lay  # a storage layout of its own (stacked sub-meshes)
-            if own is not None:  # the entry keeps the DTensor's layout, without one sub-mesh's ranks
-                spec = EntrySpec(spec.kind, spec.path, spec.dtype, spec.shape,
-                                 {k: v for k, v in spec.layout.items() if k != "rank_list"})
-            if grid.num_boxes == 1 and grid.replicas > 1:
-                single.append((nbytes, key, ("mesh", tuple(lay["rank_list"]) if "rank_list" in lay
-                                             else grid.replicas)))
-                self.entries[key] = _with_store(spec, md.GridStore(tiles=tiles, layout=own))
-            else:
-                offset = zlib.crc32(key.encode()) % grid.replicas
-                self.entries[key] = _with_store(spec, md.GridStore(tiles=tiles, offset=offset, layout=own))
-        # One-box tensors with several holders: largest first, to the least-loaded holder.
-        load = [0] * self.size
-        heaps: dict[tuple, list[tuple[int, int]]] = {}
-        for nbytes, key, hs in sorted(single, key=lambda t: (-t[0], t[1])):
-            heap = heaps.get(hs)
-            if heap is None:
-                ranks = (sorted(r for g in hs[1] for r in group_members[g]) if hs[0] == "groups"
-                         else list(hs[1]) if isinstance(hs[1], tuple) else list(range(hs[1])))
-                heap = heaps[hs] = [(load[r], r) for r in ranks]
-                heapq.heapify(heap)
-            while True:  # entries go stale when a rank of several holder sets gained load elsewhere
-                got, rank = heapq.heappop(heap)
-                if got == load[rank]:
-                    break
-                heapq.heappush(heap, (load[rank], rank))
-            load[rank] += nbytes
-            heapq.heappush(heap, (load[rank], rank))
-            spec, grid = self.entries[key], self.grids[key]
-            if spec.layout is None or self.size == 1:
-                self.entries[key] = _with_store(spec, md.GridStore(tiles=grid.tiles, writer=rank))
-            else:  # a replicated DTensor: the holder with replica index q writes it
-                own = spec.store.layout
-                q = grid.locate(_position(own or spec.layout, rank))[1]
-                self.entries[key] = _with_store(spec, md.GridStore(tiles=grid.tiles, offset=q, layout=own))
-        self._plans: dict[int, SavePlan] = {}
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, rank: int) -> SavePlan:  # type: ignore[override]
-        if not 0 <= rank < self.size:  # also ends iteration (``for plan in global_plan``)
-            raise IndexError(f"rank {rank} is outside the save's {self.size} ranks")
-        plan = self._plans.get(rank)
-        if plan is None:
-            plan = self._plans[rank] = self._plan_of(rank)
-        return plan
-
-    def _plan_of(self, rank: int) -> SavePlan:
-        items: list[WriteItem] = []
-        objects: list[str] = []
-        for key, spec in self.entries.items():
-            if spec.kind == "object":
-                if self.owner[key] == rank:
-                    objects.append(key)
-                continue
-            store, grid = spec.store, self.grids[key]
-            if store.writer is not None:
-                box = 0 if store.writer == rank else None
-            else:
-                pos = _position(store.layout or spec.layout, rank)
-                box = None
-                if pos is not None:
-                    b, q = grid.locate(pos)
-                    box = b if q == (store.offset + b) % grid.replicas else None
-            if box is None:
-                continue
-            size = md.itemsize(spec.dtype)
-            items.extend(WriteItem(key, sub_box, sub_box.numel * size, sub) for sub, sub_box in grid.band_subs(box))
-        return SavePlan(self.entries, items, objects)
-
-
-_POSITIONS: dict[tuple[int, ...], dict[int, int]] = {}
-
-
-def _position(layout: dict[str, Any], rank: int) -> int | None:
-    """The mesh position of ``rank`` in a layout (None if the mesh does not hold it)."""
-    ranks = layout.get("rank_list")
-    if ranks is None:
-        return rank if rank < math.prod(layout["mesh_shape"]) else None
-    key = tuple(ranks)
-    pos = _POSITIONS.get(key)
-    if pos is None:
-        if len(_POSITIONS) > 64:
-            _POSITIONS.clear()
-        pos = _POSITIONS[key] = {r: i for i, r in enumerate(ranks)}
-    return pos.get(rank)
-
-
-def _ranks_of(layout: dict[str, Any]) -> tuple[int, ...]:
-    ranks = layout.get("rank_list")
-    return tuple(ranks) if ranks is not None else tuple(range(math.prod(layout["mesh_shape"])))
-
-
-def _same_but_ranks(a: EntrySpec, b: EntrySpec) -> bool:
-    """Same tensor and layout pattern on two different sub-meshes (mesh shapes equal)."""
-    if a.layout is None or b.layout is None or (a.kind, a.dtype, a.shape) != (b.kind, b.dtype, b.shape):
-        return False
-    strip = lambda lay: {k: v for k, v in lay.items() if k != "rank_list"}  # noqa: E731
-    return strip(a.layout) == strip(b.layout) and _ranks_of(a.layout) != _ranks_of(b.layout)
-
-
-def _stacked(key: str, layout: dict[str, Any], rank_lists: list[tuple[int, ...]]) -> dict[str, Any]:
-    """One storage layout for copies of a tensor on disjoint sub-meshes: a leading replica dim."""
-    rank_lists = sorted(rank_lists)
-    flat = [r for ranks in rank_lists for r in ranks]
-    if len(set(flat)) != len(flat):
-        raise StateDictMismatchError(
-            f"{key!r} is held on overlapping sub-meshes {[list(r) for r in rank_lists][:4]} with the same "
-            "placements; a rank holds it once")
-    names = layout.get("mesh_dim_names")
-    extra = "replica"
-    while names and extra in names:
-        extra += "_"
-    return {"mesh_shape": [len(rank_lists), *layout["mesh_shape"]],
-            "mesh_dim_names": [extra, *names] if names else None,
-            "placements": ["R", *layout["placements"]], "rank_list": flat}
-
-
-def _with_store(spec: EntrySpec, store: md.GridStore | None) -> EntrySpec:
-    return EntrySpec(spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, store)
-
-
-def _spec_text(spec: EntrySpec) -> str:
-    text = f"{spec.kind} {spec.dtype} {list(spec.shape) if spec.shape is not None else ''}"
-    if spec.layout is not None:
-        text += f" on mesh {spec.layout['mesh_shape']} {spec.layout['placements']}"
-    return text
-
-
 def _trace_origins(planner: StandardPlanner, before: dict[str, Any], after: dict[str, Any]) -> dict[str, str]:
     """For a custom ``transform_state_dict``: new key -> original key, where it can be told.
 
@@ -852,85 +557,6 @@ def _trace_origins(planner: StandardPlanner, before: dict[str, Any], after: dict
         if len(candidates) == 1:
             origin[new] = candidates[0]
     return origin
-
-
-def _numpy_tensor_view(arr: np.ndarray, key: str) -> torch.Tensor:
-    if not arr.dtype.isnative:
-        raise StateDictMismatchError(f"{key!r}: the target numpy array is {arr.dtype.str} (not this machine's byte "
-                                     "order) and cannot be filled in place; load into a native-order array")
-    try:
-        return torch.from_numpy(arr)
-    except TypeError:
-        raise UnsupportedValueError(f"{key!r}: numpy dtype {arr.dtype} is not supported") from None
-
-
-def _part_name(part: Any) -> str:
-    """A path part as text: dict keys as they are, list/tuple indices and int keys as digits."""
-    return str(part[1]) if isinstance(part, tuple) else str(part)
-
-
-def _shaped_like(built: Any, target: Any) -> Any:
-    """A value put together from split keys ({name: ...} at every level), given the target's
-    containers: digit names become list (or tuple) items where the target has a sequence
-    there (or nothing, and the names are 0..n-1), and a target dict's int keys stay ints."""
-    if not isinstance(built, dict):
-        return built
-    digits = built and all(k.isdigit() for k in built) and sorted(map(int, built)) == list(range(len(built)))
-    if isinstance(target, (list, tuple)) or (target is None and digits):
-        if digits:
-            seq = [_shaped_like(built[str(i)], target[i] if target is not None and i < len(target) else None)
-                   for i in range(len(built))]
-            return tuple(seq) if isinstance(target, tuple) else seq
-        return {k: _shaped_like(v, None) for k, v in built.items()}
-    if isinstance(target, dict):
-        names = {str(k): k for k in target}
-        return {names.get(k, k): _shaped_like(v, target.get(names[k]) if k in names else None)
-                for k, v in built.items()}
-    return {k: _shaped_like(v, None) for k, v in built.items()}
-
-
-def _fill_plain(key: str, saved: Any, target: Any, missing: list[str]) -> Any:
-    """The value a plain (JSON) entry loads as: the saved value, except that a target dict's
-    keys the saved dict lacks are missing keys (``key.sub``, nested alike), as flattened keys
-    would be, and keep the target's values (what ``strict=False`` loads). Keys only the saved
-    dict has load with it (``strict="all"`` does not look inside a plain value)."""
-    if not isinstance(saved, dict) or not isinstance(target, dict):
-        return saved
-    out = dict(saved)
-    for k, v in target.items():
-        name = f"{key}.{k}"
-        if k in saved:
-            out[k] = _fill_plain(name, saved[k], v, missing)
-        else:
-            missing.append(name)
-            out[k] = v
-    return out
-
-
-def _kind_of(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return "tensor"
-    if isinstance(v, np.ndarray):
-        return "ndarray"
-    if isinstance(v, (bytes, bytearray)):
-        return "bytes"
-    return "object" if md.is_json_value(v) else "pickle"
-
-
-def _describe(v: Any) -> str:
-    if isinstance(v, (torch.Tensor, np.ndarray)):
-        kind = "DTensor" if isinstance(v, DTensor) else type(v).__name__
-        return f"{kind} {str(v.dtype).replace('torch.', '')} shape {list(v.shape)}"
-    return type(v).__name__
-
-
-def plan_digest(plan: SavePlan) -> str:
-    """A fingerprint of a local plan's structure (keys, kinds, dtypes, shapes, boxes)."""
-    h = hashlib.sha256()
-    h.update(repr(sorted(plan.entries.items())).encode())
-    h.update(repr([(i.key, i.box) for i in plan.items]).encode())
-    h.update(repr(plan.objects).encode())
-    return h.hexdigest()
 
 
 StandardSavePlanner = StandardPlanner

@@ -43,8 +43,8 @@ from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
 from ..format.chunks import largest_chunk_bytes
 from ..interop.huggingface import check_safetensors_file
+from ..planning.leaves import bytes_tensor, numpy_tensor
 from ..planning.planner import EntrySpec, SavePlan, WriteItem
-from ..planning.standard_planner import bytes_tensor, numpy_tensor
 from ..sharding.layout import Layout, TensorLayout
 from ..sharding.layout_files import load_layout
 from ..sharding.strategy import LayoutStrategy

@@ -63,8 +63,11 @@ from ..base.coordination import as_timeout, group_timeout, is_broken
 from ..base.errors import CheckpointError, LostContactError, UnsupportedValueError
 from ..base.priority import BACKGROUND_NICE, lower_priority, lower_this_thread, thread_ids
 from ..engine import in_flight
-from ..engine.checkpoint import _mesh_group, _refuse_torch_hooks, planner_copy, save
+from ..engine.checkpoint import save
+from ..engine.scope import mesh_group as _mesh_group
 from ..format import metadata as md
+from ..planning.per_call import planner_copy
+from ..planning.per_call import refuse_torch_hooks as _refuse_torch_hooks
 from ..planning.planner import SavePlanner
 from ..planning.staged_bands import BandedSnapshot
 from ..planning.standard_planner import StandardPlanner

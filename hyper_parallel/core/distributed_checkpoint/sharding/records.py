@@ -1,0 +1,116 @@
+"""Layout records: how a DTensor's placement is written into metadata, and read back.
+
+A layout record is the JSON-able dict an entry of ``.metadata`` keeps for a DTensor:
+``mesh_shape``, ``mesh_dim_names``, ``placements`` (by name) and, only when the mesh is not
+simply ranks 0..N-1 of the saving group, ``rank_list`` (row-major). This module makes a
+record from a DTensor (:func:`layout_record`), finds the box this rank holds
+(:func:`dtensor_box`), and answers the two questions the save's global plan asks of a
+record: which ranks it spans and where a rank sits in it.
+
+What it is not: the metadata schema that validates records (:mod:`..format.metadata`),
+nor the chunk grid derived from them (:mod:`.grid`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch.distributed.tensor import DTensor
+
+from ..base.box import Box
+from ..base.errors import UnsupportedValueError
+from .grid import shared_grid
+from .placements import placement_to_name
+
+__all__ = ["mesh_ranks", "layout_record", "dtensor_box", "record_ranks", "record_position"]
+
+
+_MESH_RANKS: dict[int, tuple[Any, list[int]]] = {}
+
+
+def mesh_ranks(mesh: Any) -> list[int]:
+    """The global ranks of a mesh, row-major (cached per mesh object: a model's DTensors share a few)."""
+    cached = _MESH_RANKS.get(id(mesh))
+    if cached is None or cached[0] is not mesh:
+        if len(_MESH_RANKS) > 256:
+            _MESH_RANKS.clear()
+        cached = _MESH_RANKS[id(mesh)] = (mesh, [int(r) for r in mesh.mesh.flatten().tolist()])
+    return cached[1]
+
+
+def layout_record(t: DTensor, group_rank: dict[int, int] | None = None) -> dict[str, Any]:
+    """A DTensor's layout as metadata records it; ``rank_list`` (ranks in the saving group,
+    row-major) only when the mesh is not simply ranks 0..N-1."""
+    mesh = t.device_mesh
+    rec: dict[str, Any] = {
+        "mesh_shape": list(mesh.shape),
+        "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        "placements": [placement_to_name(p) for p in t.placements],
+    }
+    ranks = mesh_ranks(mesh)
+    if group_rank is not None:
+        missing = [r for r in ranks if r not in group_rank]
+        if missing:
+            raise UnsupportedValueError(
+                f"a DTensor's mesh holds rank(s) {missing[:8]} outside the process group that saves it; "
+                "save with a process_group that contains the whole mesh")
+        ranks = [group_rank[r] for r in ranks]
+    if ranks[0] != 0 or ranks[-1] != len(ranks) - 1 or ranks != list(range(len(ranks))):
+        rec["rank_list"] = ranks
+    return rec
+
+
+def dtensor_box(t: DTensor, key: str) -> Box | None:
+    """The global box of this rank's local shard, or None if the rank holds nothing."""
+    if any(p.is_partial() for p in t.placements):
+        raise UnsupportedValueError(
+            f"{key!r}: DTensor has Partial placement {list(t.placements)}; its local values are "
+            "not the tensor's values. Reduce it first, e.g. "
+            "t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])"
+        )
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
+        return None
+    # The box by arithmetic (grid.py, checked against torch's own shard math), not torch's
+    # index lists, which cost O(rows) per strided DTensor.
+    mesh_shape = tuple(t.device_mesh.shape)
+    try:  # uneven strided shards are not contiguous boxes: refuse rather than save wrong data
+        grid = shared_grid(tuple(t.shape), mesh_shape, [placement_to_name(p) for p in t.placements])
+    except ValueError as exc:
+        raise UnsupportedValueError(f"{key!r}: {exc}") from None
+    position = 0
+    for c, size in zip(coord, mesh_shape, strict=True):
+        position = position * size + c
+    box = grid.box(grid.locate(position)[0])
+    local = t._local_tensor
+    if tuple(local.shape) != box.sizes:
+        if not local.numel() and not box.numel:  # FSDP2 gives a rank with none of a TP shard (0, 0)
+            return None
+        raise UnsupportedValueError(
+            f"{key!r}: local tensor shape {tuple(local.shape)} differs from its chunk {box}"
+        )
+    return box if box.numel else None
+
+
+def record_ranks(layout: dict[str, Any]) -> tuple[int, ...]:
+    """The ranks a layout record's mesh spans, row-major."""
+    ranks = layout.get("rank_list")
+    return tuple(ranks) if ranks is not None else tuple(range(math.prod(layout["mesh_shape"])))
+
+
+_POSITIONS: dict[tuple[int, ...], dict[int, int]] = {}
+
+
+def record_position(layout: dict[str, Any], rank: int) -> int | None:
+    """The mesh position of ``rank`` in a layout record (None if the mesh does not hold it)."""
+    ranks = layout.get("rank_list")
+    if ranks is None:
+        return rank if rank < math.prod(layout["mesh_shape"]) else None
+    key = tuple(ranks)
+    pos = _POSITIONS.get(key)
+    if pos is None:
+        if len(_POSITIONS) > 64:
+            _POSITIONS.clear()
+        pos = _POSITIONS[key] = {r: i for i, r in enumerate(ranks)}
+    return pos.get(rank)
