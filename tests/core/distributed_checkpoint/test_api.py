@@ -27,7 +27,7 @@ from hyper_parallel.core.distributed_checkpoint import (
 )
 from hyper_parallel.core.distributed_checkpoint.engine import checkpoint as api_module
 from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
-from hyper_parallel.core.distributed_checkpoint.format.metadata import seal_json
+from hyper_parallel.core.distributed_checkpoint.format.sealed_json import seal_json
 
 
 def small_sd() -> dict:

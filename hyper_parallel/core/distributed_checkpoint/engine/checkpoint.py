@@ -37,7 +37,9 @@ from ..base.errors import (
     StateDictMismatchError,
     UnsupportedValueError,
 )
+from ..base.gc_pause import paused_gc
 from ..format import metadata as md
+from ..format.values import check_user_metadata, is_json_value
 from ..planning.plan_cache import PLAN_CACHE, CachedSaveResult, entry_key, entry_prefix
 from ..planning.planner import EntrySpec, LoadPlanner, SavePlan, SavePlanner, WriteItem
 from ..planning.standard_planner import StandardPlanner, plan_digest
@@ -301,7 +303,7 @@ def save(
     if not use_collectives and not no_dist and _distributed():
         as_timeout(timeout)  # checked as everywhere, though this rank saves alone
         if user_metadata is not None:
-            md.check_user_metadata(user_metadata)  # no collective here: this rank alone
+            check_user_metadata(user_metadata)  # no collective here: this rank alone
         return _save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
                                 thread_count, sync_files, user_metadata)
     scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
@@ -317,7 +319,7 @@ def save(
     def plan_locally() -> _Summary:
         nonlocal writer
         if user_metadata is not None:  # inside the exchange: a bad value on one rank fails every rank
-            md.check_user_metadata(user_metadata)
+            check_user_metadata(user_metadata)
         if writer is None:
             writer = writer_for(where, sync_files)
         writer.set_up(coord.rank, coord.is_coordinator)
@@ -418,7 +420,7 @@ def _plain_digests(planner: SavePlanner, plan: SavePlan, per_key: bool) -> tuple
     each = {}
     for key in plan.objects:
         value = planner.resolve_data(WriteItem(key, Box((), ()), 0))
-        if md.is_json_value(value):
+        if is_json_value(value):
             each[key] = crc32c.crc32c(repr(_canonical(value)).encode())
     total = crc32c.crc32c(repr(sorted(each.items())).encode())
     return total, each if per_key else None
@@ -592,7 +594,7 @@ def _agree_on_plan(coord: Coordinator, planner: SavePlanner, local: SavePlan,
             shared[d] = SavePlan(entries, [], [])
         plans = [shared[d] for d in digests]
     else:
-        with md.paused_gc():  # unpickling every rank's plan: many small objects at scale
+        with paused_gc():  # unpickling every rank's plan: many small objects at scale
             plans = coord.exchange("save (plan exchange)", lambda: local)
     computed: list[list[SavePlan]] = []
     # Every rank computes the same global plan; only the statuses are exchanged.
@@ -758,7 +760,7 @@ def load(
     # Planning and reading make thousands of small acyclic objects (boxes, chunk references,
     # read items); the full collections they trigger over a trained model's heap measured
     # 50-200 ms on the critical path, so the cyclic GC waits until the data is in place.
-    with md.paused_gc():
+    with paused_gc():
         try:
             coord.exchange("load (reading metadata)", read_and_share_metadata)
             if rank_local:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ..base.box import Box
+from ..base.dtypes import itemsize, safetensors_dtype
 from ..base.errors import CorruptCheckpointError
 from . import metadata as md
 
@@ -139,7 +140,7 @@ def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes
     for item in items:
         kind = kinds.get(item.dtype)
         if kind is None:
-            kind = kinds[item.dtype] = (md.safetensors_dtype(item.dtype) or "", max(1, md.itemsize(item.dtype)))
+            kind = kinds[item.dtype] = (safetensors_dtype(item.dtype) or "", max(1, itemsize(item.dtype)))
         st, size = kind
         nbytes = item.nbytes
         a = ALIGN if nbytes >= ALIGN_MIN else size

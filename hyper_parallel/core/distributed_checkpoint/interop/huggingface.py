@@ -57,6 +57,7 @@ from ..backends.fsspec import FsspecReader
 from ..backends.locations import checkpoint_path, is_url, local_path
 from ..backends.protocol import Buffer, StorageReader
 from ..base.box import Box, first_overlap, uncovered
+from ..base.dtypes import dtype_from_safetensors, itemsize
 from ..base.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -66,6 +67,7 @@ from ..base.errors import (
 )
 from ..format import metadata as md
 from ..format.data_file import UncheckedIndex
+from ..format.validation import validate_file_name
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -139,7 +141,7 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
         if not isinstance(info, dict):
             raise CorruptCheckpointError(f"{at}: its header entry must be an object, found {info!r:.80}")
         st = info.get("dtype")
-        dtype = md.dtype_from_safetensors(st)
+        dtype = dtype_from_safetensors(st)
         if dtype is None:
             if st in _SUB_BYTE:
                 raise UnsupportedValueError(f"{at} has the sub-byte dtype {st}, which cannot be loaded into a "
@@ -158,7 +160,7 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
         numel = math.prod(shape)
         if numel > 1 << 56:
             raise CorruptCheckpointError(f"{at}: shape {shape} is absurdly large")
-        nbytes = numel * md.itemsize(dtype)
+        nbytes = numel * itemsize(dtype)
         if offs[1] - offs[0] != nbytes:
             raise CorruptCheckpointError(
                 f"{at}: data_offsets {offs} span {offs[1] - offs[0]} bytes, but {st} shape {shape} needs "
@@ -423,7 +425,7 @@ class HuggingFaceStorageReader(StorageReader):
         for key, name in weight_map.items():
             if not isinstance(name, str):
                 raise MetadataError(f"{where}: 'weight_map' maps {key!r} to {name!r:.80}, not a file name")
-            md.validate_file_name(name, where)
+            validate_file_name(name, where)
         return sorted(set(weight_map.values())), weight_map
 
     def read_metadata(self) -> bytes:
@@ -553,7 +555,7 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
                 "True) writes shard-<n>-model-<i>-of-<k>.safetensors files (with enable_consolidation=True, in "
                 "its 'sharded' subdirectory)")
         for name in names:
-            md.validate_file_name(name, self.path)
+            validate_file_name(name, self.path)
         return names, None
 
     def read_metadata(self) -> bytes:

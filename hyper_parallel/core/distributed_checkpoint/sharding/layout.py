@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..base.atomic_file import write_atomically
 from ..base.box import Box
-from ..format.metadata import MAX_WORLD
+from ..base.limits import MAX_WORLD
 from ..state.flatten import flatten
 
 try:  # torch >= 2.5

@@ -33,7 +33,7 @@ from typing import Any
 from ..base import protowire as pw
 from ..base.atomic_file import write_atomically
 from ..base.errors import MetadataError
-from ..format.metadata import MAX_MESH_NDIM, MAX_NDIM, MAX_WORLD
+from ..base.limits import MAX_MESH_NDIM, MAX_NDIM, MAX_WORLD
 from .layout import Layout, LayoutStrategy, TensorLayout
 
 __all__ = ["MindSporeLayout", "read_strategy", "parse_strategy", "strategy_to_layouts", "write_strategy"]

@@ -35,6 +35,7 @@ import torch
 from ..backends import direct_io
 from ..backends.protocol import StorageReader, check_range
 from ..base.box import Box
+from ..base.dtypes import torch_dtype
 from ..base.errors import CorruptCheckpointError
 from ..format import metadata as md
 from ..format.chunks import ChunkRef, overlapping
@@ -562,7 +563,7 @@ def read_box(
         raise ValueError(f"read_box({entry.key!r}): pass meta= (the checkpoint's Metadata)")
     shape = tuple(entry.shape or ())
     box = box if box is not None else Box.full(shape)
-    dest = _Lazy(box.sizes, md.torch_dtype(entry.dtype), out)
+    dest = _Lazy(box.sizes, torch_dtype(entry.dtype), out)
     reads, covered = [], 0
     for ref in overlapping(meta, entry, box):
         region = ref.box.intersect(box)

@@ -34,6 +34,7 @@ import torch
 from ..backends import direct_io
 from ..backends.protocol import StorageWriter
 from ..base.box import Box
+from ..base.gc_pause import paused_gc
 from ..format import metadata as md
 from ..format.data_file import (
     ALIGN_MIN,
@@ -45,6 +46,7 @@ from ..format.data_file import (
     plan_file,
     tensor_bytes,
 )
+from ..format.validation import check_shape
 from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..sharding.grid import Grid
 from .host_copy import copy_fed, copy_into
@@ -422,7 +424,7 @@ def build_metadata(
     user: dict[str, Any], extra_files: Iterable[md.FileRecord] = (), dirs: list[str] | None = None,
 ) -> md.Metadata:
     """The coordinator's merge of every rank's write results into the checkpoint's metadata."""
-    with md.paused_gc():
+    with paused_gc():
         return _build_metadata(entries, list(results), save_id, world_size, user, list(extra_files), dirs)
 
 
@@ -448,7 +450,7 @@ def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], s
     out = {}
     for key, spec in entries.items():
         if spec.kind != "object":  # what the reader would refuse is never written (e.g. an import's [-1, 0])
-            md.check_shape(tuple(spec.shape or ()), "the checkpoint being written", key)
+            check_shape(tuple(spec.shape or ()), "the checkpoint being written", key)
         entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, objects.get(key), spec.store)
         if spec.kind != "object" and spec.store is None:
             entry.store = _table(key, spec, sorted(rows.get(key, [])), file_index)
