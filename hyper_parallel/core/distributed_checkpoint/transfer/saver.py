@@ -33,11 +33,12 @@ import torch
 
 from ..backends import direct_io
 from ..backends.protocol import StorageWriter
+from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.box import Box
 from ..base.gc_pause import paused_gc
 from ..format import metadata as md
 from ..format.data_file import (
-    ALIGN_MIN,
+    ALIGNED_PAYLOAD_MIN,
     BLOCK_BYTES,
     ContentHash,
     Item,
@@ -139,7 +140,7 @@ def _copy_first(t: torch.Tensor, direct: bool) -> bool:
         return False
     if not t.is_contiguous():
         return True
-    return direct and t.numel() * t.element_size() >= ALIGN_MIN and t.data_ptr() % direct_io.ALIGN != 0
+    return direct and t.numel() * t.element_size() >= ALIGNED_PAYLOAD_MIN and t.data_ptr() % DIRECT_IO_ALIGN != 0
 
 
 def _copied_slices(t: torch.Tensor, consume: Callable[[memoryview], None] | None) -> Iterator[memoryview]:
@@ -151,7 +152,7 @@ def _copied_slices(t: torch.Tensor, consume: Callable[[memoryview], None] | None
         t = t.reshape(-1)
     row = max(1, t[0].numel() * t.element_size())
     rows = max(1, SLICE_BYTES // row)
-    whole = direct_io.ALIGN // math.gcd(row, direct_io.ALIGN)  # rows that make a multiple of ALIGN
+    whole = DIRECT_IO_ALIGN // math.gcd(row, DIRECT_IO_ALIGN)  # rows that make a multiple of DIRECT_IO_ALIGN
     if rows >= whole:
         rows -= rows % whole
     for r0 in range(0, t.shape[0], rows):
