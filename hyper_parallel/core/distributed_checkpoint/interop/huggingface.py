@@ -65,6 +65,7 @@ from ..base.errors import (
     NotACheckpointError,
     UnsupportedValueError,
 )
+from ..base.limits import MAX_ELEMENTS, MAX_NDIM
 from ..format import metadata as md
 from ..format.data_file import UncheckedIndex
 from ..format.validation import validate_file_name
@@ -149,16 +150,17 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
             raise CorruptCheckpointError(f"{at} has dtype {st!r:.40}, which is no safetensors dtype this reader "
                                          "knows")
         shape = info.get("shape")
-        if (not isinstance(shape, list) or len(shape) > 64
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
                 or not all(type(d) is int and d >= 0 for d in shape)):
-            raise CorruptCheckpointError(f"{at}: shape must be a list of at most 64 sizes >= 0, found {shape!r:.80}")
+            raise CorruptCheckpointError(f"{at}: shape must be a list of at most {MAX_NDIM} sizes >= 0, "
+                                         f"found {shape!r:.80}")
         offs = info.get("data_offsets")
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1]):
             raise CorruptCheckpointError(f"{at}: data_offsets must be [begin, end] with 0 <= begin <= end, "
                                          f"found {offs!r:.80}")
         numel = math.prod(shape)
-        if numel > 1 << 56:
+        if numel > MAX_ELEMENTS:
             raise CorruptCheckpointError(f"{at}: shape {shape} is absurdly large")
         nbytes = numel * itemsize(dtype)
         if offs[1] - offs[0] != nbytes:
@@ -210,7 +212,7 @@ def torch_saved_offsets(header: SafetensorsHeader, where: str,
         rec = doc.get(name)
         offsets = rec.get(_SAVED_OFFSETS) if isinstance(rec, dict) else None
         if (not isinstance(offsets, list) or len(offsets) != len(t.shape)
-                or not all(type(o) is int and 0 <= o < 1 << 56 for o in offsets)):
+                or not all(type(o) is int and 0 <= o < MAX_ELEMENTS for o in offsets)):
             if not strict:
                 continue
             raise CorruptCheckpointError(

@@ -38,6 +38,7 @@ from ..backends.locations import location
 from ..base.box import Box, first_overlap
 from ..base.dtypes import itemsize, torch_dtype
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
+from ..base.limits import MAX_NDIM
 from ..format import metadata as md
 from ..format.validation import validate_file_name
 from ..format.values import plain_value_problem
@@ -238,7 +239,7 @@ def _ints(v: Any, what: str, where: str, ndim: int | None = None) -> tuple[int, 
         raise MetadataError(f"{where}: {what} {v!r} is not a tuple of non-negative integers")
     if ndim is not None and len(v) != ndim:
         raise MetadataError(f"{where}: {what} {v!r} should have {ndim} dimensions")
-    if len(v) > 64:
+    if len(v) > MAX_NDIM:
         raise MetadataError(f"{where}: {what} has {len(v)} dimensions")
     return tuple(v)
 

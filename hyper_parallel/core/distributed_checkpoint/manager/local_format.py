@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor
 from ..base.atomic_file import atomic_file
 from ..base.dtypes import dtype_name, itemsize, safetensors_dtype
 from ..base.errors import CorruptCheckpointError, UnsupportedValueError
+from ..base.limits import MAX_NDIM
 from ..format.values import decode_value, encode_value, is_json_value, json_culprit
 from ..planning.standard_planner import dtensor_box, layout_record
 from ..state.flatten import Flat
@@ -453,7 +454,7 @@ def read_into(man: Manifest, entries: list[LocalEntry], targets: list[Any]) -> t
                 shape = rec.get("shape")
                 # math.prod of Python ints: numpy's int64 product wraps, and a forged shape whose
                 # product wraps to the recorded size would allocate whatever it says
-                if dtype.hasobject or not isinstance(shape, list) or len(shape) > 64 \
+                if dtype.hasobject or not isinstance(shape, list) or len(shape) > MAX_NDIM \
                         or not all(_int(s) for s in shape) or math.prod(shape) * dtype.itemsize != nbytes:
                     raise CorruptCheckpointError(f"{man.path}: ndarray entry {e.key!r} is malformed")
                 arr = np.empty(shape, dtype=dtype)

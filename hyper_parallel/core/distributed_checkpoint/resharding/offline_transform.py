@@ -39,6 +39,7 @@ from ..base.box import Box
 from ..base.coordination import Coordinator
 from ..base.dtypes import dtype_from_safetensors, dtype_name, itemsize, safetensors_dtype, torch_dtype
 from ..base.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
+from ..base.limits import MAX_NDIM
 from ..engine.commit import commit_and_agree, write_and_report
 from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
@@ -781,7 +782,7 @@ def _check_torch_chunks(key: str, m: Any, dtype: str, storage: Mapping[Any, Any]
 
     where = f"{src}/{md.METADATA_FILE}: {key!r}"
     shape = tuple(m.size)
-    if len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
+    if len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
         raise CorruptCheckpointError(f"{where}: shape {list(shape)[:8]} is no tensor shape")
     held = 0
     for c in m.chunks:
