@@ -182,7 +182,7 @@ def count(meta: md.Metadata, entry: md.Entry) -> int:
     store: md.TableStore = entry.store
     if store is None:
         return 0
-    return len({(tuple(o), tuple(s)) for o, s in zip(store.offsets.tolist(), store.sizes.tolist(), strict=True)})
+    return len(store.distinct_boxes())
 
 
 def covered(meta: md.Metadata, entry: md.Entry) -> int:
@@ -193,8 +193,7 @@ def covered(meta: md.Metadata, entry: md.Entry) -> int:
     store: md.TableStore = entry.store
     if store is None:
         return 0
-    boxes = {(tuple(o), tuple(s)) for o, s in zip(store.offsets.tolist(), store.sizes.tolist(), strict=True)}
-    return sum(math.prod(s) for _, s in boxes)
+    return sum(math.prod(s) for _, s in store.distinct_boxes())
 
 
 def largest_chunk_bytes(meta: md.Metadata, entry: md.Entry) -> int:

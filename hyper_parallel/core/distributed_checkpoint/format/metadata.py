@@ -161,6 +161,11 @@ class TableStore:
     def sub(self, i: int) -> int:
         return int(self.subs[i]) if self.subs is not None else i
 
+    def distinct_boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each saved box ``(offsets, sizes)`` once (replicas share one), in row order."""
+        return list(dict.fromkeys(zip(map(tuple, self.offsets.tolist()), map(tuple, self.sizes.tolist()),
+                                      strict=True)))
+
     def __len__(self) -> int:
         return len(self.file)
 
@@ -354,11 +359,7 @@ def _saved_boxes(entry: Entry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     if grid is not None:
         return [(box.offsets, box.sizes) for b in range(grid.num_boxes) if grid.box(b).numel
                 for _, box in grid.band_subs(b)]
-    store = entry.store
-    if not isinstance(store, TableStore):
-        return []
-    return list(dict.fromkeys(zip(map(tuple, store.offsets.tolist()), map(tuple, store.sizes.tolist()),
-                                  strict=True)))
+    return entry.store.distinct_boxes() if isinstance(entry.store, TableStore) else []
 
 
 def _state_dict_metadata(meta: Metadata) -> dict[str, Any]:
