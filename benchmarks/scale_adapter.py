@@ -87,9 +87,9 @@ def decode_exchange(blobs: list[bytes]) -> Any:
     """MEASURED: what a rank does with the gathered exchange before it can plan globally
     (v2: unpickle every rank's digest tuple). The caller times it on a sample of ranks and
     scales to all ranks."""
-    from hyper_parallel.core.distributed_checkpoint.format import metadata as md
+    from hyper_parallel.core.distributed_checkpoint.base.gc_pause import paused_gc
 
-    with md.paused_gc():
+    with paused_gc():
         return [pickle.loads(b) for b in blobs]
 
 

@@ -33,10 +33,11 @@ from typing import Any
 
 from .core.distributed_checkpoint.backends.locations import is_url
 from .core.distributed_checkpoint.backends.resolve import reader_for, writer_for
+from .core.distributed_checkpoint.base.dtypes import itemsize
 from .core.distributed_checkpoint.base.errors import CheckpointError
 from .core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
-from .core.distributed_checkpoint.format import metadata as md
 from .core.distributed_checkpoint.format.chunks import count as chunk_count
+from .core.distributed_checkpoint.format.values import encode_value
 from .core.distributed_checkpoint.tools.verify import verify_checkpoint
 
 
@@ -82,7 +83,7 @@ def _tensor_bytes(path: str) -> int:
         meta = read_checkpoint_metadata(reader_for(path))
     except (CheckpointError, OSError):
         return 0
-    return sum(md.itemsize(e.dtype) * math.prod(e.shape or ()) for e in meta.entries.values() if e.kind == "tensor")
+    return sum(itemsize(e.dtype) * math.prod(e.shape or ()) for e in meta.entries.values() if e.kind == "tensor")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -92,7 +93,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows.append({
             "key": key, "kind": e.kind, "dtype": e.dtype, "shape": list(e.shape) if e.shape is not None else None,
             "chunks": chunk_count(meta, e), "bytes": e.nbytes, "layout": e.layout,
-            **({"value": md.encode_value(e.value)} if e.kind == "object" else {}),
+            **({"value": encode_value(e.value)} if e.kind == "object" else {}),
         })
     totals = {"keys": len(rows), "tensors": sum(r["kind"] != "object" for r in rows),
               "chunks": sum(r["chunks"] for r in rows), "bytes": sum(r["bytes"] for r in rows),

@@ -29,10 +29,11 @@ PICTURE = ROOT / "docs" / "layers.md"
 # Bottom first. A layer is one or more sibling subpackages; inside a subpackage a module may
 # import only the modules listed before it.
 LAYERS: list[dict[str, list[str]]] = [
-    {"base": ["errors", "limits", "box", "dtypes", "sizes", "atomic_file", "protowire", "priority", "coordination"]},
+    {"base": ["errors", "limits", "alignment", "box", "dtypes", "gc_pause", "sizes", "atomic_file", "protowire",
+              "priority", "coordination"]},
     {"state": ["flatten", "topology_mapper", "train_state"]},
     {"sharding": ["placements", "grid", "layout", "strategy", "records", "mindspore_strategy", "layout_files"]},
-    {"format": ["values", "metadata", "chunks", "safetensors", "data_file"]},
+    {"format": ["values", "chunk_info", "validation", "sealed_json", "metadata", "chunks", "safetensors", "data_file"]},
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "fsspec", "resolve"],
      "planning": ["planner", "plan_cache", "per_call", "staged_bands", "leaves", "global_plan", "standard_planner"]},
     {"transfer": ["host_copy", "streams", "saver", "loader", "shared_reads"]},

@@ -34,7 +34,9 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
     verify_checkpoint,
 )
-from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, MetadataError, seal_json
+from hyper_parallel.core.distributed_checkpoint.base.errors import MetadataError
+from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint.format.sealed_json import seal_json
 from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec
 from hyper_parallel.core.distributed_checkpoint.resharding.offline_transform import write_streaming
 from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard

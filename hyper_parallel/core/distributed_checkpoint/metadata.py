@@ -1,6 +1,6 @@
 """Checkpoint metadata (seed path ``distributed_checkpoint.metadata``).
 
-A face over :mod:`.format.metadata`. It also carries HyperParallel's names: torch DCP's
+A face over :mod:`.format.metadata` and :mod:`.format.chunk_info`. It also carries HyperParallel's names: torch DCP's
 metadata classes (what ``Metadata.state_dict_metadata`` holds), ``CHUNK_INFO`` and ``ChunkInfo``.
 """
 
@@ -12,7 +12,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .format.metadata import CHUNK_INFO, FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, ChunkInfo, Metadata
+from .format.chunk_info import CHUNK_INFO, ChunkInfo
+from .format.metadata import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, Metadata
 
 __all__ = [
     "Metadata",

@@ -26,7 +26,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
 )
 from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
-from hyper_parallel.core.distributed_checkpoint.format.metadata import seal_json
+from hyper_parallel.core.distributed_checkpoint.format.sealed_json import seal_json
 from hyper_parallel.core.distributed_checkpoint.planning.plan_cache import PLAN_CACHE
 
 

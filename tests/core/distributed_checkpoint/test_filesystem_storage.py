@@ -27,6 +27,7 @@ from hyper_parallel.core.distributed_checkpoint import (
 )
 from hyper_parallel.core.distributed_checkpoint.backends import direct_io
 from hyper_parallel.core.distributed_checkpoint.backends import filesystem as fss
+from hyper_parallel.core.distributed_checkpoint.base.alignment import DIRECT_IO_ALIGN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -236,7 +237,7 @@ def test_files_are_valid_safetensors_and_bit_exact_in_both_modes(tmp_path, direc
                     if got.dtype == sd[key].dtype:
                         assert torch.equal(got, want), entry
         if direct:
-            assert size % direct_io.ALIGN == 0  # format v2: files with large payloads end on a block
+            assert size % DIRECT_IO_ALIGN == 0  # format v2: files with large payloads end on a block
 
 
 def test_many_small_tensors_cost_few_system_calls(tmp_path):
@@ -359,7 +360,7 @@ def test_reader_direct_io_reads_aligned_requests_with_o_direct(tmp_path, monkeyp
     sd = _odd_state_dict()
     save(sd, path, no_dist=True)
     reader = FileSystemReader(path, direct_io=True)
-    assert reader.read_alignment == direct_io.ALIGN
+    assert reader.read_alignment == DIRECT_IO_ALIGN
     _assert_loaded(path, sd, direct_io=True)
     reader = FileSystemReader(path, direct_io=True)
     name = os.path.basename(_data_files(path)[0])
@@ -388,7 +389,7 @@ def test_aligned_pool_reuses_memory_once_released():
     pool = direct_io.AlignedPool(size=1 << 16, keep=1 << 20, min_size=1 << 12)
     a = pool.get(1000)
     addr = direct_io.address(a)
-    assert addr % direct_io.ALIGN == 0 and a.nbytes == 1000
+    assert addr % DIRECT_IO_ALIGN == 0 and a.nbytes == 1000
     view = a[10:20]
     del a
     assert pool.idle_bytes() == 0  # a slice still holds it
@@ -399,7 +400,7 @@ def test_aligned_pool_reuses_memory_once_released():
     c = pool.get(5000)  # the next class up: fresh memory
     assert c.nbytes == 5000 and direct_io.address(c) != addr
     big = pool.get(1 << 17)
-    assert big.nbytes == 1 << 17 and direct_io.address(big) % direct_io.ALIGN == 0
+    assert big.nbytes == 1 << 17 and direct_io.address(big) % DIRECT_IO_ALIGN == 0
     del b, c, big
     assert pool.idle_bytes() == (1 << 12) + (1 << 13)  # dedicated memory is not kept
 

@@ -11,18 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hyper_parallel.core.distributed_checkpoint.base.errors import MetadataError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     Entry,
     FileRecord,
     GridStore,
     Metadata,
-    MetadataError,
     TableStore,
-    decode_value,
-    encode_value,
-    is_json_value,
-    seal_json,
 )
+from hyper_parallel.core.distributed_checkpoint.format.sealed_json import seal_json
+from hyper_parallel.core.distributed_checkpoint.format.values import decode_value, encode_value, is_json_value
 
 V1_METADATA = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "v1", "ckpt", ".metadata")
 LAYOUT = {"mesh_shape": [2], "mesh_dim_names": ["dp"], "placements": ["S(0)"]}

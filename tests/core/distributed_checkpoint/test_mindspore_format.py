@@ -41,8 +41,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     save_layout,
 )
 from hyper_parallel.core.distributed_checkpoint.base import protowire as pw
+from hyper_parallel.core.distributed_checkpoint.base.dtypes import dtype_name, torch_dtype
 from hyper_parallel.core.distributed_checkpoint.base.errors import MetadataError
-from hyper_parallel.core.distributed_checkpoint.format import metadata as md
 from hyper_parallel.core.distributed_checkpoint.interop import mindspore as msf
 from hyper_parallel.core.distributed_checkpoint.sharding.mindspore_strategy import (
     parse_strategy,
@@ -72,7 +72,7 @@ def assert_as_mindspore_reads(values: dict, fixture: str) -> None:
             assert v == w, name
             continue
         ms_dtype, shape, digest = w
-        assert v.dtype == md.torch_dtype(msf.MS_DTYPES[ms_dtype]), name
+        assert v.dtype == torch_dtype(msf.MS_DTYPES[ms_dtype]), name
         assert list(v.shape) == shape, name
         assert sha(v) == digest, name
 
@@ -435,7 +435,7 @@ def _write_ms_ckpt(path, values: dict[str, torch.Tensor]) -> None:
     with open(path, "wb") as f:
         for name, t in values.items():
             raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            f.write(msf._ckpt_message(name, msf._TO_MS[md.dtype_name(t.dtype)], list(t.shape), len(raw)) + raw)
+            f.write(msf._ckpt_message(name, msf._TO_MS[dtype_name(t.dtype)], list(t.shape), len(raw)) + raw)
 
 
 def _sliced_checkpoint(tmp_path, name: str, slices: dict[int, torch.Tensor], items: dict) -> tuple[str, str]:
@@ -810,7 +810,7 @@ def test_an_exported_checkpoint_loads_in_mindspore_bit_exact(tmp_path):
     to_ms = {v: k for k, v in msf.MS_DTYPES.items()}
     for i, desc in enumerate(got):
         source = no_half if i == 3 else sd
-        want = {k: [to_ms[md.dtype_name(v.dtype)], list(v.shape), sha(v)] for k, v in source.items()
+        want = {k: [to_ms[dtype_name(v.dtype)], list(v.shape), sha(v)] for k, v in source.items()
                 if isinstance(v, torch.Tensor)}
         if i < 2:
             want["note"] = "hello"  # strings exist in .ckpt only

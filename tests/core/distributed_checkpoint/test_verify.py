@@ -9,7 +9,7 @@ import os
 import torch
 
 from hyper_parallel.core.distributed_checkpoint import save, verify_checkpoint
-from hyper_parallel.core.distributed_checkpoint.format import metadata as md
+from hyper_parallel.core.distributed_checkpoint.format.sealed_json import seal_json
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def test_a_chunk_in_none_of_its_writers_files_is_reported(tmp_path):
     doc = json.loads(meta.read_bytes())
     doc["entries"]["renamed"] = doc["entries"].pop("t4")  # its rows now name a key no file holds
     doc["entries"]["renamed"]["path"] = ["renamed"]
-    meta.write_bytes(md.seal_json(doc))
+    meta.write_bytes(seal_json(doc))
     problems = verify_checkpoint(tmp_path).problems
     missing = [p for p in problems if "'renamed'" in p]
     assert len(missing) == 1 and "missing from every file of its writer" in missing[0], problems

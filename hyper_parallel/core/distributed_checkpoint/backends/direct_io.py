@@ -7,8 +7,8 @@ a 4 KiB boundary (:mod:`.data_file`), so a writer can stream a file in aligned b
 large payloads whose memory is aligned go to the device as they are, everything else
 through an aligned bounce buffer.
 
-- :data:`ALIGN`: the alignment used for offsets, lengths and memory (4 KiB covers every
-  common device; the kernel's own minimum is often 512 bytes).
+- :data:`~..base.alignment.DIRECT_IO_ALIGN`: the alignment used for offsets, lengths and
+  memory (4 KiB covers every common device; the kernel's own minimum is often 512 bytes).
 - :func:`direct_io_default`: whether O_DIRECT is the automatic choice on a filesystem
   (local block filesystems; not tmpfs, FUSE or network filesystems, where it either fails,
   gains nothing, or bypasses a cache other readers rely on).
@@ -27,7 +27,8 @@ import weakref
 
 import numpy as np
 
-ALIGN = 4096
+from ..base.alignment import DIRECT_IO_ALIGN
+
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 # statfs f_type of filesystems where O_DIRECT is the automatic choice.
@@ -86,12 +87,12 @@ def address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if view.nbytes else 0
 
 
-def is_aligned(view: memoryview, align: int = ALIGN) -> bool:
+def is_aligned(view: memoryview, align: int = DIRECT_IO_ALIGN) -> bool:
     """Whether a buffer starts on an ``align`` boundary."""
     return address(view) % align == 0
 
 
-def aligned_array(nbytes: int, align: int = ALIGN) -> np.ndarray:
+def aligned_array(nbytes: int, align: int = DIRECT_IO_ALIGN) -> np.ndarray:
     """A new uint8 array of ``nbytes`` whose first byte lies on an ``align`` boundary."""
     raw = np.empty(nbytes + align, dtype=np.uint8)
     off = -raw.ctypes.data % align

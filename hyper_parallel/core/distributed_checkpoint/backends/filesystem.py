@@ -47,11 +47,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.atomic_file import atomic_file, sync_directory, temporary_name
 from ..base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 from ..format.metadata import METADATA_FILE
 from . import direct_io
-from .direct_io import ALIGN, O_DIRECT
+from .direct_io import O_DIRECT
 from .locations import checkpoint_path
 from .protocol import Buffer, StorageReader, StorageWriter
 
@@ -189,7 +190,7 @@ class _DirectSink:
     """O_DIRECT writes in aligned blocks: aligned parts as they are, the rest via bounce buffers.
 
     Every byte is queued as an aligned view in file order: a bounce buffer's bytes since
-    its last queued one (always a multiple of ALIGN: queued when the buffer is full, or
+    its last queued one (always a multiple of DIRECT_IO_ALIGN: queued when the buffer is full, or
     just before an aligned part, when the tail of one payload and its padding end on a
     block), or an aligned part itself. Queued views are written together in one
     ``pwritev`` once they reach ``WRITE_BYTES``, so payloads of a few hundred KiB (column
@@ -207,10 +208,10 @@ class _DirectSink:
 
     def add(self, view: memoryview) -> None:
         while view.nbytes:
-            if ((self._fill - self._start) % ALIGN == 0 and view.nbytes >= DIRECT_MIN
+            if ((self._fill - self._start) % DIRECT_IO_ALIGN == 0 and view.nbytes >= DIRECT_MIN
                     and direct_io.is_aligned(view)):
                 self._queue_bounce()
-                k = view.nbytes - view.nbytes % ALIGN
+                k = view.nbytes - view.nbytes % DIRECT_IO_ALIGN
                 self._queue(view[:k])
                 view = view[k:]
                 continue
@@ -246,7 +247,7 @@ class _DirectSink:
     def close(self) -> tuple[int, bool]:
         """Write the rest (padded to a block); return the file's size and whether it was padded."""
         size = self.pos + self._queued_bytes + self._fill - self._start
-        pad = -(self._fill - self._start) % ALIGN
+        pad = -(self._fill - self._start) % DIRECT_IO_ALIGN
         if pad:
             self._buf[self._fill:self._fill + pad] = bytes(pad)
             self._fill += pad
@@ -467,9 +468,9 @@ class FileSystemReader(StorageReader):
 
     @property
     def read_alignment(self) -> int:
-        """ALIGN when aligned requests are read with O_DIRECT (the loader then aligns its
+        """DIRECT_IO_ALIGN when aligned requests are read with O_DIRECT (the loader then aligns its
         reads and scratch memory), else 0."""
-        return ALIGN if self._uses_direct() else 0
+        return DIRECT_IO_ALIGN if self._uses_direct() else 0
 
     def _uses_direct(self) -> bool:
         if self._direct is None:
@@ -593,7 +594,7 @@ class FileSystemReader(StorageReader):
         view = memoryview(buffer).cast("B")
         want = view.nbytes
         fd = None
-        if (offset % ALIGN == 0 and want % ALIGN == 0 and want and self._uses_direct()
+        if (offset % DIRECT_IO_ALIGN == 0 and want % DIRECT_IO_ALIGN == 0 and want and self._uses_direct()
                 and direct_io.is_aligned(view)):
             fd = self._direct_fd(name)
         if fd is None:

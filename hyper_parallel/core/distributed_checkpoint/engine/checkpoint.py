@@ -25,7 +25,9 @@ from ..backends.locations import location
 from ..backends.protocol import StorageReader, StorageWriter
 from ..backends.resolve import reader_for, writer_for
 from ..base.coordination import Coordinator, as_timeout
+from ..base.gc_pause import paused_gc
 from ..format import metadata as md
+from ..format.values import check_user_metadata
 from ..planning.per_call import planner_for_call
 from ..planning.plan_cache import CachedSaveResult, announce_plan, cache_scope, cached_plans, plan_digest, remember_plan
 from ..planning.planner import LoadPlanner, SavePlan, SavePlanner
@@ -137,7 +139,7 @@ def save(
     if not use_collectives and not no_dist and distributed():
         as_timeout(timeout)  # checked as everywhere, though this rank saves alone
         if user_metadata is not None:
-            md.check_user_metadata(user_metadata)  # no collective here: this rank alone
+            check_user_metadata(user_metadata)  # no collective here: this rank alone
         return save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
                                thread_count, sync_files, user_metadata)
     scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
@@ -153,7 +155,7 @@ def save(
     def plan_locally() -> Summary:
         nonlocal writer
         if user_metadata is not None:  # inside the exchange: a bad value on one rank fails every rank
-            md.check_user_metadata(user_metadata)
+            check_user_metadata(user_metadata)
         if writer is None:
             writer = writer_for(where, sync_files)
         writer.set_up(coord.rank, coord.is_coordinator)
@@ -346,7 +348,7 @@ def load(
     # Planning and reading make thousands of small acyclic objects (boxes, chunk references,
     # read items); the full collections they trigger over a trained model's heap measured
     # 50-200 ms on the critical path, so the cyclic GC waits until the data is in place.
-    with md.paused_gc():
+    with paused_gc():
         try:
             coord.exchange("load (reading metadata)", read_and_share_metadata)
             if rank_local:

@@ -41,6 +41,7 @@ import numpy as np
 from ..backends.protocol import StorageReader, StorageWriter
 from ..base.errors import CorruptCheckpointError, MetadataError, NotACheckpointError
 from ..format import metadata as md
+from ..format.values import encode_value
 from ..planning.planner import WriteItem
 
 _FRAGMENT = re.compile(r"^\.metadata-r(\d{5,7})$")
@@ -165,7 +166,7 @@ def merge_fragments(fragments: list[md.Metadata], where: str = "checkpoint") -> 
                                     f"{seen.kind} {seen.dtype} {seen.shape} vs {e.kind} {e.dtype} {e.shape} "
                                     f"(rank {frag.fragment[0]})")
             elif e.kind == "object" and seen.value is not e.value and (
-                    seen.value != e.value or md.encode_value(seen.value) != md.encode_value(e.value)):
+                    seen.value != e.value or encode_value(seen.value) != encode_value(e.value)):
                 differ.append(key)
             if isinstance(e.store, md.TableStore):
                 subs = e.store.subs if e.store.subs is not None else np.arange(len(e.store))

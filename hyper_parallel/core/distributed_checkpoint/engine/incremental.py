@@ -25,6 +25,7 @@ from typing import Any
 
 from ..base.box import Box
 from ..format import metadata as md
+from ..format.validation import step_dir_name, step_of
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,11 @@ class IncrementalState:
         """A save into ``step_dir`` starts (the manager calls it before each save).
 
         Raises ValueError unless ``step_dir`` is a step directory name
-        (:func:`~.metadata.step_dir_name`): the next step names it in ``dirs``, where readers
+        (:func:`~.validation.step_dir_name`): the next step names it in ``dirs``, where readers
         accept nothing else.
         """
-        if md.step_of(step_dir) is None:
-            raise ValueError(f"incremental saves go into step directories named like {md.step_dir_name(1)!r} "
+        if step_of(step_dir) is None:
+            raise ValueError(f"incremental saves go into step directories named like {step_dir_name(1)!r} "
                              f"(the next step references this one by that name), not {step_dir!r}")
         self.step_dir = step_dir
 

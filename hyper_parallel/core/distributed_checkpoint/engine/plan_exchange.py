@@ -26,6 +26,7 @@ from ..base.box import Box
 from ..base.coordination import Coordinator
 from ..base.errors import UnsupportedValueError
 from ..format import metadata as md
+from ..format.values import is_json_value
 from ..planning.plan_cache import CachedSaveResult
 from ..planning.planner import SavePlan, SavePlanner, WriteItem
 
@@ -62,7 +63,7 @@ def plain_digests(planner: SavePlanner, plan: SavePlan, per_key: bool) -> tuple[
     each = {}
     for key in plan.objects:
         value = planner.resolve_data(WriteItem(key, Box((), ()), 0))
-        if md.is_json_value(value):
+        if is_json_value(value):
             each[key] = crc32c.crc32c(repr(_canonical(value)).encode())
     total = crc32c.crc32c(repr(sorted(each.items())).encode())
     return total, each if per_key else None

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..base.box import Box
-from ..base.errors import MetadataError
-from ..sharding.grid import Grid, shared_grid
+from ..base.dtypes import itemsize
+from ..sharding.grid import Grid
 from . import metadata as md
 
 
@@ -52,29 +52,15 @@ class _Locator:
     def __init__(self, meta: md.Metadata, entry: md.Entry):
         self.meta, self.entry = meta, entry
         store = entry.store
-        self.grid: Grid | None = None
+        self.grid: Grid | None = md.entry_grid(entry)
         self.where_ends: list[int] = []
         self.where_dirs: list[str] = []
-        if isinstance(store, md.GridStore):
-            shape = tuple(entry.shape or ())
-            layout = store.layout if store.layout is not None else (entry.layout if store.writer is None else None)
-            try:
-                if layout is not None:
-                    self.grid = shared_grid(shape, layout["mesh_shape"], layout["placements"],
-                                            layout.get("rank_list"), store.tiles)
-                else:
-                    self.grid = shared_grid(shape, (1,), ["R"], [store.writer], store.tiles)
-            except ValueError as exc:
-                raise MetadataError(f"key {entry.key!r}: its saved layout describes no chunk grid: {exc}") from None
-            if store.where is not None:
-                total = 0
-                for count, d in store.where:
-                    total += count
-                    self.where_ends.append(total)
-                    self.where_dirs.append(meta.dirs[d])
-                if total != self.grid.num_boxes:
-                    raise MetadataError(f"key {entry.key!r}: 'where' covers {total} boxes, its grid has "
-                                        f"{self.grid.num_boxes}")
+        if self.grid is not None and store.where is not None:
+            total = 0
+            for count, d in store.where:
+                total += count
+                self.where_ends.append(total)
+                self.where_dirs.append(meta.dirs[d])
 
     def dir_of(self, box: int) -> str:
         if not self.where_ends:
@@ -123,7 +109,7 @@ def _grid_refs(meta: md.Metadata, entry: md.Entry, boxes: list[int], rank: int |
         else:
             writers = [g.writer(b, store.offset)]
         files = tuple(f for w in writers for f in files_of(meta, d, w))
-        size = md.itemsize(entry.dtype)
+        size = itemsize(entry.dtype)
         for sub, box in g.band_subs(b):
             out.append(ChunkRef(entry.key, sub, box, files, box.numel * size))
     return out
@@ -144,7 +130,7 @@ def _table_refs(meta: md.Metadata, entry: md.Entry, rows: np.ndarray, rank: int 
         box = Box(offsets, sizes)
         subs = tuple(store.sub(members[j]) for j in order) if store.subs is not None else None
         out.append(ChunkRef(entry.key, store.sub(first), box, tuple(files[j] for j in order),
-                            box.numel * md.itemsize(entry.dtype), record, subs))
+                            box.numel * itemsize(entry.dtype), record, subs))
     return out
 
 
@@ -196,7 +182,7 @@ def count(meta: md.Metadata, entry: md.Entry) -> int:
     store: md.TableStore = entry.store
     if store is None:
         return 0
-    return len({(tuple(o), tuple(s)) for o, s in zip(store.offsets.tolist(), store.sizes.tolist(), strict=True)})
+    return len(store.distinct_boxes())
 
 
 def covered(meta: md.Metadata, entry: md.Entry) -> int:
@@ -207,15 +193,14 @@ def covered(meta: md.Metadata, entry: md.Entry) -> int:
     store: md.TableStore = entry.store
     if store is None:
         return 0
-    boxes = {(tuple(o), tuple(s)) for o, s in zip(store.offsets.tolist(), store.sizes.tolist(), strict=True)}
-    return sum(math.prod(s) for _, s in boxes)
+    return sum(math.prod(s) for _, s in store.distinct_boxes())
 
 
 def largest_chunk_bytes(meta: md.Metadata, entry: md.Entry) -> int:
     """Bytes of the entry's largest saved chunk (0 for values without data)."""
     if entry.kind == "object" or not math.prod(entry.shape or ()):
         return 0
-    size = md.itemsize(entry.dtype)
+    size = itemsize(entry.dtype)
     loc = _locator(meta, entry)
     if loc.grid is not None:
         g = loc.grid

@@ -4,7 +4,7 @@ A data file is a valid safetensors file::
 
     [8-byte header length][JSON header, space-padded][payloads ...][__index__]
 
-- Payloads of at least ``ALIGN_MIN`` bytes start on ``ALIGN`` (4 KiB) boundaries, so they
+- Payloads of at least ``ALIGNED_PAYLOAD_MIN`` bytes start on ``DIRECT_IO_ALIGN`` (4 KiB) boundaries, so they
   can be written and read with O_DIRECT; smaller ones are packed densely (aligned only to
   their element size), so thousands of tiny shards do not grow the file. Every gap is a
   ``__pad<n>`` entry of raw bytes, because safetensors allows no holes.
@@ -33,12 +33,13 @@ import crc32c
 import numpy as np
 import torch
 
+from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.box import Box
+from ..base.dtypes import itemsize, safetensors_dtype
 from ..base.errors import CorruptCheckpointError
 from . import metadata as md
 
-ALIGN = 4096
-ALIGN_MIN = 64 << 10
+ALIGNED_PAYLOAD_MIN = 64 << 10  # payloads at least this large start on a DIRECT_IO_ALIGN boundary
 BLOCK_BYTES = 1 << 20
 INDEX_NAME = "__index__"
 _MAGIC = b"HPDCIDX2"
@@ -105,7 +106,7 @@ class FileLayout:
     index_length: int  # the index itself (what readers read)
     index_span: int  # the index with the padding that ends the file on a block boundary
     size: int
-    aligned: bool  # some payloads are ALIGN-aligned (worth writing with O_DIRECT)
+    aligned: bool  # some payloads are DIRECT_IO_ALIGN-aligned (worth writing with O_DIRECT)
 
     @property
     def base(self) -> int:
@@ -128,7 +129,7 @@ def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes
     One pass, a few operations per item, the JSON header written as text directly:
     offline tools plan thousands of files of thousands of tiny chunks each.
     """
-    aligned = any(i.nbytes >= ALIGN_MIN for i in items)
+    aligned = any(i.nbytes >= ALIGNED_PAYLOAD_MIN for i in items)
     meta = {"format": md.FORMAT_NAME, "version": str(md.FORMAT_VERSION), "save_id": save_id}
     out: list[str] = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"))]
     names: set[str] = set()
@@ -139,10 +140,10 @@ def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes
     for item in items:
         kind = kinds.get(item.dtype)
         if kind is None:
-            kind = kinds[item.dtype] = (md.safetensors_dtype(item.dtype) or "", max(1, md.itemsize(item.dtype)))
+            kind = kinds[item.dtype] = (safetensors_dtype(item.dtype) or "", max(1, itemsize(item.dtype)))
         st, size = kind
         nbytes = item.nbytes
-        a = ALIGN if nbytes >= ALIGN_MIN else size
+        a = DIRECT_IO_ALIGN if nbytes >= ALIGNED_PAYLOAD_MIN else size
         start = -(-pos // a) * a
         if start > pos:
             out.append(f',"__pad{pads}":{{"dtype":"U8","shape":[{start - pos}],"data_offsets":[{pos},{start}]}}')
@@ -158,14 +159,14 @@ def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes
         pos = start + nbytes
         crc_first.append(n_crcs)
         n_crcs += (1 if nbytes else 0) if nbytes <= block_bytes else n_blocks(box.sizes, nbytes, block_bytes)
-    index_rel = _align(pos, ALIGN if aligned else 8)
+    index_rel = _align(pos, DIRECT_IO_ALIGN if aligned else 8)
     if index_rel > pos:
         out.append(f',"__pad{pads}":{{"dtype":"U8","shape":[{index_rel - pos}],"data_offsets":[{pos},{index_rel}]}}')
     index_length = _HEAD.size + _ROW * len(items) + 4 * n_crcs + (16 * len(items) if hashes else 0)
-    span = _align(index_length, ALIGN) if aligned else index_length  # the file ends on a block boundary
+    span = _align(index_length, DIRECT_IO_ALIGN) if aligned else index_length  # the file ends on a block boundary
     out.append(f',"{INDEX_NAME}":{{"dtype":"U8","shape":[{span}],"data_offsets":[{index_rel},{index_rel + span}]}}}}')
     raw = "".join(out).encode()
-    raw += b" " * (-(8 + len(raw)) % (ALIGN if aligned else 8))
+    raw += b" " * (-(8 + len(raw)) % (DIRECT_IO_ALIGN if aligned else 8))
     blob = struct.pack("<Q", len(raw)) + raw
     base = len(blob)
     return FileLayout(blob, [base + r for r in rel], crc_first, n_crcs, base + index_rel, index_length, span,

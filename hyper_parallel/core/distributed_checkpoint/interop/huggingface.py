@@ -57,6 +57,7 @@ from ..backends.fsspec import FsspecReader
 from ..backends.locations import checkpoint_path, is_url, local_path
 from ..backends.protocol import Buffer, StorageReader
 from ..base.box import Box, first_overlap, uncovered
+from ..base.dtypes import dtype_from_safetensors, itemsize
 from ..base.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -64,8 +65,10 @@ from ..base.errors import (
     NotACheckpointError,
     UnsupportedValueError,
 )
+from ..base.limits import MAX_ELEMENTS, MAX_NDIM
 from ..format import metadata as md
 from ..format.data_file import UncheckedIndex
+from ..format.validation import validate_file_name
 
 HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
@@ -139,7 +142,7 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
         if not isinstance(info, dict):
             raise CorruptCheckpointError(f"{at}: its header entry must be an object, found {info!r:.80}")
         st = info.get("dtype")
-        dtype = md.dtype_from_safetensors(st)
+        dtype = dtype_from_safetensors(st)
         if dtype is None:
             if st in _SUB_BYTE:
                 raise UnsupportedValueError(f"{at} has the sub-byte dtype {st}, which cannot be loaded into a "
@@ -147,18 +150,19 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> Safetens
             raise CorruptCheckpointError(f"{at} has dtype {st!r:.40}, which is no safetensors dtype this reader "
                                          "knows")
         shape = info.get("shape")
-        if (not isinstance(shape, list) or len(shape) > 64
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
                 or not all(type(d) is int and d >= 0 for d in shape)):
-            raise CorruptCheckpointError(f"{at}: shape must be a list of at most 64 sizes >= 0, found {shape!r:.80}")
+            raise CorruptCheckpointError(f"{at}: shape must be a list of at most {MAX_NDIM} sizes >= 0, "
+                                         f"found {shape!r:.80}")
         offs = info.get("data_offsets")
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1]):
             raise CorruptCheckpointError(f"{at}: data_offsets must be [begin, end] with 0 <= begin <= end, "
                                          f"found {offs!r:.80}")
         numel = math.prod(shape)
-        if numel > 1 << 56:
+        if numel > MAX_ELEMENTS:
             raise CorruptCheckpointError(f"{at}: shape {shape} is absurdly large")
-        nbytes = numel * md.itemsize(dtype)
+        nbytes = numel * itemsize(dtype)
         if offs[1] - offs[0] != nbytes:
             raise CorruptCheckpointError(
                 f"{at}: data_offsets {offs} span {offs[1] - offs[0]} bytes, but {st} shape {shape} needs "
@@ -208,7 +212,7 @@ def torch_saved_offsets(header: SafetensorsHeader, where: str,
         rec = doc.get(name)
         offsets = rec.get(_SAVED_OFFSETS) if isinstance(rec, dict) else None
         if (not isinstance(offsets, list) or len(offsets) != len(t.shape)
-                or not all(type(o) is int and 0 <= o < 1 << 56 for o in offsets)):
+                or not all(type(o) is int and 0 <= o < MAX_ELEMENTS for o in offsets)):
             if not strict:
                 continue
             raise CorruptCheckpointError(
@@ -423,7 +427,7 @@ class HuggingFaceStorageReader(StorageReader):
         for key, name in weight_map.items():
             if not isinstance(name, str):
                 raise MetadataError(f"{where}: 'weight_map' maps {key!r} to {name!r:.80}, not a file name")
-            md.validate_file_name(name, where)
+            validate_file_name(name, where)
         return sorted(set(weight_map.values())), weight_map
 
     def read_metadata(self) -> bytes:
@@ -553,7 +557,7 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
                 "True) writes shard-<n>-model-<i>-of-<k>.safetensors files (with enable_consolidation=True, in "
                 "its 'sharded' subdirectory)")
         for name in names:
-            md.validate_file_name(name, self.path)
+            validate_file_name(name, self.path)
         return names, None
 
     def read_metadata(self) -> bytes:

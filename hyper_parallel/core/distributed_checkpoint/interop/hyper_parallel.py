@@ -36,8 +36,12 @@ import torch
 
 from ..backends.locations import location
 from ..base.box import Box, first_overlap
+from ..base.dtypes import itemsize, torch_dtype
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
+from ..base.limits import MAX_NDIM
 from ..format import metadata as md
+from ..format.validation import validate_file_name
+from ..format.values import plain_value_problem
 from ..planning.planner import EntrySpec, WriteItem
 from ..resharding.offline_transform import write_streaming
 from ..state.flatten import path_from_parts
@@ -235,7 +239,7 @@ def _ints(v: Any, what: str, where: str, ndim: int | None = None) -> tuple[int, 
         raise MetadataError(f"{where}: {what} {v!r} is not a tuple of non-negative integers")
     if ndim is not None and len(v) != ndim:
         raise MetadataError(f"{where}: {what} {v!r} should have {ndim} dimensions")
-    if len(v) > 64:
+    if len(v) > MAX_NDIM:
         raise MetadataError(f"{where}: {what} has {len(v)} dimensions")
     return tuple(v)
 
@@ -244,14 +248,14 @@ def _dtype_name(v: Any, key: str, where: str) -> str:
     # "torch.float32" from torch; MindSpore's names ("Float32", "BFloat16") lower-case to ours
     name = v.removeprefix("torch.").lower() if isinstance(v, str) else None
     try:
-        md.torch_dtype(name)
+        torch_dtype(name)
     except (MetadataError, TypeError, KeyError):
         raise UnsupportedValueError(f"{where}: {key!r} has dtype {v!r}, which this format cannot hold") from None
     return name
 
 
 def _file_name(v: Any, where: str) -> str:
-    md.validate_file_name(v, where=where)
+    validate_file_name(v, where=where)
     return v
 
 
@@ -461,7 +465,7 @@ def _decode_value(raw: bytes, key: str, where: str, allow_pickle: bool) -> tuple
                                          f"{exc})") from None
         # a cycle, deep nesting or shared lists (2**45 JSON items in 287 bytes) are no plain
         # value: found in bounded steps, they stay pickled (with allow_pickle) or are refused
-        fault = md.plain_value_problem(value)
+        fault = plain_value_problem(value)
         if fault is None:
             return "object", value
         if isinstance(value, (bytes, bytearray)):
@@ -542,7 +546,7 @@ def import_hyper_parallel(
     for key, t in ckpt.tensors.items():
         entries[key] = EntrySpec("tensor", path_of(key), t.dtype, t.shape)
         for c in t.chunks:
-            nbytes = md.itemsize(t.dtype) * c.box.numel
+            nbytes = itemsize(t.dtype) * c.box.numel
             if nbytes:
                 by_file.setdefault(c.file, []).append(WriteItem(key, c.box, nbytes))
                 where[(key, c.box)] = c
@@ -582,7 +586,7 @@ def import_hyper_parallel(
         c = where[(item.key, item.box)]
         t = files.tensor(c.file, c.key)
         spec = entries[item.key]
-        if tuple(t.shape) != item.box.sizes or t.dtype != md.torch_dtype(spec.dtype):
+        if tuple(t.shape) != item.box.sizes or t.dtype != torch_dtype(spec.dtype):
             raise CheckpointError(
                 f"{os.path.join(src, c.file)}: {c.key!r} is {str(t.dtype).removeprefix('torch.')} "
                 f"{list(t.shape)}, but the metadata says {spec.dtype} {list(item.box.sizes)}")

@@ -48,10 +48,12 @@ from ..backends.filesystem import FileSystemReader
 from ..base import protowire as pw
 from ..base.atomic_file import atomic_file
 from ..base.box import Box
+from ..base.dtypes import dtype_from_safetensors, itemsize, safetensors_dtype, torch_dtype
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
 from ..format.data_file import tensor_bytes
+from ..format.validation import check_shape
 from ..planning.planner import EntrySpec, WriteItem
 from ..resharding.offline_transform import _prefixed_path, write_streaming
 from ..sharding.mindspore_strategy import MindSporeLayout, read_strategy
@@ -133,7 +135,7 @@ class MindSporeFile:
                 raise CorruptCheckpointError(
                     f"{self.path}: the string value {name!r} is not UTF-32 text ({exc.reason} at byte {exc.start} "
                     f"of its {len(raw)}); the file is damaged") from None
-        out = torch.empty(info.shape, dtype=md.torch_dtype(info.dtype))
+        out = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
         if out.numel():
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
             pos = 0
@@ -180,7 +182,7 @@ def _check_dims(dims: Any, name: str, path: str) -> tuple[int, ...]:
     """The shape of a tensor of the file, refused unless our checkpoints can hold it (no
     negative dim, at most 64 dims and 2**56 elements), before anything allocates or imports it."""
     try:
-        return md.check_shape(dims, f"{path}: tensor {name!r}")
+        return check_shape(dims, f"{path}: tensor {name!r}")
     except MetadataError as exc:
         raise CorruptCheckpointError(f"{exc}; the file is damaged") from None
 
@@ -303,7 +305,7 @@ class _Ckpt(MindSporeFile):
         if info.dtype == STR:
             info.shape = ()
             return
-        item = md.itemsize(info.dtype)
+        item = itemsize(info.dtype)
         have = info.nbytes
         if info.shape == (0,) and have == item:  # MindSpore reads dims [0] as a 0-d value
             info.shape = ()
@@ -312,9 +314,6 @@ class _Ckpt(MindSporeFile):
             raise CorruptCheckpointError(
                 f"{self.path}: tensor {name!r} ({info.dtype} {list(info.shape)}) needs {want} bytes, its "
                 f"{len(info.pieces)} message(s) hold {have}; the file is truncated or a slice message is missing")
-
-
-_ST_TO_NAME = {v[1]: k for k, v in md._DTYPES.items() if v[1]}
 
 
 class _Safetensors(MindSporeFile):
@@ -343,13 +342,15 @@ class _Safetensors(MindSporeFile):
                 raise UnsupportedValueError(f"{path}: tensor {name!r} is MindSpore's packed 4-bit qint4x2, which has "
                                             "no torch dtype")
             try:
-                dtype = _ST_TO_NAME[e["dtype"]]
+                dtype = dtype_from_safetensors(e["dtype"])
+                if dtype is None:
+                    raise KeyError(e["dtype"])
                 shape, (a, b) = e["shape"], e["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise UnsupportedValueError(f"{path}: tensor {name!r} has an unsupported entry {e!r:.120}") from None
             shape = _check_dims(shape, name, path)
             if (type(a) is not int or type(b) is not int or not 0 <= a <= b <= size - base
-                    or b - a != _numel(shape) * md.itemsize(dtype)):
+                    or b - a != _numel(shape) * itemsize(dtype)):
                 raise CorruptCheckpointError(f"{path}: tensor {name!r} ({dtype} {list(shape)}) has byte range "
                                              f"[{a}, {b}) in a data section of {size - base} bytes")
             self.tensors[name] = TensorInfo(name, dtype, shape, [(base + a, base + b)])
@@ -558,7 +559,7 @@ def _import_distributed(src: str, ranks: dict[int, str], strategy_file: str, dst
                 entries[key] = EntrySpec("tensor", path, first.dtype, first.shape)
                 placed = [(Box.full(first.shape), have[0])]
             for box, r in placed:
-                nbytes = box.numel * md.itemsize(first.dtype)
+                nbytes = box.numel * itemsize(first.dtype)
                 if nbytes:
                     by_rank.setdefault(r, []).append(WriteItem(key, box, nbytes))
                     source[(key, box)] = (r, name)
@@ -869,8 +870,8 @@ def _write_safetensors(out: Any, plan: list, data: Callable, crc_on: bool, summa
     header: dict[str, Any] = {"__metadata__": {"format": "ms", **({"crc_num": "0" * 10} if crc_on else {})}}
     pos = 0
     for name, dtype, shape, _, _ in plan:
-        n = math.prod(shape) * md.itemsize(dtype)
-        header[name] = {"dtype": md.safetensors_dtype(dtype), "shape": list(shape), "data_offsets": [pos, pos + n]}
+        n = math.prod(shape) * itemsize(dtype)
+        header[name] = {"dtype": safetensors_dtype(dtype), "shape": list(shape), "data_offsets": [pos, pos + n]}
         pos += n
 
     def encode() -> bytes:

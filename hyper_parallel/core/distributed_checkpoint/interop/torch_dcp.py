@@ -66,6 +66,7 @@ from ..backends.protocol import StorageReader
 from ..backends.resolve import reader_for
 from ..base.atomic_file import atomic_file
 from ..base.box import Box
+from ..base.dtypes import itemsize, torch_dtype
 from ..base.errors import CheckpointError, UnsupportedValueError
 from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
@@ -113,7 +114,7 @@ def _skeleton(meta: md.Metadata) -> tuple[dict[str, Any], dict[int, md.Entry]]:
     items: dict[tuple[Any, ...], Any] = {}
     for e in meta.entries.values():
         if e.kind == "tensor":
-            t = torch.empty(tuple(e.shape or ()), dtype=md.torch_dtype(e.dtype), device="meta")
+            t = torch.empty(tuple(e.shape or ()), dtype=torch_dtype(e.dtype), device="meta")
             placeholders[id(t)] = e
             items[tuple(e.path)] = t
         elif e.kind == "object":
@@ -160,7 +161,7 @@ def _plan(meta: md.Metadata, max_chunk_bytes: int
         load[rank] = load.get(rank, 0) + sum(i.nbytes for i in items if isinstance(i, _TensorChunk))
 
     def chunks(fqn: str, entry: md.Entry, box: Box) -> list[_TensorChunk | _Object]:
-        size = md.itemsize(entry.dtype)
+        size = itemsize(entry.dtype)
         if not box.numel:  # torch writes one empty chunk for an empty tensor
             return [_TensorChunk(fqn, entry, box, 0)]
         return [_TensorChunk(fqn, entry, p, p.numel * size) for p in box.split(max(1, max_chunk_bytes // size))]
@@ -278,7 +279,7 @@ def _torch_metadata(files: dict[int, list[_TensorChunk | _Object]], mappings: di
             if m is None:
                 e = item.entry
                 m = state[item.fqn] = TensorStorageMetadata(
-                    TensorProperties(dtype=md.torch_dtype(e.dtype)), torch.Size(e.shape or ()), [])
+                    TensorProperties(dtype=torch_dtype(e.dtype)), torch.Size(e.shape or ()), [])
             m.chunks.append(ChunkStorageMetadata(torch.Size(item.box.offsets), torch.Size(item.box.sizes)))
     for m in state.values():
         if isinstance(m, TensorStorageMetadata):

@@ -108,6 +108,7 @@ from ..engine.checkpoint import save as _save
 from ..engine.commit import unreferenced_files
 from ..engine.incremental import IncrementalState
 from ..format import metadata as md
+from ..format.values import is_json_value
 from ..staging.checkpointer import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
 from .local_tier import LocalTier, new_timeline
 from .step_directory import (
@@ -870,7 +871,7 @@ def _plain_metrics(metrics: Any) -> dict[str, Any]:
     if not isinstance(metrics, dict) or not all(type(k) is str for k in metrics):
         raise ValueError(f"metrics must be a dict with str keys, got {metrics!r:.200}")
     plain = {k: v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v for k, v in metrics.items()}
-    if not md.is_json_value(plain):
+    if not is_json_value(plain):
         raise ValueError(f"metrics values must be numbers, strings, bools, None, or lists/dicts of them (or 0-d "
                          f"tensors), got {metrics!r:.200}")
     return plain

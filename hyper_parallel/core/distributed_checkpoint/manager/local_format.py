@@ -25,7 +25,7 @@ instead of the safetensors entries::
 
 - ``kind``: ``dtensor`` (this rank's local shard of a DTensor), ``tensor`` (a plain tensor,
   this rank's copy), ``ndarray`` (``dtype`` is numpy's ``dtype.str``), ``bytes``, or
-  ``object`` (a JSON value with the type tags of :func:`metadata.encode_value`).
+  ``object`` (a JSON value with the type tags of :func:`values.encode_value`).
 - ``start``/``nbytes``: where the payload lies, relative to the first byte after the header;
   ``crc32c``: its checksum, verified on every read.
 - ``fingerprint``: the structure of the rank's state dict (keys, kinds, dtypes, local shapes,
@@ -70,8 +70,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..base.atomic_file import atomic_file
+from ..base.dtypes import dtype_name, itemsize, safetensors_dtype
 from ..base.errors import CorruptCheckpointError, UnsupportedValueError
-from ..format import metadata as md
+from ..base.limits import MAX_NDIM
+from ..format.values import decode_value, encode_value, is_json_value, json_culprit
 from ..sharding.records import dtensor_box, layout_record
 from ..state.flatten import Flat
 
@@ -150,11 +152,11 @@ def describe(flat: Flat, cache: dict | None = None) -> tuple[list[LocalEntry], l
         if isinstance(value, DTensor):
             offsets, layout = _dtensor_facts(value, key, cache)
             local = value._local_tensor
-            entry = LocalEntry(key, "dtensor", md.dtype_name(value.dtype), tuple(local.shape), tuple(value.shape),
+            entry = LocalEntry(key, "dtensor", dtype_name(value.dtype), tuple(local.shape), tuple(value.shape),
                                offsets, layout)
             value = local
         elif isinstance(value, torch.Tensor):
-            entry = LocalEntry(key, "tensor", md.dtype_name(value.dtype), tuple(value.shape))
+            entry = LocalEntry(key, "tensor", dtype_name(value.dtype), tuple(value.shape))
         elif isinstance(value, np.ndarray):
             if value.dtype.hasobject:
                 raise UnsupportedValueError(f"{key!r}: a numpy array of Python objects cannot be saved; "
@@ -163,10 +165,10 @@ def describe(flat: Flat, cache: dict | None = None) -> tuple[list[LocalEntry], l
         elif isinstance(value, (bytes, bytearray)):
             entry = LocalEntry(key, "bytes", shape=(len(value),))
             value = np.frombuffer(value, dtype=np.uint8)  # staged like an array
-        elif md.is_json_value(value):
+        elif is_json_value(value):
             entry = LocalEntry(key, "object")
         else:
-            where, bad = md.json_culprit(value, key) or (key, value)  # the innermost value at fault
+            where, bad = json_culprit(value, key) or (key, value)  # the innermost value at fault
             raise UnsupportedValueError(
                 f"{where!r}: a {type(bad).__module__}.{type(bad).__qualname__} can only be saved with pickle, "
                 "which the local tier never uses; convert it to tensors/plain values (e.g. int(x) or float(x) "
@@ -242,7 +244,7 @@ def build_shard_file(manifest: dict[str, Any], entries: list[LocalEntry], spans:
         rec: dict[str, Any] = {"kind": e.kind}
         listed[e.key] = rec
         if e.kind == "object":
-            rec["value"] = md.encode_value(objects[e.key])
+            rec["value"] = encode_value(objects[e.key])
             continue
         start = spans[e.key]
         nbytes = _nbytes(e)
@@ -258,7 +260,7 @@ def build_shard_file(manifest: dict[str, Any], entries: list[LocalEntry], spans:
         if start > pos:
             header[f"__pad{pads}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
             pads += 1
-        st = md.safetensors_dtype(e.dtype) if e.kind in ("dtensor", "tensor") else None
+        st = safetensors_dtype(e.dtype) if e.kind in ("dtensor", "tensor") else None
         offsets = e.offsets if e.offsets is not None else (0,) * len(e.shape or ())
         header[f"{e.key}@{','.join(map(str, offsets))}"] = {
             "dtype": st or "U8", "shape": list(e.shape or ()) if st else [nbytes],
@@ -277,7 +279,7 @@ def _nbytes(e: LocalEntry) -> int:
         return int(np.prod(e.shape or (), dtype=np.int64)) * np.dtype(e.dtype).itemsize
     if e.kind == "bytes":
         return int((e.shape or (0,))[0])
-    return int(np.prod(e.shape or (), dtype=np.int64)) * md.itemsize(e.dtype or "")
+    return int(np.prod(e.shape or (), dtype=np.int64)) * itemsize(e.dtype or "")
 
 
 def tmp_path_for(final: str) -> str:
@@ -425,7 +427,7 @@ def read_into(man: Manifest, entries: list[LocalEntry], targets: list[Any]) -> t
             if rec is None or rec.get("kind") != e.kind:
                 raise CorruptCheckpointError(f"{man.path}: no {e.kind} entry {e.key!r} in the manifest")
             if e.kind == "object":
-                out[e.key] = md.decode_value(rec.get("value"))
+                out[e.key] = decode_value(rec.get("value"))
                 continue
             nbytes = rec["nbytes"]
             if e.kind in ("dtensor", "tensor"):
@@ -452,7 +454,7 @@ def read_into(man: Manifest, entries: list[LocalEntry], targets: list[Any]) -> t
                 shape = rec.get("shape")
                 # math.prod of Python ints: numpy's int64 product wraps, and a forged shape whose
                 # product wraps to the recorded size would allocate whatever it says
-                if dtype.hasobject or not isinstance(shape, list) or len(shape) > 64 \
+                if dtype.hasobject or not isinstance(shape, list) or len(shape) > MAX_NDIM \
                         or not all(_int(s) for s in shape) or math.prod(shape) * dtype.itemsize != nbytes:
                     raise CorruptCheckpointError(f"{man.path}: ndarray entry {e.key!r} is malformed")
                 arr = np.empty(shape, dtype=dtype)

@@ -31,7 +31,8 @@ from ..backends.protocol import StorageReader, StorageWriter
 from ..base.errors import CheckpointError, NotACheckpointError
 from ..engine.commit import unreferenced_files
 from ..format import metadata as md
-from ..format.metadata import step_dir_name, step_of  # the format's naming rule (``dirs``)
+from ..format.validation import step_dir_name, step_of  # the format's naming rule (``dirs``)
+from ..format.values import decode_value, encode_value
 
 __all__ = ["StepInfo", "files_other_steps_use", "list_steps", "step_dir_name", "references_of"]
 
@@ -403,8 +404,8 @@ class StepInfo:
 
 def encode_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     """Metrics as they are stored in ``Metadata.user``: plain JSON where it can be (``nan``
-    and other non-JSON values carry the type tags of :func:`metadata.encode_value`)."""
-    return {k: md.encode_value(v) for k, v in metrics.items()}
+    and other non-JSON values carry the type tags of :func:`values.encode_value`)."""
+    return {k: encode_value(v) for k, v in metrics.items()}
 
 
 def metrics_of(meta: md.Metadata) -> dict[str, Any] | None:
@@ -413,7 +414,7 @@ def metrics_of(meta: md.Metadata) -> dict[str, Any] | None:
     if not isinstance(stored, dict):
         return None
     try:
-        return {k: md.decode_value(v) for k, v in stored.items()}
+        return {k: decode_value(v) for k, v in stored.items()}
     except ValueError:
         return None
 

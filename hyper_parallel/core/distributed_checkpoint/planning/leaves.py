@@ -19,8 +19,10 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..base.dtypes import dtype_name
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
+from ..format.values import is_json_value
 
 __all__ = ["bytes_tensor", "numpy_tensor", "check_saveable", "check_writable", "numpy_tensor_view",
            "number_kind", "kind_of", "describe", "part_name", "shaped_like", "fill_plain"]
@@ -57,7 +59,7 @@ def check_saveable(key: str, t: torch.Tensor) -> None:
         raise UnsupportedValueError(f"{key!r}: the tensor is on the meta device and holds no data; "
                                     "materialize it (e.g. model.to_empty(device=...) and initialize it) first")
     try:
-        md.dtype_name(t.dtype)
+        dtype_name(t.dtype)
     except md.MetadataError as exc:
         raise UnsupportedValueError(f"{key!r}: {exc}") from None
 
@@ -104,7 +106,7 @@ def kind_of(v: Any) -> str:
         return "ndarray"
     if isinstance(v, (bytes, bytearray)):
         return "bytes"
-    return "object" if md.is_json_value(v) else "pickle"
+    return "object" if is_json_value(v) else "pickle"
 
 
 def describe(v: Any) -> str:

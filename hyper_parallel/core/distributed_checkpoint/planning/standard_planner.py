@@ -29,9 +29,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..base.box import Box, uncovered
+from ..base.dtypes import dtype_name, itemsize, torch_dtype
 from ..base.errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
+from ..format.chunk_info import check_chunk_info
 from ..format.chunks import overlapping
+from ..format.values import is_json_value, json_culprit
 from ..sharding.grid import parse_placement
 from ..sharding.records import dtensor_box, layout_record
 from ..state.flatten import renamed_path
@@ -235,19 +238,19 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                 if self._staged(value._local_tensor) is None:
                     check_saveable(key, value._local_tensor)
                 box = dtensor_box(value, key)
-                dtype = md.dtype_name(value.dtype)
+                dtype = dtype_name(value.dtype)
                 entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value, group_rank))
                 if box is not None:
                     self._hold(items, key, box, value._local_tensor)
                 continue
             if isinstance(value, torch.Tensor):
-                md.check_chunk_info(key, value)
+                check_chunk_info(key, value)
                 kind, tensor = "tensor", value
             elif isinstance(value, np.ndarray):
                 kind, tensor = "ndarray", numpy_tensor(value, key)
             elif isinstance(value, (bytes, bytearray)):
                 kind, tensor = "bytes", bytes_tensor(value)
-            elif md.is_json_value(value):
+            elif is_json_value(value):
                 entries[key] = EntrySpec("object", path)
                 objects.append(key)
                 self._held[key] = (Box((), ()), value)
@@ -255,7 +258,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             elif self.allow_pickle:
                 kind, tensor = "pickle", bytes_tensor(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
             else:
-                where, bad = md.json_culprit(value, key) or (key, value)
+                where, bad = json_culprit(value, key) or (key, value)
                 raise UnsupportedValueError(
                     f"{where!r}: a {type(bad).__module__}.{type(bad).__qualname__} can only be "
                     "saved with pickle; convert it to tensors/plain values (e.g. int(x) for a numpy "
@@ -264,7 +267,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             if self._staged(tensor) is None:  # a staged one stands for checked bands
                 check_saveable(key, tensor)
             shape = tuple(tensor.shape)
-            entries[key] = EntrySpec(kind, path, md.dtype_name(tensor.dtype), shape)
+            entries[key] = EntrySpec(kind, path, dtype_name(tensor.dtype), shape)
             if tensor.numel():
                 self._hold(items, key, Box.full(shape), tensor)
         return SavePlan(entries, items, objects)
@@ -313,7 +316,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                 if len(p) > 1:  # a shard: more boxes, and fewer columns per box when it splits dim 1
                     boxes *= m
                     cols *= m if p[1] == 1 else 1
-        size = md.itemsize(spec.dtype)
+        size = itemsize(spec.dtype)
         if math.prod(shape) * size // boxes < self.tile_min_chunk_bytes:
             return 1
         box_cols = shape[1] // cols
@@ -336,7 +339,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                 or local.is_nested or local.layout != torch.strided or not local.numel()):
             return 1
         try:
-            dtype = md.dtype_name(value.dtype)
+            dtype = dtype_name(value.dtype)
             layout = layout_record(value) if isinstance(value, DTensor) else None
             return self.tiles(key, EntrySpec("tensor", (key,), dtype, tuple(value.shape), layout))
         except Exception:  # the save itself reports what it cannot take
@@ -398,7 +401,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                     "checkpoint. Pass allow_pickle=True only if you trust where it came from"
                 )
             if isinstance(target, torch.Tensor) and not isinstance(target, DTensor):
-                md.check_chunk_info(key, target)
+                check_chunk_info(key, target)
             box, dest = self._destination(key, entry, target)
             if box is None:
                 continue
@@ -448,7 +451,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         return out
 
     def _destination(self, key: str, entry: md.Entry, target: Any) -> tuple[Box | None, Any]:
-        shape, dtype = entry.shape, md.torch_dtype(entry.dtype)
+        shape, dtype = entry.shape, torch_dtype(entry.dtype)
         if target is None or entry.kind in ("bytes", "pickle"):
             if target is not None and entry.kind != kind_of(target):
                 raise self._mismatch(key, entry, target)

@@ -37,11 +37,15 @@ from ..backends.resolve import reader_for, writer_for
 from ..base.atomic_file import sync_directory, write_atomically
 from ..base.box import Box
 from ..base.coordination import Coordinator
+from ..base.dtypes import dtype_from_safetensors, dtype_name, itemsize, safetensors_dtype, torch_dtype
 from ..base.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
+from ..base.limits import MAX_NDIM
 from ..engine.commit import commit_and_agree, write_and_report
 from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
 from ..format.chunks import largest_chunk_bytes
+from ..format.validation import validate_file_name
+from ..format.values import is_json_value
 from ..interop.huggingface import check_safetensors_file
 from ..planning.leaves import bytes_tensor, numpy_tensor
 from ..planning.planner import EntrySpec, SavePlan, WriteItem
@@ -316,10 +320,10 @@ def _safetensors_header(tensors: list[tuple[str, str, tuple[int, ...]]], extra: 
     header: dict[str, Any] = {"__metadata__": extra} if extra else {}
     pos = 0
     for name, dtype, shape in tensors:
-        st = md.safetensors_dtype(dtype)
+        st = safetensors_dtype(dtype)
         if st is None:
             raise UnsupportedValueError(f"{name!r}: dtype {dtype} has no safetensors name; convert it first")
-        n = md.itemsize(dtype)
+        n = itemsize(dtype)
         for s in shape:
             n *= s
         header[name] = {"dtype": st, "shape": list(shape), "data_offsets": [pos, pos + n]}
@@ -423,7 +427,7 @@ def save_state_dict_as_huggingface_format(
                 f"{sharded[0]!r} is a DTensor ({len(sharded)} in all): a Hugging Face export needs full tensors. "
                 "Pass a checkpoint path instead, or a full state dict (get_model_state_dict(model, "
                 "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) on rank 0)")
-        tensors = [(k[len(prefix):], md.dtype_name(v.dtype), tuple(v.shape)) for k, v in flat.items()]
+        tensors = [(k[len(prefix):], dtype_name(v.dtype), tuple(v.shape)) for k, v in flat.items()]
         produce: Callable[[str], torch.Tensor] = lambda name: flat[prefix + name]
         close = lambda: None
     else:
@@ -442,7 +446,7 @@ def save_state_dict_as_huggingface_format(
     shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
     size = 0
     for t in tensors:
-        n = md.itemsize(t[1])
+        n = itemsize(t[1])
         for s in t[2]:
             n *= s
         if shards[-1] and size + n > limit:
@@ -462,7 +466,7 @@ def save_state_dict_as_huggingface_format(
             written.append((tmp, name))
             for tname, dtype, shape in shard:
                 weight_map[tname] = name
-                n = md.itemsize(dtype)
+                n = itemsize(dtype)
                 for s in shape:
                     n *= s
                 total_size += n
@@ -552,7 +556,7 @@ def _hf_sources(src: str | os.PathLike) -> dict[str, set[str] | None]:
             weight_map = json.load(f)["weight_map"]
         names: dict[str, set[str] | None] = {}
         for tensor, n in sorted(weight_map.items(), key=lambda kv: (kv[1], kv[0])):
-            md.validate_file_name(n, where=index)
+            validate_file_name(n, where=index)
             names.setdefault(os.path.join(src, n), set()).add(tensor)  # type: ignore[union-attr]
         return names
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
@@ -703,7 +707,7 @@ def convert_full_checkpoint_to_dcp(
                     key = prefix + name
                     where[key] = (path, name)
                     entries[key] = EntrySpec("tensor", _prefixed_path(prefix, name), dtype, shape)
-                    nbytes = md.itemsize(dtype)
+                    nbytes = itemsize(dtype)
                     for s in shape:
                         nbytes *= s
                     if nbytes:
@@ -753,14 +757,11 @@ def _prefixed_path(prefix: str, name: str) -> tuple[str, ...]:
     return (*(p for p in prefix.split(".") if p), name)
 
 
-_ST_TO_NAME = {v[1]: k for k, v in md._DTYPES.items() if v[1]}
-
-
 def _st_dtype(st: str, name: str, path: str) -> str:
-    try:
-        return _ST_TO_NAME[st]
-    except KeyError:
-        raise UnsupportedValueError(f"{path}: tensor {name!r} has unsupported dtype {st}") from None
+    dtype = dtype_from_safetensors(st)
+    if dtype is None:
+        raise UnsupportedValueError(f"{path}: tensor {name!r} has unsupported dtype {st}")
+    return dtype
 
 
 # ---------------------------------------------------------------------------- torch DCP import
@@ -783,7 +784,7 @@ def _check_torch_chunks(key: str, m: Any, dtype: str, storage: Mapping[Any, Any]
 
     where = f"{src}/{md.METADATA_FILE}: {key!r}"
     shape = tuple(m.size)
-    if len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
+    if len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
         raise CorruptCheckpointError(f"{where}: shape {list(shape)[:8]} is no tensor shape")
     held = 0
     for c in m.chunks:
@@ -800,13 +801,13 @@ def _check_torch_chunks(key: str, m: Any, dtype: str, storage: Mapping[Any, Any]
         info = storage.get(MetadataIndex(key, c.offsets))
         if info is None:
             raise CorruptCheckpointError(f"{where}: chunk at {list(offsets)} has no storage record")
-        name = md.validate_file_name(info.relative_path, f"{src}/{md.METADATA_FILE}")
+        name = validate_file_name(info.relative_path, f"{src}/{md.METADATA_FILE}")
         if name not in file_sizes:
             try:
                 file_sizes[name] = os.stat(os.path.join(src, name)).st_size
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{src}/{name} is missing: {key!r} is stored there") from None
-        nbytes = numel * md.itemsize(dtype)
+        nbytes = numel * itemsize(dtype)
         if (info.offset < 0 or info.length < 0 or info.offset + info.length > file_sizes[name]
                 or (not getattr(info, "transform_descriptors", None) and info.length < nbytes)):
             raise CorruptCheckpointError(
@@ -852,11 +853,11 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
     file_sizes: dict[str, int] = {}
     for key, m in tmeta.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
-            dtype = md.dtype_name(m.properties.dtype)
+            dtype = dtype_name(m.properties.dtype)
             shape = tuple(m.size)
             _check_torch_chunks(key, m, dtype, tmeta.storage_data, os.fspath(src_path), file_sizes)
             entries[key] = EntrySpec("tensor", path_of(key), dtype, shape)
-            nbytes = md.itemsize(dtype)
+            nbytes = itemsize(dtype)
             for s in shape:
                 nbytes *= s
             if nbytes:
@@ -880,10 +881,10 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
             kind, v = "bytes", bytes_tensor(v)
         if isinstance(v, torch.Tensor):
             values[key] = v
-            entries[key] = EntrySpec(kind, path_of(key), md.dtype_name(v.dtype), tuple(v.shape))
+            entries[key] = EntrySpec(kind, path_of(key), dtype_name(v.dtype), tuple(v.shape))
             if v.numel():
                 items.append(WriteItem(key, Box.full(tuple(v.shape)), v.numel() * v.element_size()))
-        elif md.is_json_value(v):
+        elif is_json_value(v):
             entries[key] = EntrySpec("object", path_of(key))
         else:
             raise UnsupportedValueError(f"{key!r}: torch checkpoint value of type {type(v).__name__} "
@@ -910,7 +911,7 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
                         break
                     keys.append(k)
                     total += sizes[k]
-                template = {k: torch.empty(entries[k].shape, dtype=md.torch_dtype(entries[k].dtype)) for k in keys}
+                template = {k: torch.empty(entries[k].shape, dtype=torch_dtype(entries[k].dtype)) for k in keys}
                 batch.update(load_keys(keys, template))
             return batch.pop(item.key)
 

@@ -45,6 +45,7 @@ from ..backends.protocol import StorageReader, StorageWriter
 from ..backends.resolve import reader_for, writer_for
 from ..base.box import Box, uncovered
 from ..base.coordination import Coordinator
+from ..base.dtypes import itemsize
 from ..base.errors import CorruptCheckpointError
 from ..engine.commit import commit_and_agree, write_and_report
 from ..engine.metadata_reader import metadata_bytes
@@ -123,7 +124,7 @@ class ReshardPlan:
                 sig = (grid.shape, grid.mesh_shape, tuple((d, tuple(ms)) for d, ms in grid.split_by.items()),
                        tuple(grid.replica_dims), grid.tiles)
                 by.setdefault(sig, (grid, []))[1].append(
-                    (key, md.itemsize(spec.dtype), spec.store.offset, spec.store.copies == "all"))
+                    (key, itemsize(spec.dtype), spec.store.offset, spec.store.copies == "all"))
             groups = self.__dict__["_by_grid"] = list(by.values())
         return groups
 
@@ -354,7 +355,7 @@ class _SourceData:
             return whole[item.box.relative_to(Box.full(shape))]
         if self.slab_bytes is None or item.nbytes <= self.slab_bytes or not item.box.ndim:
             return self._read(entry, item.box)
-        return (self._read(entry, slab) for slab in item.box.split(max(1, self.slab_bytes // md.itemsize(entry.dtype))))
+        return (self._read(entry, slab) for slab in item.box.split(max(1, self.slab_bytes // itemsize(entry.dtype))))
 
 
 def _contiguous_run(shape: tuple[int, ...], box: Box) -> tuple[int, int] | None:

@@ -25,6 +25,7 @@ import crc32c
 from ..backends.protocol import StorageReader
 from ..backends.resolve import reader_for
 from ..base.box import Box
+from ..base.dtypes import itemsize, safetensors_dtype
 from ..base.errors import CheckpointError
 from ..engine.commit import unreferenced_files
 from ..engine.metadata_reader import metadata_bytes
@@ -77,7 +78,7 @@ def _check_header(reader: StorageReader, name: str, size: int, expected: dict[st
     header.pop("__metadata__", None)
     for entry_name, rec in expected.items():
         info = header.get(entry_name)
-        st_dtype = md.safetensors_dtype(dtypes[entry_name]) or "U8"
+        st_dtype = safetensors_dtype(dtypes[entry_name]) or "U8"
         want = {"dtype": st_dtype, "data_offsets": [rec.start - base, rec.start - base + rec.length]}
         if not isinstance(info, dict) or any(info.get(k) != v for k, v in want.items()):
             problems.append(f"{name}: safetensors entry {entry_name!r} is {info!r:.200}, expected {want}")
@@ -162,7 +163,7 @@ def verify_checkpoint(
 
 def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
                progress: Callable[[int], None] | None) -> None:
-    size_of = {k: md.itemsize(e.dtype) for k, e in meta.entries.items() if e.kind != "object"}
+    size_of = {k: itemsize(e.dtype) for k, e in meta.entries.items() if e.kind != "object"}
     key_of = {key_id(k): k for k in size_of}
     expected: dict[str, dict[tuple[str, int], Box]] = {}  # file path -> chunks it may hold
     # each chunk, and the (file, chunk id) pairs of which one must hold it: a writer rank with
@@ -240,7 +241,7 @@ def _verify_v2(meta: md.Metadata, reader: StorageReader, report: VerifyReport,
             if header is not None:
                 info = header.get(name)
                 base = header["__base__"]
-                st = md.safetensors_dtype(meta.entries[key].dtype)
+                st = safetensors_dtype(meta.entries[key].dtype)
                 want_info = {"dtype": st or "U8", "shape": list(box.sizes) if st else [nbytes],
                              "data_offsets": [chunk.start - base, chunk.start - base + nbytes]}
                 named.add(name)

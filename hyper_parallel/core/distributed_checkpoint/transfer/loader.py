@@ -34,7 +34,9 @@ import torch
 
 from ..backends import direct_io
 from ..backends.protocol import StorageReader, check_range
+from ..base.alignment import TENSOR_ALIGN
 from ..base.box import Box
+from ..base.dtypes import torch_dtype
 from ..base.errors import CorruptCheckpointError
 from ..format import metadata as md
 from ..format.chunks import ChunkRef, overlapping
@@ -47,7 +49,6 @@ DEFAULT_BUFFER_BYTES = 96 << 20  # scratch memory per file being read (runs in f
 READ_SLICE = 32 << 20  # bytes per read call; what a scratch run holds at most (the pool's largest buffer)
 DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight into their destination
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
-_RUN_ALIGN = 64  # scratch memory sits at the file offset's position modulo this
 RUN_MIN, RUNS_MIN = 2 << 20, 8  # a file is read in at least 8 runs, each of at least 2 MiB when it can be
 PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
 PREFETCH_DIRECT = (2, 2)  # with O_DIRECT (no kernel read-ahead): bytes of runs ahead (in largest runs), threads
@@ -174,8 +175,8 @@ def _run_range(segs: list[_Segment], file_size: int, align: int) -> tuple[int, i
 
 def _fetch(reader: StorageReader, file: str, lo: int, hi: int) -> memoryview:
     """Bytes ``lo:hi`` of a file in scratch memory that sits at the file offset's position
-    modulo 64, so payloads land aligned to their dtype."""
-    shift = lo % _RUN_ALIGN
+    modulo TENSOR_ALIGN, so payloads land aligned to their dtype."""
+    shift = lo % TENSOR_ALIGN
     buf = _scratch(shift + hi - lo)[shift:]
     reader.read_into(file, lo, buf)
     return buf
@@ -562,7 +563,7 @@ def read_box(
         raise ValueError(f"read_box({entry.key!r}): pass meta= (the checkpoint's Metadata)")
     shape = tuple(entry.shape or ())
     box = box if box is not None else Box.full(shape)
-    dest = _Lazy(box.sizes, md.torch_dtype(entry.dtype), out)
+    dest = _Lazy(box.sizes, torch_dtype(entry.dtype), out)
     reads, covered = [], 0
     for ref in overlapping(meta, entry, box):
         region = ref.box.intersect(box)

@@ -33,10 +33,12 @@ import torch
 
 from ..backends import direct_io
 from ..backends.protocol import StorageWriter
+from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.box import Box
+from ..base.gc_pause import paused_gc
 from ..format import metadata as md
 from ..format.data_file import (
-    ALIGN_MIN,
+    ALIGNED_PAYLOAD_MIN,
     BLOCK_BYTES,
     ContentHash,
     Item,
@@ -45,6 +47,7 @@ from ..format.data_file import (
     plan_file,
     tensor_bytes,
 )
+from ..format.validation import check_shape
 from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..sharding.grid import Grid
 from .host_copy import copy_fed, copy_into
@@ -137,7 +140,7 @@ def _copy_first(t: torch.Tensor, direct: bool) -> bool:
         return False
     if not t.is_contiguous():
         return True
-    return direct and t.numel() * t.element_size() >= ALIGN_MIN and t.data_ptr() % direct_io.ALIGN != 0
+    return direct and t.numel() * t.element_size() >= ALIGNED_PAYLOAD_MIN and t.data_ptr() % DIRECT_IO_ALIGN != 0
 
 
 def _copied_slices(t: torch.Tensor, consume: Callable[[memoryview], None] | None) -> Iterator[memoryview]:
@@ -149,7 +152,7 @@ def _copied_slices(t: torch.Tensor, consume: Callable[[memoryview], None] | None
         t = t.reshape(-1)
     row = max(1, t[0].numel() * t.element_size())
     rows = max(1, SLICE_BYTES // row)
-    whole = direct_io.ALIGN // math.gcd(row, direct_io.ALIGN)  # rows that make a multiple of ALIGN
+    whole = DIRECT_IO_ALIGN // math.gcd(row, DIRECT_IO_ALIGN)  # rows that make a multiple of DIRECT_IO_ALIGN
     if rows >= whole:
         rows -= rows % whole
     for r0 in range(0, t.shape[0], rows):
@@ -422,7 +425,7 @@ def build_metadata(
     user: dict[str, Any], extra_files: Iterable[md.FileRecord] = (), dirs: list[str] | None = None,
 ) -> md.Metadata:
     """The coordinator's merge of every rank's write results into the checkpoint's metadata."""
-    with md.paused_gc():
+    with paused_gc():
         return _build_metadata(entries, list(results), save_id, world_size, user, list(extra_files), dirs)
 
 
@@ -448,7 +451,7 @@ def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], s
     out = {}
     for key, spec in entries.items():
         if spec.kind != "object":  # what the reader would refuse is never written (e.g. an import's [-1, 0])
-            md.check_shape(tuple(spec.shape or ()), "the checkpoint being written", key)
+            check_shape(tuple(spec.shape or ()), "the checkpoint being written", key)
         entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, objects.get(key), spec.store)
         if spec.kind != "object" and spec.store is None:
             entry.store = _table(key, spec, sorted(rows.get(key, [])), file_index)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..backends.protocol import StorageReader
 from ..base.box import Box
 from ..base.coordination import Coordinator
+from ..base.dtypes import torch_dtype
 from ..format import metadata as md
 from ..format.data_file import block_rows
 from ..planning.planner import LoadPlan, ReadItem
@@ -93,7 +94,7 @@ def slabs_of(plan: LoadPlan, meta: md.Metadata) -> dict[str, list[Slab]]:
         target = plan.targets[key]
         if not target.numel:
             continue
-        row_bytes = math.prod(target.sizes[1:]) * md.torch_dtype(meta.entries[key].dtype).itemsize
+        row_bytes = math.prod(target.sizes[1:]) * torch_dtype(meta.entries[key].dtype).itemsize
         cuts = _cuts(target, items, max(1, SLAB_BYTES // max(1, row_bytes))) if target.ndim else []
         rows = [target.offsets[0], *cuts, target.offsets[0] + target.sizes[0]] if target.ndim else []
         out[key] = ([Slab(key, target, Box((a, *target.offsets[1:]), (b - a, *target.sizes[1:])))
@@ -143,7 +144,7 @@ def slab_id(index: dict[str, int], slab: Slab) -> int:
 
 
 def _nbytes(slab: Slab, meta: md.Metadata) -> int:
-    return slab.box.numel * md.torch_dtype(meta.entries[slab.key].dtype).itemsize
+    return slab.box.numel * torch_dtype(meta.entries[slab.key].dtype).itemsize
 
 
 def needs_of(plan: LoadPlan, meta: md.Metadata) -> Needs:
@@ -279,7 +280,7 @@ def read_shared(
 
 def _prepare(slab: Slab, tag: int, size: int, owner: int, holders: tuple[int, ...],
              by_key: dict[str, list[ReadItem]], planner: Any, meta: md.Metadata) -> _Shared:
-    dtype = md.torch_dtype(meta.entries[slab.key].dtype)
+    dtype = torch_dtype(meta.entries[slab.key].dtype)
     if _nbytes(slab, meta) != size:  # a 64-bit id collision: never copy wrong bytes
         raise RuntimeError(f"{slab.key!r}: shared slab {slab.box} is {_nbytes(slab, meta)} bytes here "
                            f"and {size} on rank {owner}; load with broadcast_replicated_tensors=False")
