@@ -37,9 +37,9 @@ import torch
 from ..backends.locations import location
 from ..base.box import Box, first_overlap
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
+from ..engine.streaming_writer import write_streaming
 from ..format import metadata as md
 from ..planning.planner import EntrySpec, WriteItem
-from ..resharding.offline_transform import write_streaming
 from ..state.flatten import path_from_parts
 from .single_file import is_torch_zip
 

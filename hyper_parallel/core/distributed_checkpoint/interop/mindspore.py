@@ -28,7 +28,6 @@ Strategy files are ``mindspore_strategy.py``'s concern.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import mmap
@@ -50,11 +49,13 @@ from ..base.atomic_file import atomic_file
 from ..base.box import Box
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from ..engine.metadata_reader import read_checkpoint_metadata
+from ..engine.streaming_writer import write_streaming
 from ..format import metadata as md
 from ..format.data_file import tensor_bytes
+from ..format.safetensors import HEAD, METADATA_KEY, contiguous_header, encode_header, header_length, parse_header
 from ..planning.planner import EntrySpec, WriteItem
-from ..resharding.offline_transform import _prefixed_path, write_streaming
 from ..sharding.mindspore_strategy import MindSporeLayout, read_strategy
+from ..state.flatten import prefixed_path
 from ..transfer.loader import read_box
 
 __all__ = ["read_mindspore_checkpoint", "import_mindspore", "export_mindspore", "MindSporeFile",
@@ -314,45 +315,23 @@ class _Ckpt(MindSporeFile):
                 f"{len(info.pieces)} message(s) hold {have}; the file is truncated or a slice message is missing")
 
 
-_ST_TO_NAME = {v[1]: k for k, v in md._DTYPES.items() if v[1]}
-
-
 class _Safetensors(MindSporeFile):
     kind = "safetensors"
 
     def __init__(self, path: str, fd: int, mm: mmap.mmap, verify: bool):
         super().__init__(path, fd)
-        size = len(mm)
-        n = struct.unpack("<Q", mm[:8])[0]
-        if n > size - 8:
-            raise CorruptCheckpointError(f"{path}: safetensors header of {n} bytes runs past the file ({size} bytes)")
-        try:
-            header = json.loads(bytes(mm[8:8 + n]))
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than any header
-            raise CorruptCheckpointError(f"{path}: unreadable safetensors header "
-                                         f"({exc if isinstance(exc, ValueError) else 'nested too deep'})") from None
-        if not isinstance(header, dict):
-            raise CorruptCheckpointError(f"{path}: its safetensors header is a JSON {type(header).__name__}, "
-                                         "not an object")
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict):
-            raise CorruptCheckpointError(f"{path}: its safetensors header's '__metadata__' is not an object")
-        base = 8 + n
-        for name, e in header.items():
+        n = header_length(mm[:HEAD])
+        if n > len(mm) - HEAD:
+            raise CorruptCheckpointError(f"{path}: safetensors header of {n} bytes runs past the file "
+                                         f"({len(mm)} bytes)")
+        # MindSpore's crc_num may be any JSON value: it is compared as a number below
+        header = parse_header(mm[HEAD:HEAD + n], len(mm), path, string_metadata=False)
+        meta = header.extra
+        for name, t in header.tensors.items():
             if meta.get(name) == "Int4":
                 raise UnsupportedValueError(f"{path}: tensor {name!r} is MindSpore's packed 4-bit qint4x2, which has "
                                             "no torch dtype")
-            try:
-                dtype = _ST_TO_NAME[e["dtype"]]
-                shape, (a, b) = e["shape"], e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise UnsupportedValueError(f"{path}: tensor {name!r} has an unsupported entry {e!r:.120}") from None
-            shape = _check_dims(shape, name, path)
-            if (type(a) is not int or type(b) is not int or not 0 <= a <= b <= size - base
-                    or b - a != _numel(shape) * md.itemsize(dtype)):
-                raise CorruptCheckpointError(f"{path}: tensor {name!r} ({dtype} {list(shape)}) has byte range "
-                                             f"[{a}, {b}) in a data section of {size - base} bytes")
-            self.tensors[name] = TensorInfo(name, dtype, shape, [(base + a, base + b)])
+            self.tensors[name] = TensorInfo(name, t.dtype, t.shape, [(t.start, t.start + t.nbytes)])
         if verify and "crc_num" in meta:
             crc = 0
             for name in sorted(self.tensors):
@@ -391,7 +370,7 @@ def open_mindspore_file(path: str | os.PathLike, *, verify: bool = True) -> Mind
     try:
         # the index is walked on a mapping (only header pages are touched); data is pread later
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
-            if size >= 9 and mm[8] == ord("{") and struct.unpack("<Q", mm[:8])[0] < size:
+            if size >= 9 and mm[8] == ord("{") and header_length(mm[:HEAD]) < size:
                 return _Safetensors(where, fd, mm, verify)
             return _Ckpt(where, fd, mm, verify)
     except BaseException:
@@ -506,9 +485,9 @@ def import_mindspore(
             key = prefix + name
             names[key] = name
             if info.dtype == STR:
-                entries[key] = EntrySpec("object", _prefixed_path(prefix, name))
+                entries[key] = EntrySpec("object", prefixed_path(prefix, name))
                 continue
-            entries[key] = EntrySpec("tensor", _prefixed_path(prefix, name), info.dtype, info.shape)
+            entries[key] = EntrySpec("tensor", prefixed_path(prefix, name), info.dtype, info.shape)
             if info.nbytes:
                 items.append(WriteItem(key, Box.full(info.shape), info.nbytes))
 
@@ -545,7 +524,7 @@ def _import_distributed(src: str, ranks: dict[int, str], strategy_file: str, dst
                 if other.dtype != first.dtype:
                     raise CheckpointError(f"{name!r} is {first.dtype} in {files[have[0]].path} but {other.dtype} in "
                                           f"{files[r].path}")
-            path = _prefixed_path(prefix, name)
+            path = prefixed_path(prefix, name)
             if first.dtype == STR:
                 entries[key] = EntrySpec("object", path)
                 source[(key, Box((), ()))] = (have[0], name)
@@ -818,7 +797,7 @@ def export_mindspore(
                 return tensor_bytes(value)
             return tensor_bytes(read_box(entry, reader, verify=verify)[0])
 
-        if fmt != "ckpt" and any(p[0] == "__metadata__" for p in plan):  # .ckpt files may hold the name
+        if fmt != "ckpt" and any(p[0] == METADATA_KEY for p in plan):  # .ckpt files may hold the name
             raise UnsupportedValueError(
                 f"{dst}: a tensor is named '__metadata__', which safetensors reserves for its header's metadata; "
                 "export as .ckpt (format='ckpt'), or rename the tensor first")
@@ -866,19 +845,9 @@ def _write_safetensors(out: Any, plan: list, data: Callable, crc_on: bool, summa
     # MindSpore writes names in sorted order and checksums them in that order; the crc is
     # only known at the end, so the header reserves ten digits (int() reads leading zeros).
     plan = sorted(plan, key=lambda p: p[0])
-    header: dict[str, Any] = {"__metadata__": {"format": "ms", **({"crc_num": "0" * 10} if crc_on else {})}}
-    pos = 0
-    for name, dtype, shape, _, _ in plan:
-        n = math.prod(shape) * md.itemsize(dtype)
-        header[name] = {"dtype": md.safetensors_dtype(dtype), "shape": list(shape), "data_offsets": [pos, pos + n]}
-        pos += n
-
-    def encode() -> bytes:
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        return struct.pack("<Q", len(raw)) + raw
-
-    head = encode()
+    header = contiguous_header([(name, dtype, shape) for name, dtype, shape, _, _ in plan],
+                               {"format": "ms", **({"crc_num": "0" * 10} if crc_on else {})})
+    head = encode_header(header)
     out.write(head)
     crc = 0
     for name, _, _, entry, value in plan:
@@ -892,9 +861,8 @@ def _write_safetensors(out: Any, plan: list, data: Callable, crc_on: bool, summa
             progress(raw.nbytes)
         del raw
     if crc_on:
-        header["__metadata__"]["crc_num"] = f"{crc:010d}"
-        final = encode()
+        header[METADATA_KEY]["crc_num"] = f"{crc:010d}"
+        final = encode_header(header)
         assert len(final) == len(head)
         out.seek(0)
         out.write(final)
-
