@@ -263,7 +263,7 @@ def cmd_transform(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.resharding.offline_transform import save_state_dict_as_huggingface_format
+    from .core.distributed_checkpoint.interop.hf_export import save_state_dict_as_huggingface_format
 
     t0 = time.perf_counter()
     bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-hf")
@@ -285,7 +285,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.resharding.offline_transform import convert_full_checkpoint_to_dcp
+    from .core.distributed_checkpoint.interop.full_checkpoint import convert_full_checkpoint_to_dcp
 
     t0 = time.perf_counter()
     meta = convert_full_checkpoint_to_dcp(args.src, args.dst, prefix=args.prefix,
@@ -294,7 +294,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.resharding.offline_transform import import_torch_dcp
+    from .core.distributed_checkpoint.interop.torch_dcp_import import import_torch_dcp
 
     t0 = time.perf_counter()
     meta = import_torch_dcp(args.src, args.dst, trust=args.trust, overwrite=args.overwrite)

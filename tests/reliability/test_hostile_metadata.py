@@ -35,10 +35,10 @@ from hyper_parallel.core.distributed_checkpoint import (
     verify_checkpoint,
 )
 from hyper_parallel.core.distributed_checkpoint.base.errors import MetadataError
+from hyper_parallel.core.distributed_checkpoint.engine.streaming_writer import write_streaming
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.format.sealed_json import seal_json
 from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec
-from hyper_parallel.core.distributed_checkpoint.resharding.offline_transform import write_streaming
 from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
 
 MEMORY_LIMIT = 4 << 30  # address space of each probe process: far above what a refusal needs

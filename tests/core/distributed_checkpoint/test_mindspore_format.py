@@ -44,6 +44,8 @@ from hyper_parallel.core.distributed_checkpoint.base import protowire as pw
 from hyper_parallel.core.distributed_checkpoint.base.dtypes import dtype_name, torch_dtype
 from hyper_parallel.core.distributed_checkpoint.base.errors import MetadataError
 from hyper_parallel.core.distributed_checkpoint.interop import mindspore as msf
+from hyper_parallel.core.distributed_checkpoint.interop import mindspore_ckpt as ms_ckpt
+from hyper_parallel.core.distributed_checkpoint.interop import mindspore_file as ms_file
 from hyper_parallel.core.distributed_checkpoint.sharding.mindspore_strategy import (
     parse_strategy,
     read_strategy,
@@ -435,7 +437,7 @@ def _write_ms_ckpt(path, values: dict[str, torch.Tensor]) -> None:
     with open(path, "wb") as f:
         for name, t in values.items():
             raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            f.write(msf._ckpt_message(name, msf._TO_MS[dtype_name(t.dtype)], list(t.shape), len(raw)) + raw)
+            f.write(ms_ckpt._ckpt_message(name, ms_file._TO_MS[dtype_name(t.dtype)], list(t.shape), len(raw)) + raw)
 
 
 def _sliced_checkpoint(tmp_path, name: str, slices: dict[int, torch.Tensor], items: dict) -> tuple[str, str]:
@@ -686,7 +688,7 @@ def test_a_file_that_is_no_strategy_is_a_clear_layout_error():
 
 
 def test_export_writes_the_bytes_mindspore_writes(tmp_path, monkeypatch):
-    monkeypatch.setattr(msf, "SLICE_BYTES", 1024)  # the fixtures' lowered slice size
+    monkeypatch.setattr(ms_ckpt, "SLICE_BYTES", 1024)  # the fixtures' lowered slice size
     import_mindspore(os.path.join(FIX, "full.ckpt"), tmp_path / "dcp")
     for fixture, crc in (("full.ckpt", False), ("full_crc.ckpt", True)):
         out = tmp_path / fixture
@@ -707,7 +709,7 @@ def test_export_safetensors_carries_mindspores_crc(tmp_path):
 
 
 def test_export_splits_large_tensors_and_skips_what_mindspore_cannot_hold(tmp_path, monkeypatch):
-    monkeypatch.setattr(msf, "SLICE_BYTES", 1000)
+    monkeypatch.setattr(ms_ckpt, "SLICE_BYTES", 1000)
     sd = {"model": {"w": make_tensor((50, 7), torch.bfloat16, 3), "e": torch.zeros(0, 4)},
           "step": 7, "name": "run-1", "blob": b"\x00\x01", "hist": [1, 2]}
     save(sd, str(tmp_path / "dcp"), no_dist=True)

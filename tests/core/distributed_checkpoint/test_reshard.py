@@ -27,9 +27,9 @@ from hyper_parallel.core.distributed_checkpoint import (
 )
 from hyper_parallel.core.distributed_checkpoint.base.box import first_overlap, uncovered
 from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
+from hyper_parallel.core.distributed_checkpoint.engine.streaming_writer import write_streaming
 from hyper_parallel.core.distributed_checkpoint.format.chunks import overlapping
 from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec, WriteItem
-from hyper_parallel.core.distributed_checkpoint.resharding.offline_transform import write_streaming
 from hyper_parallel.core.distributed_checkpoint.resharding.reshard import Box, reshard
 
 TP8 = Layout((8,), ("tp",))

@@ -300,7 +300,7 @@ def test_importing_many_tensors_loads_them_in_batches(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as tdcp
 
     ot = importlib.import_module(
-        "hyper_parallel.core.distributed_checkpoint.resharding.offline_transform")  # the module
+        "hyper_parallel.core.distributed_checkpoint.interop.torch_dcp_import")  # the module
 
     sd = {f"layers.{i}.bias": torch.full((5,), float(i)) for i in range(200)}
     sd["big"] = torch.arange(6000, dtype=torch.float32)

@@ -38,6 +38,7 @@ from ..base.box import Box
 from ..base.dtypes import itemsize, safetensors_dtype
 from ..base.errors import CorruptCheckpointError
 from . import metadata as md
+from .safetensors import frame_header
 
 ALIGNED_PAYLOAD_MIN = 64 << 10  # payloads at least this large start on a DIRECT_IO_ALIGN boundary
 BLOCK_BYTES = 1 << 20
@@ -165,9 +166,7 @@ def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes
     index_length = _HEAD.size + _ROW * len(items) + 4 * n_crcs + (16 * len(items) if hashes else 0)
     span = _align(index_length, DIRECT_IO_ALIGN) if aligned else index_length  # the file ends on a block boundary
     out.append(f',"{INDEX_NAME}":{{"dtype":"U8","shape":[{span}],"data_offsets":[{index_rel},{index_rel + span}]}}}}')
-    raw = "".join(out).encode()
-    raw += b" " * (-(8 + len(raw)) % (DIRECT_IO_ALIGN if aligned else 8))
-    blob = struct.pack("<Q", len(raw)) + raw
+    blob = frame_header("".join(out).encode(), DIRECT_IO_ALIGN if aligned else 8)
     base = len(blob)
     return FileLayout(blob, [base + r for r in rel], crc_first, n_crcs, base + index_rel, index_length, span,
                       base + index_rel + span, aligned)

@@ -39,16 +39,11 @@ the load with a shape mismatch. Errors name the file and the key. Nothing is eve
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import re
-import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
 
 import crc32c
 import numpy as np
@@ -57,7 +52,6 @@ from ..backends.fsspec import FsspecReader
 from ..backends.locations import checkpoint_path, is_url, local_path
 from ..backends.protocol import Buffer, StorageReader
 from ..base.box import Box, first_overlap, uncovered
-from ..base.dtypes import dtype_from_safetensors, itemsize
 from ..base.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -65,17 +59,13 @@ from ..base.errors import (
     NotACheckpointError,
     UnsupportedValueError,
 )
-from ..base.limits import MAX_ELEMENTS, MAX_NDIM
+from ..base.limits import MAX_ELEMENTS
 from ..format import metadata as md
 from ..format.data_file import UncheckedIndex
+from ..format.safetensors import HEAD, LocalFiles, SafetensorsHeader, parse_header, read_header
 from ..format.validation import validate_file_name
+from .hf_index import HF_INDEX, HF_SINGLE, MAX_INDEX_BYTES, SHARD_NAME, parse_weight_map, unindexed_shards
 
-HF_INDEX = "model.safetensors.index.json"
-HF_SINGLE = "model.safetensors"
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
-MAX_INDEX_BYTES = 256 << 20
-_HEAD = 8  # the little-endian u64 header length that opens a safetensors file
-_METADATA_KEY = "__metadata__"
 # torch's HuggingFaceStorageWriter records each tensor's place in the whole tensor here (a
 # JSON string: {name: {"saved_offsets": [...]}}); a non-zero offset means a shard.
 _TORCH_SHARDING = "DCP_SHARDING_INFO"
@@ -83,110 +73,6 @@ _SAVED_OFFSETS = "saved_offsets"
 _SUFFIX = ".safetensors"
 _INDEX_SUFFIX = ".safetensors.index.json"
 _TORCH_SHARD_NAME = re.compile(r"shard-(\d+)-model-\d+-of-\d+\.safetensors")
-_SUB_BYTE = ("F4", "F6_E2M3", "F6_E3M2")
-
-
-@dataclass(frozen=True)
-class SafetensorsTensor:
-    """One tensor of a safetensors file: dtype (our name), shape, absolute byte range."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class SafetensorsHeader:
-    """A parsed, validated safetensors header."""
-
-    length: int  # bytes of JSON after the 8-byte length
-    crc: int  # crc32c of those bytes
-    tensors: dict[str, SafetensorsTensor]
-    extra: dict[str, str]  # the "__metadata__" strings
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"name {k!r} appears twice")
-        out[k] = v
-    return out
-
-
-def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> SafetensorsHeader:
-    """Validate a safetensors header (the JSON after the 8-byte length) of a file of ``file_size`` bytes.
-
-    Checks what safetensors itself checks before trusting a byte: JSON object, no repeated
-    names, known dtypes, non-negative integer shapes, and ``data_offsets`` that match each
-    tensor's size and tile the data area exactly. Raises CorruptCheckpointError (naming
-    ``where`` and the tensor) for a damaged file, UnsupportedValueError for sub-byte dtypes.
-    """
-    try:
-        doc = json.loads(bytes(raw).decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"{where}: its safetensors header is not valid JSON ({exc}); the file is "
-                                     "damaged or not a safetensors file") from None
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: its safetensors header is a JSON {type(doc).__name__}, not an object")
-    data_start = _HEAD + len(raw)
-    data_len = file_size - data_start
-    extra = doc.pop(_METADATA_KEY, {})
-    if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
-        raise CorruptCheckpointError(f"{where}: its header's {_METADATA_KEY!r} must map names to strings")
-    tensors: dict[str, SafetensorsTensor] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, info in doc.items():
-        at = f"{where}: tensor {name!r}"
-        if not isinstance(info, dict):
-            raise CorruptCheckpointError(f"{at}: its header entry must be an object, found {info!r:.80}")
-        st = info.get("dtype")
-        dtype = dtype_from_safetensors(st)
-        if dtype is None:
-            if st in _SUB_BYTE:
-                raise UnsupportedValueError(f"{at} has the sub-byte dtype {st}, which cannot be loaded into a "
-                                            "torch tensor; dequantize it with the tool that wrote it")
-            raise CorruptCheckpointError(f"{at} has dtype {st!r:.40}, which is no safetensors dtype this reader "
-                                         "knows")
-        shape = info.get("shape")
-        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(type(d) is int and d >= 0 for d in shape)):
-            raise CorruptCheckpointError(f"{at}: shape must be a list of at most {MAX_NDIM} sizes >= 0, "
-                                         f"found {shape!r:.80}")
-        offs = info.get("data_offsets")
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
-                or not 0 <= offs[0] <= offs[1]):
-            raise CorruptCheckpointError(f"{at}: data_offsets must be [begin, end] with 0 <= begin <= end, "
-                                         f"found {offs!r:.80}")
-        numel = math.prod(shape)
-        if numel > MAX_ELEMENTS:
-            raise CorruptCheckpointError(f"{at}: shape {shape} is absurdly large")
-        nbytes = numel * itemsize(dtype)
-        if offs[1] - offs[0] != nbytes:
-            raise CorruptCheckpointError(
-                f"{at}: data_offsets {offs} span {offs[1] - offs[0]} bytes, but {st} shape {shape} needs "
-                f"{nbytes}; the header lies about its data")
-        tensors[name] = SafetensorsTensor(dtype, tuple(shape), data_start + offs[0], nbytes)
-        spans.append((offs[0], offs[1], name))
-    pos, prev = 0, None
-    for begin, end, name in sorted(spans):
-        if begin < pos:
-            raise CorruptCheckpointError(f"{where}: tensor {name!r} (data bytes {begin}..{end}) overlaps tensor "
-                                         f"{prev!r} (ends at {pos}); the header lies about its data")
-        if begin > pos:
-            raise CorruptCheckpointError(f"{where}: data bytes {pos}..{begin} before tensor {name!r} belong to no "
-                                         "tensor; safetensors allows no holes, the header is damaged")
-        pos, prev = end, name
-    if pos > data_len:
-        raise CorruptCheckpointError(
-            f"{where} is truncated: its header places tensor data up to byte {data_start + pos}, the file has "
-            f"{file_size} bytes")
-    if pos < data_len:
-        raise CorruptCheckpointError(
-            f"{where}: {data_len - pos} bytes after the last tensor belong to no tensor (the header describes "
-            f"{data_start + pos} bytes, the file has {file_size}); the file is damaged")
-    return SafetensorsHeader(len(raw), crc32c.crc32c(raw), tensors, extra)
 
 
 def torch_saved_offsets(header: SafetensorsHeader, where: str,
@@ -222,48 +108,12 @@ def torch_saved_offsets(header: SafetensorsHeader, where: str,
     return out
 
 
-def read_safetensors_header(reader: StorageReader, name: str, where: str) -> SafetensorsHeader:
-    """Read and validate file ``name``'s header through ``reader`` (two small reads)."""
-    size = reader.file_size(name)
-    if size < _HEAD:
-        raise CorruptCheckpointError(f"{where} is truncated: {size} bytes, a safetensors file starts with 8")
-    head = bytearray(_HEAD)
-    reader.read_into(name, 0, memoryview(head))
-    (length,) = struct.unpack("<Q", head)
-    if length > MAX_HEADER_BYTES:
-        raise CorruptCheckpointError(f"{where}: its header claims {length} bytes, more than safetensors allows "
-                                     f"({MAX_HEADER_BYTES}); the file is damaged or not a safetensors file")
-    if _HEAD + length > size:
-        raise CorruptCheckpointError(f"{where} is truncated: its header claims {length} bytes, the file has "
-                                     f"{size} in all")
-    raw = bytearray(length)
-    reader.read_into(name, _HEAD, memoryview(raw))
-    return parse_safetensors_header(raw, size, where)
-
-
-def check_safetensors_file(path: str) -> SafetensorsHeader:
-    """Validate a local safetensors file's header (:func:`parse_safetensors_header`) before the
-    ``safetensors`` library opens it: its errors name neither the file nor the tensor."""
-    files = _LocalFiles(os.path.dirname(path) or ".")
-    try:
-        return read_safetensors_header(files, os.path.basename(path), path)
-    finally:
-        files.close()
-
-
-class _LocalFiles(StorageReader):
-    """Byte ranges of files in a local directory, read with ``preadv``.
-
-    Unlike :class:`~.filesystem_storage.FileSystemReader` it follows symbolic links: the
-    Hugging Face hub cache keeps every file of a snapshot as a link into its ``blobs``
-    directory. Names come only from the index (validated plain names) or are fixed.
+class _LocalFiles(LocalFiles, StorageReader):
+    """:class:`~..format.safetensors.LocalFiles` as a storage reader: a local directory read by
+    :class:`HuggingFaceStorageReader`. Unlike :class:`~..backends.filesystem.FileSystemReader`
+    it follows symbolic links (the Hugging Face hub cache). Names come only from the index
+    (validated plain names) or are fixed.
     """
-
-    def __init__(self, path: str):
-        self.path = path
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.bytes_read = 0
 
     def read_metadata(self) -> bytes:
         raise NotImplementedError("a Hugging Face directory has no .metadata")
@@ -274,46 +124,8 @@ class _LocalFiles(StorageReader):
 
         return is_memory_filesystem(self.path)
 
-    def _fd(self, name: str) -> int:
-        with self._lock:
-            fd = self._fds.get(name)
-            if fd is None:
-                full = os.path.join(self.path, name)
-                try:
-                    fd = self._fds[name] = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise CorruptCheckpointError(f"{full!r} is missing") from None
-                except OSError as exc:
-                    if exc.errno in (errno.EISDIR, errno.ENOTDIR):
-                        raise CorruptCheckpointError(f"{full!r} is not a file") from None
-                    raise
-            return fd
-
-    def file_size(self, name: str) -> int:
-        return os.fstat(self._fd(name)).st_size
-
-    def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
-        fd = self._fd(name)
-        view = memoryview(buffer).cast("B")
-        want = view.nbytes
-        while view.nbytes:
-            n = os.preadv(fd, [view], offset)
-            if n == 0:
-                raise CorruptCheckpointError(f"{os.path.join(self.path, name)!r} ends early: wanted {want} bytes "
-                                             f"at offset {offset - (want - view.nbytes)}")
-            view = view[n:]
-            offset += n
-        with self._lock:
-            self.bytes_read += want
-
     def list_files(self) -> list[str]:
         return sorted(e.name for e in os.scandir(self.path) if e.is_file())
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
 
 
 class HuggingFaceStorageReader(StorageReader):
@@ -399,14 +211,11 @@ class HuggingFaceStorageReader(StorageReader):
             if self._exists(HF_SINGLE):
                 return [HF_SINGLE], None
             try:
-                shards = [n for n in self.files.list_files() if _HF_SHARD_NAME.fullmatch(n)]
+                shards = [n for n in self.files.list_files() if SHARD_NAME.fullmatch(n)]
             except (OSError, NotImplementedError, CheckpointError):  # listing is only for the hint
                 shards = []
             if shards:
-                raise NotACheckpointError(
-                    f"{self.path!r} holds Hugging Face shard files ({shards[0]!r}, {len(shards)} in all) but no "
-                    f"{HF_INDEX}: an export or download that did not finish; without the index nothing says "
-                    "which shards make the checkpoint")
+                raise NotACheckpointError(unindexed_shards(self.path, shards))
             raise NotACheckpointError(
                 f"{self.path!r} is not a Hugging Face checkpoint: it has neither {HF_INDEX} nor {HF_SINGLE} (the "
                 "shards torch's HuggingFaceStorageWriter(save_distributed=True) writes load with "
@@ -417,17 +226,7 @@ class HuggingFaceStorageReader(StorageReader):
             raise MetadataError(f"{where} has {size} bytes, more than any index needs ({MAX_INDEX_BYTES})")
         raw = bytearray(size)
         self.files.read_into(HF_INDEX, 0, memoryview(raw))
-        try:
-            doc = json.loads(bytes(raw).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise MetadataError(f"{where} is not valid JSON ({exc})") from None
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise MetadataError(f"{where} has no 'weight_map' object mapping tensor names to files")
-        for key, name in weight_map.items():
-            if not isinstance(name, str):
-                raise MetadataError(f"{where}: 'weight_map' maps {key!r} to {name!r:.80}, not a file name")
-            validate_file_name(name, where)
+        weight_map = parse_weight_map(raw, where)
         return sorted(set(weight_map.values())), weight_map
 
     def read_metadata(self) -> bytes:
@@ -468,7 +267,7 @@ class HuggingFaceStorageReader(StorageReader):
         return meta.to_json()
 
     def _read_headers(self, names: list[str]) -> list[SafetensorsHeader]:
-        read = lambda name: read_safetensors_header(self.files, name, self._where(name))
+        read = lambda name: read_header(self.files, name, self._where(name))
         if self.thread_count > 1 and len(names) > 1:
             with ThreadPoolExecutor(min(self.thread_count, len(names)), thread_name_prefix="hf-header") as pool:
                 return list(pool.map(read, names))
@@ -476,7 +275,7 @@ class HuggingFaceStorageReader(StorageReader):
 
     def _file_records(self, names: list[str], headers: list[SafetensorsHeader]) -> list[md.FileRecord]:
         # each file's "index" is its JSON header: file_index reads it again and checks its crc32c
-        return [md.FileRecord(name, "", -1, _HEAD, h.length, h.crc, self.files.file_size(name))
+        return [md.FileRecord(name, "", -1, HEAD, h.length, h.crc, self.files.file_size(name))
                 for name, h in zip(names, headers, strict=True)]
 
     def file_index(self, record: md.FileRecord) -> UncheckedIndex:
@@ -491,7 +290,7 @@ class HuggingFaceStorageReader(StorageReader):
         if crc32c.crc32c(raw) != record.index_crc:
             raise CorruptCheckpointError(f"{where} changed since the load read its header (its header's checksum "
                                          "differs); load again")
-        header = parse_safetensors_header(raw, size, where)
+        header = parse_header(raw, size, where)
         return UncheckedIndex({(k, 0): (t.start, t.shape, t.nbytes) for k, t in header.tensors.items()}, where)
 
     def file_size(self, name: str) -> int:
@@ -614,9 +413,6 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
                               np.array([i for _, i in live], dtype=np.int32),
                               subs=np.zeros(n, dtype=np.int32))  # a file holds one shard of a key: its id 0
         return md.Entry(key, "tensor", (key,), dtype, shape, store=store)
-
-
-_HF_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # transformers' shard names
 
 
 def _missing_shards(names: list[str]) -> str:

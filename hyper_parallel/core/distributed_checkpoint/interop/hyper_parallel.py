@@ -39,11 +39,11 @@ from ..base.box import Box, first_overlap
 from ..base.dtypes import itemsize, torch_dtype
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from ..base.limits import MAX_NDIM
+from ..engine.streaming_writer import write_streaming
 from ..format import metadata as md
 from ..format.validation import validate_file_name
 from ..format.values import plain_value_problem
 from ..planning.planner import EntrySpec, WriteItem
-from ..resharding.offline_transform import write_streaming
 from ..state.flatten import path_from_parts
 from .single_file import is_torch_zip
 

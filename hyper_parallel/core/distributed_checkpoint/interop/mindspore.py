@@ -28,15 +28,9 @@ Strategy files are ``mindspore_strategy.py``'s concern.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import mmap
 import os
-import re
-import struct
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,398 +39,27 @@ import numpy as np
 import torch
 
 from ..backends.filesystem import FileSystemReader
-from ..base import protowire as pw
 from ..base.atomic_file import atomic_file
 from ..base.box import Box
-from ..base.dtypes import dtype_from_safetensors, itemsize, safetensors_dtype, torch_dtype
-from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
+from ..base.errors import CheckpointError, UnsupportedValueError
 from ..engine.metadata_reader import read_checkpoint_metadata
+from ..engine.streaming_writer import write_streaming
 from ..format import metadata as md
 from ..format.data_file import tensor_bytes
-from ..format.validation import check_shape
+from ..format.safetensors import METADATA_KEY
 from ..planning.planner import EntrySpec, WriteItem
-from ..resharding.offline_transform import _prefixed_path, write_streaming
-from ..sharding.mindspore_strategy import MindSporeLayout, read_strategy
+from ..state.flatten import prefixed_path
 from ..transfer.loader import read_box
+from .mindspore_ckpt import write_ckpt
+from .mindspore_distributed import import_distributed, rank_files
+from .mindspore_file import _TO_MS, MS_DTYPES, STR, MindSporeFile
+from .mindspore_reader import open_mindspore_file, read_mindspore_checkpoint
+from .mindspore_safetensors import write_safetensors
 
 __all__ = ["read_mindspore_checkpoint", "import_mindspore", "export_mindspore", "MindSporeFile",
            "open_mindspore_file", "ExportSummary", "MS_DTYPES"]
 
 log = logging.getLogger(__name__)
-
-# MindSpore's tensor_type name -> our dtype name (metadata.py's names)
-MS_DTYPES = {
-    "Float64": "float64", "Float32": "float32", "Float16": "float16", "BFloat16": "bfloat16",
-    "Int64": "int64", "Int32": "int32", "Int16": "int16", "Int8": "int8",
-    "UInt64": "uint64", "UInt32": "uint32", "UInt16": "uint16", "UInt8": "uint8", "Bool": "bool",
-}
-_TO_MS = {v: k for k, v in MS_DTYPES.items()}
-STR = "str"  # MindSpore's tensor_type for a string value
-SLICE_BYTES = 512 * 1024 * 1024  # MindSpore's SLICE_SIZE (512 * 1024 KiB): bytes per message
-CRC_TRAILER = b"crc_num"
-_ENCRYPTED = {0x7F3A5ED8: "AES-GCM", 0x7F3A5ED9: "AES-CBC"}  # first 4 bytes, little-endian
-_RANK_DIR = re.compile(r"^rank_(\d+)$")
-_CRC_CHUNK = 16 << 20
-
-
-# ---------------------------------------------------------------------------- reading
-
-
-@dataclass
-class TensorInfo:
-    """One named value of a MindSpore file: our dtype name (or ``"str"``), shape, byte ranges."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    pieces: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b - a for a, b in self.pieces)
-
-
-class MindSporeFile:
-    """An open MindSpore ``.ckpt`` or safetensors file: its index, and each value on demand.
-
-    Use :func:`open_mindspore_file`. ``tensors`` keeps the file's order. Values are read with
-    ``pread`` straight into the new tensor (one copy, no mapping kept). Close it (or use it as
-    a context manager).
-    """
-
-    kind = "?"
-
-    def __init__(self, path: str, fd: int):
-        self.path = path
-        self._fd = fd
-        self.tensors: dict[str, TensorInfo] = {}
-
-    def _pread_into(self, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < view.nbytes:
-            n = os.preadv(self._fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CorruptCheckpointError(f"{self.path}: the file ended at byte {offset + done} while reading; "
-                                             "it was truncated after it was opened")
-            done += n
-
-    def read(self, name: str) -> torch.Tensor | str:
-        """The value called ``name``: a new CPU tensor, or a ``str``."""
-        info = self.tensors[name]
-        if info.dtype == STR:
-            raw = bytearray(info.nbytes)
-            pos = 0
-            for a, b in info.pieces:
-                self._pread_into(memoryview(raw)[pos:pos + b - a], a)
-                pos += b - a
-            try:
-                return raw.decode("utf-32-le").rstrip("\x00")
-            except UnicodeDecodeError as exc:
-                raise CorruptCheckpointError(
-                    f"{self.path}: the string value {name!r} is not UTF-32 text ({exc.reason} at byte {exc.start} "
-                    f"of its {len(raw)}); the file is damaged") from None
-        out = torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-        if out.numel():
-            view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            pos = 0
-            for a, b in info.pieces:
-                self._pread_into(view[pos:pos + b - a], a)
-                pos += b - a
-        return out
-
-    def digest(self, name: str) -> int:
-        """crc32 of the value's bytes (to compare copies of it across files)."""
-        crc = 0
-        for a, b in self.tensors[name].pieces:
-            crc = _crc_range(self, a, b, crc)
-        return crc
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> MindSporeFile:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def _crc_range(f: MindSporeFile, a: int, b: int, crc: int = 0) -> int:
-    """crc32 of bytes ``[a, b)`` of the file, read in bounded chunks."""
-    buf = memoryview(bytearray(min(_CRC_CHUNK, max(b - a, 0))))
-    while a < b:
-        n = min(b - a, buf.nbytes)
-        f._pread_into(buf[:n], a)
-        crc = zlib.crc32(buf[:n], crc)
-        a += n
-    return crc
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _check_dims(dims: Any, name: str, path: str) -> tuple[int, ...]:
-    """The shape of a tensor of the file, refused unless our checkpoints can hold it (no
-    negative dim, at most 64 dims and 2**56 elements), before anything allocates or imports it."""
-    try:
-        return check_shape(dims, f"{path}: tensor {name!r}")
-    except MetadataError as exc:
-        raise CorruptCheckpointError(f"{exc}; the file is damaged") from None
-
-
-def _our_dtype(ms_type: str, name: str, path: str) -> str:
-    if ms_type == STR:
-        return STR
-    try:
-        return MS_DTYPES[ms_type]
-    except KeyError:
-        hint = " (MindSpore's packed 4-bit qint4x2 has no torch dtype)" if ms_type == "Int4" else ""
-        raise UnsupportedValueError(
-            f"{path}: tensor {name!r} has MindSpore dtype {ms_type!r}{hint}; this importer reads "
-            f"{sorted(MS_DTYPES) + [STR]}") from None
-
-
-def _name_in_cut_message(mm: Any, pos: int, end: int) -> str | None:
-    """The tag of the Checkpoint.value message starting at ``pos`` when only its length is wrong."""
-    try:
-        _, p = pw.read_varint(mm, pos, end)
-        _, p = pw.read_varint(mm, p, end)
-        key, p = pw.read_varint(mm, p, end)
-        n, p = pw.read_varint(mm, p, end)
-        return pw.text(mm, p, p + n) if key == (1 << 3 | pw.LEN) and p + n <= end else None
-    except ValueError:
-        return None
-
-
-class _Ckpt(MindSporeFile):
-    kind = "ckpt"
-
-    def __init__(self, path: str, fd: int, mm: mmap.mmap, verify: bool):
-        super().__init__(path, fd)
-        size = len(mm)
-        end = size
-        magic = struct.unpack("<I", mm[:4])[0] if size >= 4 else None
-        if magic in _ENCRYPTED:
-            raise UnsupportedValueError(
-                f"{path} is an encrypted MindSpore checkpoint ({_ENCRYPTED[magic]}); decrypt it with MindSpore "
-                "first: mindspore.save_checkpoint(mindspore.load_checkpoint(path, dec_key=KEY, "
-                "dec_mode=MODE), 'plain.ckpt'), then import the plain file")
-        if size >= 17 and mm[size - 17:size - 10] == CRC_TRAILER:
-            end = size - 17
-            if verify:
-                stored = int.from_bytes(mm[size - 10:size], "big")
-                actual = _crc_range(self, 0, end)
-                if actual != stored:
-                    raise CorruptCheckpointError(
-                        f"{path}: crc32 of the data is {actual:#010x}, the file's crc_num trailer says "
-                        f"{stored:#010x}; the file is damaged")
-        if end and mm[0] != 0x0A:
-            raise CorruptCheckpointError(f"{path}: not a MindSpore .ckpt (it starts with byte {mm[0]:#04x}, a "
-                                         "checkpoint with 0x0a) and not a safetensors file")
-        self._index(mm, end)
-
-    def _index(self, mm: mmap.mmap, end: int) -> None:
-        path = self.path
-        last: str | None = None
-        name: str | None = None  # of the message being read; None between messages
-        try:
-            for num, wire, a, b in pw.fields(mm, 0, end):
-                if num != 1 or wire != pw.LEN:
-                    raise pw.WireError(f"field {num} (wire type {wire}) where a Checkpoint.value is expected", a)
-                name, tensor, is_map = None, None, False
-                for n2, w2, x, y in pw.fields(mm, a, b):
-                    if n2 == 1 and w2 == pw.LEN:
-                        name = pw.text(mm, x, y)
-                    elif n2 == 2 and w2 == pw.LEN:
-                        tensor = (x, y)
-                    elif n2 == 3:
-                        is_map = True
-                if name is None:
-                    raise pw.WireError("a value without its tag (name)", a)
-                if is_map:
-                    raise UnsupportedValueError(
-                        f"{path}: {name!r} is a MindSpore MapParameter (a key-value embedding table), which has "
-                        "no torch counterpart; export it as tensors with MindSpore first")
-                if tensor is None:
-                    raise pw.WireError(f"value {name!r} holds no tensor", a)
-                dims: list[int] = []
-                ms_type, content = None, (b, b)  # no tensor_content: no bytes
-                for n3, w3, x, y in pw.fields(mm, *tensor):
-                    if n3 == 1:
-                        dims.extend(pw.as_signed(v) for v in pw.repeated_varints(mm, w3, x, y))
-                    elif n3 == 2 and w3 == pw.LEN:
-                        ms_type = pw.text(mm, x, y)
-                    elif n3 == 3 and w3 == pw.LEN:
-                        content = (x, y)
-                if ms_type is None:
-                    raise pw.WireError(f"tensor {name!r} has no tensor_type", a)
-                _check_dims(dims, name, path)
-                if name == last:
-                    info = self.tensors[name]
-                    if (info.dtype != _our_dtype(ms_type, name, path)) or info.shape != tuple(dims):
-                        raise CorruptCheckpointError(
-                            f"{path}: the messages of tensor {name!r} disagree: {info.shape} vs {tuple(dims)}, "
-                            f"dtype {info.dtype} vs {ms_type}")
-                    info.pieces.append(content)
-                    name = None
-                    continue
-                if name in self.tensors:
-                    raise CorruptCheckpointError(
-                        f"{path}: tensor {name!r} appears twice, apart (again at byte {a}); MindSpore keeps "
-                        "only the last of such values: rewrite the file with unique names")
-                if last is not None:
-                    self._finish(last)
-                self.tensors[name] = TensorInfo(name, _our_dtype(ms_type, name, path), tuple(dims), [content])
-                last, name = name, None
-        except pw.WireError as exc:
-            # a message cut short fails on its length before its name is read: read the name anyway
-            cut = name or _name_in_cut_message(mm, exc.pos, end)
-            where = f" in tensor {cut!r}" if cut else f" after tensor {last!r}" if last else ""
-            raise CorruptCheckpointError(
-                f"{path}: truncated or not a MindSpore checkpoint{where}: {exc}") from None
-        if last is not None:
-            self._finish(last)
-
-    def _finish(self, name: str) -> None:
-        info = self.tensors[name]
-        if info.dtype == STR:
-            info.shape = ()
-            return
-        item = itemsize(info.dtype)
-        have = info.nbytes
-        if info.shape == (0,) and have == item:  # MindSpore reads dims [0] as a 0-d value
-            info.shape = ()
-        want = _numel(info.shape) * item
-        if have != want:
-            raise CorruptCheckpointError(
-                f"{self.path}: tensor {name!r} ({info.dtype} {list(info.shape)}) needs {want} bytes, its "
-                f"{len(info.pieces)} message(s) hold {have}; the file is truncated or a slice message is missing")
-
-
-class _Safetensors(MindSporeFile):
-    kind = "safetensors"
-
-    def __init__(self, path: str, fd: int, mm: mmap.mmap, verify: bool):
-        super().__init__(path, fd)
-        size = len(mm)
-        n = struct.unpack("<Q", mm[:8])[0]
-        if n > size - 8:
-            raise CorruptCheckpointError(f"{path}: safetensors header of {n} bytes runs past the file ({size} bytes)")
-        try:
-            header = json.loads(bytes(mm[8:8 + n]))
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than any header
-            raise CorruptCheckpointError(f"{path}: unreadable safetensors header "
-                                         f"({exc if isinstance(exc, ValueError) else 'nested too deep'})") from None
-        if not isinstance(header, dict):
-            raise CorruptCheckpointError(f"{path}: its safetensors header is a JSON {type(header).__name__}, "
-                                         "not an object")
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict):
-            raise CorruptCheckpointError(f"{path}: its safetensors header's '__metadata__' is not an object")
-        base = 8 + n
-        for name, e in header.items():
-            if meta.get(name) == "Int4":
-                raise UnsupportedValueError(f"{path}: tensor {name!r} is MindSpore's packed 4-bit qint4x2, which has "
-                                            "no torch dtype")
-            try:
-                dtype = dtype_from_safetensors(e["dtype"])
-                if dtype is None:
-                    raise KeyError(e["dtype"])
-                shape, (a, b) = e["shape"], e["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise UnsupportedValueError(f"{path}: tensor {name!r} has an unsupported entry {e!r:.120}") from None
-            shape = _check_dims(shape, name, path)
-            if (type(a) is not int or type(b) is not int or not 0 <= a <= b <= size - base
-                    or b - a != _numel(shape) * itemsize(dtype)):
-                raise CorruptCheckpointError(f"{path}: tensor {name!r} ({dtype} {list(shape)}) has byte range "
-                                             f"[{a}, {b}) in a data section of {size - base} bytes")
-            self.tensors[name] = TensorInfo(name, dtype, shape, [(base + a, base + b)])
-        if verify and "crc_num" in meta:
-            crc = 0
-            for name in sorted(self.tensors):
-                crc = zlib.crc32(name.encode(), crc)
-                for a, b in self.tensors[name].pieces:
-                    crc = _crc_range(self, a, b, crc)
-            if crc != _int_or_none(meta["crc_num"]):
-                raise CorruptCheckpointError(f"{path}: crc32 of the tensors is {crc}, the file's crc_num says "
-                                             f"{meta['crc_num']}; the file is damaged")
-
-
-def _int_or_none(v: Any) -> int | None:
-    try:
-        return int(v)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float("inf"))
-        return None
-
-
-def open_mindspore_file(path: str | os.PathLike, *, verify: bool = True) -> MindSporeFile:
-    """Open a MindSpore ``.ckpt`` or safetensors file (told apart by content) and index it.
-
-    Args:
-        verify: check the crc the file carries, if any (``.ckpt`` trailer, safetensors
-            ``crc_num``); reads the file once.
-
-    Raises:
-        UnsupportedValueError: an encrypted file, an unknown dtype, a MapParameter.
-        CorruptCheckpointError: a truncated or damaged file, a bad crc, messages of one
-            tensor that do not add up to it.
-    """
-    where = os.fspath(path)
-    size = os.path.getsize(where)
-    if size == 0:
-        raise CorruptCheckpointError(f"{where}: empty file; expected a MindSpore .ckpt or safetensors file")
-    fd = os.open(where, os.O_RDONLY)
-    try:
-        # the index is walked on a mapping (only header pages are touched); data is pread later
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
-            if size >= 9 and mm[8] == ord("{") and struct.unpack("<Q", mm[:8])[0] < size:
-                return _Safetensors(where, fd, mm, verify)
-            return _Ckpt(where, fd, mm, verify)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_mindspore_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor | str]:
-    """Every value of a MindSpore ``.ckpt`` or safetensors file: ``{name: tensor or str}``.
-
-    Holds the whole file in memory; :func:`import_mindspore` streams instead.
-
-    Example::
-
-        sd = read_mindspore_checkpoint("lenet.ckpt")
-        sd["fc1.weight"].dtype     # torch.float32
-    """
-    with open_mindspore_file(path, verify=verify) as f:
-        return {name: f.read(name) for name in f.tensors}
-
-
-# ---------------------------------------------------------------------------- import
-
-
-def _rank_files(src: str) -> dict[int, str]:
-    """``{rank: file}`` of a MindSpore distributed checkpoint directory (``rank_<id>/*.ckpt``)."""
-    out: dict[int, str] = {}
-    for d in os.listdir(src):
-        m = _RANK_DIR.match(d)
-        full = os.path.join(src, d)
-        if not m or not os.path.isdir(full):
-            continue
-        names = sorted(os.listdir(full))
-        ckpts = [n for n in names if n.endswith(".ckpt")]
-        sts = [n for n in names if n.endswith(".safetensors")]
-        if ckpts and sts:
-            raise CheckpointError(f"{full} holds both .ckpt and .safetensors files; keep one kind")
-        chosen = (ckpts or sts)[-1:]  # as MindSpore's tools: the last in name order
-        if chosen:
-            if len(ckpts or sts) > 1:
-                log.warning("%s holds %d checkpoint files; using %s (the last in name order, as MindSpore does)",
-                            full, len(ckpts or sts), chosen[0])
-            out[int(m.group(1))] = os.path.join(full, chosen[0])
-    return dict(sorted(out.items()))
 
 
 def import_mindspore(
@@ -486,7 +109,7 @@ def import_mindspore(
     """
     src = os.fspath(src)
     if os.path.isdir(src):
-        ranks = _rank_files(src)
+        ranks = rank_files(src)
         if not ranks:
             raise CheckpointError(f"{src} is a directory without rank_<id>/ sub-directories of .ckpt or "
                                   ".safetensors files; pass a checkpoint file, or a MindSpore distributed "
@@ -495,7 +118,7 @@ def import_mindspore(
             raise ValueError(f"{src} is a MindSpore distributed checkpoint ({len(ranks)} rank directories); "
                              "pass its strategy file (strategy=..., CLI --strategy FILE): the slices alone "
                              "do not say where they belong")
-        return _import_distributed(src, ranks, os.fspath(strategy), dst_path, prefix, verify, overwrite, progress)
+        return import_distributed(src, ranks, os.fspath(strategy), dst_path, prefix, verify, overwrite, progress)
     if strategy is not None:
         raise ValueError(f"{src} is a single file; a strategy file goes with a distributed checkpoint directory "
                          "(rank_<id>/ sub-directories)")
@@ -507,9 +130,9 @@ def import_mindspore(
             key = prefix + name
             names[key] = name
             if info.dtype == STR:
-                entries[key] = EntrySpec("object", _prefixed_path(prefix, name))
+                entries[key] = EntrySpec("object", prefixed_path(prefix, name))
                 continue
-            entries[key] = EntrySpec("tensor", _prefixed_path(prefix, name), info.dtype, info.shape)
+            entries[key] = EntrySpec("tensor", prefixed_path(prefix, name), info.dtype, info.shape)
             if info.nbytes:
                 items.append(WriteItem(key, Box.full(info.shape), info.nbytes))
 
@@ -521,186 +144,6 @@ def import_mindspore(
 
         return write_streaming(dst_path, entries, [items], produce, overwrite=overwrite,
                                user_metadata={"imported_from": {"platform": "mindspore", "format": f.kind}})
-
-
-def _import_distributed(src: str, ranks: dict[int, str], strategy_file: str, dst_path: str | os.PathLike,
-                        prefix: str, verify: bool, overwrite: bool,
-                        progress: Callable[[int], None] | None) -> md.Metadata:
-    layouts = read_strategy(strategy_file)
-    files: dict[int, MindSporeFile] = {}
-    try:
-        for r, p in ranks.items():
-            files[r] = open_mindspore_file(p, verify=verify)
-        order: dict[str, None] = {}
-        for f in files.values():
-            order.update(dict.fromkeys(f.tensors))
-        entries: dict[str, EntrySpec] = {}
-        by_rank: dict[int, list[WriteItem]] = {}
-        source: dict[tuple[str, Box], tuple[int, str]] = {}
-        for name in order:
-            key = prefix + name
-            have = [r for r in files if name in files[r].tensors]
-            first = files[have[0]].tensors[name]
-            for r in have[1:]:
-                other = files[r].tensors[name]
-                if other.dtype != first.dtype:
-                    raise CheckpointError(f"{name!r} is {first.dtype} in {files[have[0]].path} but {other.dtype} in "
-                                          f"{files[r].path}")
-            path = _prefixed_path(prefix, name)
-            if first.dtype == STR:
-                entries[key] = EntrySpec("object", path)
-                source[(key, Box((), ()))] = (have[0], name)
-                continue
-            if name in layouts:
-                spec, placed = _sliced(name, layouts[name], files, have, strategy_file)
-                entries[key] = EntrySpec("tensor", path, first.dtype, spec[0], spec[1])
-            else:
-                _check_replicated(name, files, have, verify)
-                entries[key] = EntrySpec("tensor", path, first.dtype, first.shape)
-                placed = [(Box.full(first.shape), have[0])]
-            for box, r in placed:
-                nbytes = box.numel * itemsize(first.dtype)
-                if nbytes:
-                    by_rank.setdefault(r, []).append(WriteItem(key, box, nbytes))
-                    source[(key, box)] = (r, name)
-        _check_unsaved(src, layouts, order, files, strategy_file)  # after the saved ones' own errors
-
-        def produce(item: WriteItem) -> Any:
-            r, name = source[(item.key, item.box)]
-            value = files[r].read(name)
-            if progress is not None and item.nbytes:
-                progress(item.nbytes)
-            return value
-
-        return write_streaming(
-            dst_path, entries, [by_rank[r] for r in sorted(by_rank)], produce, overwrite=overwrite,
-            user_metadata={"imported_from": {"platform": "mindspore", "format": "distributed",
-                                             "ranks": len(files), "strategy": os.path.basename(strategy_file)}})
-    finally:
-        for f in files.values():
-            f.close()
-
-
-def _check_unsaved(src: str, layouts: dict[str, MindSporeLayout], saved: dict[str, None],
-                   files: dict[int, MindSporeFile], strategy_file: str) -> None:
-    """Refuse strategy parameters that no rank file holds because their ranks' files are missing.
-
-    A parameter the strategy names may legitimately be in no file: the strategy of a training
-    job names every parameter of the compiled graph, optimizer states included, while a
-    checkpoint of the network alone does not hold those (MindSpore's ``transform_checkpoints``
-    then ignores them). So it is skipped, with a warning, when each of its slices has a rank
-    with a file (that rank would hold it had it been saved). When some slice lies only on ranks
-    without a file (a whole pipeline stage's ``rank_<id>/`` missing), the parameter is lost with
-    them: an error, as MindSpore's ``transform_checkpoints`` refuses missing rank files.
-    """
-    lost: dict[tuple[int, ...], list[str]] = {}
-    unsaved: list[str] = []
-    for name, ms_layout in layouts.items():
-        if name in saved:
-            continue
-        missing = tuple(r for ranks in _slice_holders(ms_layout) if not any(r in files for r in ranks)
-                        for r in ranks)
-        if missing:
-            lost.setdefault(missing, []).append(name)
-        else:
-            unsaved.append(name)
-    if lost:
-        detail = "; ".join(f"{names} on rank(s) {list(missing)}" for missing, names in lost.items())
-        raise CheckpointError(
-            f"{src}: {strategy_file} names parameter(s) that no rank file holds, and the ranks it gives them "
-            f"have no rank_<id>/ file: {detail}. Rank files found: {sorted(files)}. Is a pipeline stage's "
-            "rank_<id>/ directory missing?")
-    if unsaved:
-        log.warning("%s names %d parameter(s) that no rank file of %s holds although ranks holding their slices "
-                    "have files (e.g. optimizer states of a network-only checkpoint); they are not imported: %s",
-                    strategy_file, len(unsaved), src, ", ".join(unsaved[:20]))
-
-
-def _slice_holders(ms_layout: MindSporeLayout) -> list[list[int]]:
-    """The global ranks of each distinct slice of a parameter (replicas share one), shape unknown.
-
-    Ranks hold the same slice when their device-matrix coordinates agree on every dim the
-    tensor_map splits by (dims counted from the right), which needs no tensor shape.
-    """
-    dev = ms_layout.dev_matrix
-    used = sorted({x for t in ms_layout.tensor_map for x in t if 0 <= x < len(dev)})
-    world = math.prod(dev)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for pos in range(world):
-        coord, rest = [], pos  # coord[i]: the coordinate on dev dim i counted from the right
-        for size in reversed(dev):
-            coord.append(rest % size)
-            rest //= size
-        groups.setdefault(tuple(coord[d] for d in used), []).append(ms_layout.stage * world + pos)
-    return list(groups.values())
-
-
-def _local_shape(name: str, ms_layout: MindSporeLayout, files: dict[int, MindSporeFile], have: list[int],
-                 strategy_file: str) -> tuple[tuple[int, ...], int]:
-    """The slice shape of ``name`` most of its rank files agree on, and a rank holding it.
-
-    MindSpore slices evenly, so every rank's slice has one shape. Taking the shape most files
-    hold (rather than the first file's) lets the error name the file that disagrees; when no
-    shape has a majority, the error lists every file with its shape.
-    """
-    by_shape: dict[tuple[int, ...], list[int]] = {}
-    for r in have:
-        by_shape.setdefault(files[r].tensors[name].shape, []).append(r)
-    if len(by_shape) == 1:
-        return next(iter(by_shape)), have[0]
-    groups = sorted(by_shape.items(), key=lambda kv: -len(kv[1]))
-    where = (f"{strategy_file} (dev_matrix {list(ms_layout.dev_matrix)}, tensor_map {ms_layout.resolved_map()}) "
-             "slices it evenly, so every rank's slice has one shape")
-    if len(groups[0][1]) > len(groups[1][1]):
-        shape, ranks = groups[0]
-        odd = "; ".join(f"{files[r].path} holds {list(s)}" for s, rs in groups[1:] for r in rs)
-        raise CheckpointError(
-            f"{name!r}: {odd}, but the other {len(ranks)} rank file(s) (ranks {ranks}) hold {list(shape)} and "
-            f"{where}; is it from another checkpoint?")
-    listed = "; ".join(f"{list(s)} in {', '.join(files[r].path for r in rs)}" for s, rs in groups)
-    raise CheckpointError(f"{name!r}: its rank files hold slices of different shapes and no shape is held by most "
-                          f"of them: {listed}. {where}; one of these files is from another checkpoint")
-
-
-def _sliced(name: str, ms_layout: MindSporeLayout, files: dict[int, MindSporeFile], have: list[int],
-            strategy_file: str) -> tuple[tuple[tuple[int, ...], dict[str, Any]], list[tuple[Box, int]]]:
-    """Global shape and layout record of a sliced parameter, and which rank's file gives each distinct box."""
-    local, holder = _local_shape(name, ms_layout, files, have, strategy_file)
-    try:
-        tl = ms_layout.tensor_layout(ndim=len(local))
-    except ValueError as exc:
-        raise CheckpointError(f"{strategy_file}: parameter {name!r} (shape {list(local)} in "
-                              f"{files[holder].path}): {exc}") from None
-    global_shape = tuple(s * math.prod(tl.layout.mesh_shape[m] for m in tl.splits.get(d, ()))
-                         for d, s in enumerate(local))
-    placed: list[tuple[Box, int]] = []
-    for box, holders in tl.holders(global_shape).items():
-        present = [r for r in holders if r in files and name in files[r].tensors]
-        if not present:
-            raise CheckpointError(
-                f"{name!r}: no rank file holds its slice at offsets {list(box.offsets)} (sizes {list(box.sizes)}), "
-                f"which the strategy gives to rank(s) {holders}; rank files found: {sorted(files)}. The slice "
-                "set does not cover the tensor")
-        r = present[0]
-        got = files[r].tensors[name].shape
-        if got != box.sizes:
-            raise CheckpointError(
-                f"{files[r].path}: {name!r} has shape {list(got)}, but {strategy_file} (dev_matrix "
-                f"{list(ms_layout.dev_matrix)}, tensor_map {ms_layout.resolved_map(len(local))}) gives rank {r} "
-                f"a slice of {list(box.sizes)} of the global {list(global_shape)}")
-        placed.append((box, r))
-    return (global_shape, tl.to_record()), placed
-
-
-def _check_replicated(name: str, files: dict[int, MindSporeFile], have: list[int], verify: bool) -> None:
-    first = files[have[0]]
-    for r in have[1:]:
-        f = files[r]
-        if f.tensors[name].shape != first.tensors[name].shape or (verify and f.digest(name) != first.digest(name)):
-            raise CheckpointError(
-                f"{name!r} is not in the strategy file, so it should be the same on every rank, but "
-                f"{first.path} and {f.path} hold different values (shapes {list(first.tensors[name].shape)} "
-                f"and {list(f.tensors[name].shape)}); is it the strategy file of this checkpoint?")
 
 
 # ---------------------------------------------------------------------------- export
@@ -716,13 +159,6 @@ class ExportSummary:
     bytes: int = 0
     skipped: list[str] = field(default_factory=list)  # keys with no MindSpore counterpart
     seconds: float = 0.0
-
-
-def _ckpt_message(name: str, ms_type: str, dims: list[int], n: int) -> bytes:
-    """The protobuf bytes of one ``Checkpoint`` message up to its ``n`` content bytes, which follow."""
-    tensor = pw.repeated_ints(1, dims) + pw.str_field(2, ms_type) + pw.len_header(3, n)
-    value = pw.str_field(1, name) + pw.len_header(2, len(tensor) + n)
-    return pw.len_header(1, len(value) + len(tensor) + n) + value + tensor
 
 
 def _plain_value(v: Any) -> tuple[str, torch.Tensor | str] | None:
@@ -819,83 +255,21 @@ def export_mindspore(
                 return tensor_bytes(value)
             return tensor_bytes(read_box(entry, reader, verify=verify)[0])
 
-        if fmt != "ckpt" and any(p[0] == "__metadata__" for p in plan):  # .ckpt files may hold the name
+        if fmt != "ckpt" and any(p[0] == METADATA_KEY for p in plan):  # .ckpt files may hold the name
             raise UnsupportedValueError(
                 f"{dst}: a tensor is named '__metadata__', which safetensors reserves for its header's metadata; "
                 "export as .ckpt (format='ckpt'), or rename the tensor first")
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+
+        def wrote(nbytes: int) -> None:
+            summary.tensors += 1
+            summary.bytes += nbytes
+            if progress is not None:
+                progress(nbytes)
+
         with atomic_file(dst, sync_dir=False) as out:
-            if fmt == "ckpt":
-                _write_ckpt(out, plan, data, crc, summary, progress)
-            else:
-                _write_safetensors(out, plan, data, crc, summary, progress)
+            (write_ckpt if fmt == "ckpt" else write_safetensors)(out, plan, data, crc, wrote)
     finally:
         reader.close()
     summary.seconds = time.perf_counter() - t0
     return summary
-
-
-def _write_ckpt(out: Any, plan: list, data: Callable, crc_on: bool, summary: ExportSummary,
-                progress: Callable[[int], None] | None) -> None:
-    crc = 0
-
-    def write(b: Any) -> None:
-        nonlocal crc
-        out.write(b)
-        if crc_on:
-            crc = zlib.crc32(b, crc)
-
-    for name, dtype, shape, entry, value in plan:
-        raw = data(entry, value)
-        ms_type = STR if dtype == STR else _TO_MS[dtype]
-        dims = [0] if dtype == STR else list(shape)
-        for off in range(0, max(raw.nbytes, 1), SLICE_BYTES):  # an empty tensor still gets its message
-            piece = raw[off:off + SLICE_BYTES]
-            write(_ckpt_message(name, ms_type, dims, piece.nbytes))
-            write(piece)
-        summary.tensors += 1
-        summary.bytes += raw.nbytes
-        if progress is not None:
-            progress(raw.nbytes)
-        del raw, piece  # free this tensor before reading the next: one tensor in memory
-    if crc_on:
-        out.write(CRC_TRAILER + crc.to_bytes(10, "big"))
-
-
-def _write_safetensors(out: Any, plan: list, data: Callable, crc_on: bool, summary: ExportSummary,
-                       progress: Callable[[int], None] | None) -> None:
-    # MindSpore writes names in sorted order and checksums them in that order; the crc is
-    # only known at the end, so the header reserves ten digits (int() reads leading zeros).
-    plan = sorted(plan, key=lambda p: p[0])
-    header: dict[str, Any] = {"__metadata__": {"format": "ms", **({"crc_num": "0" * 10} if crc_on else {})}}
-    pos = 0
-    for name, dtype, shape, _, _ in plan:
-        n = math.prod(shape) * itemsize(dtype)
-        header[name] = {"dtype": safetensors_dtype(dtype), "shape": list(shape), "data_offsets": [pos, pos + n]}
-        pos += n
-
-    def encode() -> bytes:
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        return struct.pack("<Q", len(raw)) + raw
-
-    head = encode()
-    out.write(head)
-    crc = 0
-    for name, _, _, entry, value in plan:
-        raw = data(entry, value)
-        out.write(raw)
-        if crc_on:
-            crc = zlib.crc32(raw, zlib.crc32(name.encode(), crc))
-        summary.tensors += 1
-        summary.bytes += raw.nbytes
-        if progress is not None:
-            progress(raw.nbytes)
-        del raw
-    if crc_on:
-        header["__metadata__"]["crc_num"] = f"{crc:010d}"
-        final = encode()
-        assert len(final) == len(head)
-        out.seek(0)
-        out.write(final)
-

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..base.errors import CorruptCheckpointError
+from ..format.safetensors import check_safetensors_file
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
 
@@ -130,8 +131,6 @@ def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
     """
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
-
-    from .huggingface import check_safetensors_file
 
     path = _valid_file_path(file_path, "load_checkpoint")
     if not path.is_file():

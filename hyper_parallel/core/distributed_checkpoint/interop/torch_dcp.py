@@ -68,9 +68,9 @@ from ..base.atomic_file import atomic_file
 from ..base.box import Box
 from ..base.dtypes import itemsize, torch_dtype
 from ..base.errors import CheckpointError, UnsupportedValueError
+from ..base.sizes import parse_size
 from ..engine.metadata_reader import read_checkpoint_metadata
 from ..format import metadata as md
-from ..resharding.offline_transform import parse_size
 from ..sharding.layout import TensorLayout
 from ..state.flatten import unflatten
 from ..transfer.loader import check_files_hold, read_box

@@ -58,7 +58,6 @@ import json
 import math
 import os
 import re
-import struct
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -73,6 +72,7 @@ from ..base.atomic_file import atomic_file
 from ..base.dtypes import dtype_name, itemsize, safetensors_dtype
 from ..base.errors import CorruptCheckpointError, UnsupportedValueError
 from ..base.limits import MAX_NDIM
+from ..format.safetensors import METADATA_KEY, PAD_PREFIX, encode_header, header_length, pad_entry, tensor_entry
 from ..format.values import decode_value, encode_value, is_json_value, json_culprit
 from ..sharding.records import dtensor_box, layout_record
 from ..state.flatten import Flat
@@ -258,20 +258,17 @@ def build_shard_file(manifest: dict[str, Any], entries: list[LocalEntry], spans:
     pos = pads = 0
     for start, nbytes, e in sorted(placed, key=lambda p: p[0]):
         if start > pos:
-            header[f"__pad{pads}"] = {"dtype": "U8", "shape": [start - pos], "data_offsets": [pos, start]}
+            header[f"{PAD_PREFIX}{pads}"] = pad_entry(pos, start)
             pads += 1
         st = safetensors_dtype(e.dtype) if e.kind in ("dtensor", "tensor") else None
         offsets = e.offsets if e.offsets is not None else (0,) * len(e.shape or ())
-        header[f"{e.key}@{','.join(map(str, offsets))}"] = {
-            "dtype": st or "U8", "shape": list(e.shape or ()) if st else [nbytes],
-            "data_offsets": [start, start + nbytes]}
+        header[f"{e.key}@{','.join(map(str, offsets))}"] = tensor_entry(
+            st or "U8", list(e.shape or ()) if st else [nbytes], start, start + nbytes)
         pos = max(pos, start + nbytes)
     if pos != body.nbytes:
         raise ValueError(f"shard file body of {body.nbytes} bytes, payloads end at {pos}")
-    header["__metadata__"] = {MANIFEST_KEY: json.dumps({**manifest, "entries": listed}, separators=(",", ":"))}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % ALIGN)
-    return ShardFile(struct.pack("<Q", len(raw)) + raw, body)
+    header[METADATA_KEY] = {MANIFEST_KEY: json.dumps({**manifest, "entries": listed}, separators=(",", ":"))}
+    return ShardFile(encode_header(header, ALIGN), body)
 
 
 def _nbytes(e: LocalEntry) -> int:
@@ -336,12 +333,12 @@ def parse_manifest(head: bytes | memoryview, size: int, path: str) -> Manifest:
     head = bytes(head)
     if len(head) < 8:
         raise CorruptCheckpointError(f"{path}: not a local shard file (truncated header)")
-    (n,) = struct.unpack_from("<Q", head)
+    n = header_length(head)
     if n > MAX_HEADER or 8 + n > size or len(head) < 8 + n:
         raise CorruptCheckpointError(f"{path}: not a local shard file (header length {n}, file size {size})")
     try:
         header = json.loads(head[8:8 + n])
-        man = json.loads(header["__metadata__"][MANIFEST_KEY])
+        man = json.loads(header[METADATA_KEY][MANIFEST_KEY])
     except (ValueError, KeyError, TypeError):
         raise CorruptCheckpointError(f"{path}: not a local shard file (its header has no manifest)") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT_NAME:
@@ -379,7 +376,7 @@ def read_manifest(path: str) -> Manifest:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         first = f.read(8)
-        n = struct.unpack_from("<Q", first)[0] if len(first) == 8 else 0
+        n = header_length(first) if len(first) == 8 else 0
         rest = f.read(n) if 0 < n <= min(MAX_HEADER, size) else b""
     return parse_manifest(first + rest, size, path)
 

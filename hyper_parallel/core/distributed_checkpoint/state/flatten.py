@@ -79,6 +79,11 @@ def path_from_parts(parts: Any) -> tuple[PathPart, ...] | None:
     return tuple(("i", x) if isinstance(x, int) else x for x in parts)
 
 
+def prefixed_path(prefix: str, name: str) -> tuple[str, ...]:
+    """``("model", "layers.0.weight")`` for prefix ``"model."``: flat names stay one key."""
+    return (*(p for p in prefix.split(".") if p), name)
+
+
 def key_of(path: tuple[PathPart, ...]) -> str:
     return ".".join(p if isinstance(p, str) else str(p[1]) for p in path)
 

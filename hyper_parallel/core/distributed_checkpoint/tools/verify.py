@@ -12,11 +12,9 @@ reports them all.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,12 +24,13 @@ from ..backends.protocol import StorageReader
 from ..backends.resolve import reader_for
 from ..base.box import Box
 from ..base.dtypes import itemsize, safetensors_dtype
-from ..base.errors import CheckpointError
+from ..base.errors import CheckpointError, CorruptCheckpointError
 from ..engine.commit import unreferenced_files
 from ..engine.metadata_reader import metadata_bytes
 from ..format import metadata as md
 from ..format.chunks import all_chunks, covered
 from ..format.data_file import INDEX_NAME, FileIndex, check_index, key_id
+from ..format.safetensors import HEAD, METADATA_KEY, read_header_bytes, split_header
 
 
 @dataclass
@@ -58,24 +57,11 @@ class VerifyReport:
 
 def _check_header(reader: StorageReader, name: str, size: int, expected: dict[str, md.ChunkRecord],
                   dtypes: dict[str, str], problems: list[str]) -> None:
-    if size < 8:
-        problems.append(f"{name}: {size} bytes is too short for a safetensors file")
+    header = _read_header(reader, name, size, problems)
+    if header is None:
         return
-    head = bytearray(8)
-    reader.read_into(name, 0, memoryview(head))
-    (hlen,) = struct.unpack("<Q", head)
-    if hlen > size - 8 or hlen > 512 << 20:
-        problems.append(f"{name}: safetensors header length {hlen} exceeds the file ({size} bytes)")
-        return
-    raw = bytearray(hlen)
-    reader.read_into(name, 8, memoryview(raw))
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        problems.append(f"{name}: safetensors header is not valid JSON ({exc})")
-        return
-    base = 8 + hlen
-    header.pop("__metadata__", None)
+    base = header.pop("__base__")
+    header.pop(METADATA_KEY, None)
     for entry_name, rec in expected.items():
         info = header.get(entry_name)
         st_dtype = safetensors_dtype(dtypes[entry_name]) or "U8"
@@ -279,26 +265,13 @@ def _all_copies(entry: md.Entry) -> bool:
 
 
 def _read_header(reader: StorageReader, name: str, size: int, problems: list[str]) -> dict | None:
-    if size < 8:
-        problems.append(f"{name}: {size} bytes is too short for a safetensors file")
-        return None
-    head = bytearray(8)
-    reader.read_into(name, 0, memoryview(head))
-    (hlen,) = struct.unpack("<Q", head)
-    if hlen > size - 8 or hlen > 512 << 20:
-        problems.append(f"{name}: safetensors header length {hlen} exceeds the file ({size} bytes)")
-        return None
-    raw = bytearray(hlen)
-    reader.read_into(name, 8, memoryview(raw))
     try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        problems.append(f"{name}: safetensors header is not valid JSON ({exc})")
+        raw = read_header_bytes(reader, name, name, max_bytes=512 << 20, size=size)
+        header = split_header(raw, name)
+    except CorruptCheckpointError as exc:
+        problems.append(str(exc))
         return None
-    if not isinstance(header, dict):
-        problems.append(f"{name}: safetensors header is not an object")
-        return None
-    header["__base__"] = 8 + hlen
+    header["__base__"] = HEAD + len(raw)
     return header
 
 
