@@ -39,7 +39,7 @@ LAYERS: list[dict[str, list[str]]] = [
     {"transfer": ["host_copy", "streams", "saver", "loader", "shared_reads"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "commit", "streaming_writer",
                 "targets", "checkpoint"]},
-    {"staging": ["checkpointer"],
+    {"staging": ["buffers", "response", "process_hooks", "checkpointer", "api"],
      "interop": ["single_file", "huggingface", "hyper_parallel", "mindspore", "torch_dcp"],
      "tools": ["verify"]},
     {"resharding": ["reshard", "offline_transform"],

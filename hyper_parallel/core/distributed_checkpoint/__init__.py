@@ -41,16 +41,10 @@ from .offline_transform import (
 from .planning.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .sharding.layout import Layout, LayoutStrategy, TensorLayout, get_current_layout, load_layout, save_layout
-from .staging.checkpointer import (
-    AsyncCheckpointer,
-    AsyncSaveError,
-    AsyncSaveResponse,
-    AsyncStagingError,
-    StagingStats,
-    async_save,
-    default_checkpointer,
-    register_optimizer_hook,
-)
+from .staging.api import async_save, default_checkpointer, register_optimizer_hook
+from .staging.buffers import StagingStats
+from .staging.checkpointer import AsyncCheckpointer
+from .staging.response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
 from .state.topology_mapper import TopologyMapper
 from .state.train_state import (
     TrainState,

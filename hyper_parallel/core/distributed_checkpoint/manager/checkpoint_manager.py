@@ -108,7 +108,8 @@ from ..engine.checkpoint import save as _save
 from ..engine.commit import unreferenced_files
 from ..engine.incremental import IncrementalState
 from ..format import metadata as md
-from ..staging.checkpointer import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
+from ..staging.checkpointer import AsyncCheckpointer
+from ..staging.response import AsyncSaveError, AsyncSaveResponse
 from .local_tier import LocalTier, new_timeline
 from .step_directory import (
     OPEN_TOKENS,

@@ -110,7 +110,11 @@ from ..backends.locations import is_url
 from ..base.coordination import Coordinator
 from ..base.errors import CheckpointError, CorruptCheckpointError
 from ..base.priority import lower_priority, lower_this_thread, thread_ids
-from ..staging.checkpointer import StagingStats, _BufferPool, _copy_into, _copy_value, _tensor_spec
+from ..staging.buffers import BufferPool as _BufferPool
+from ..staging.buffers import StagingStats
+from ..staging.buffers import copy_into as _copy_into
+from ..staging.buffers import copy_value as _copy_value
+from ..staging.buffers import tensor_spec as _tensor_spec
 from ..state.flatten import Flat, flatten, update_in_place
 from .local_format import FORMAT_NAME as LOCAL_FORMAT
 from .local_format import FORMAT_VERSION as LOCAL_VERSION
