@@ -49,9 +49,9 @@ from torch.distributed.tensor import DTensor
 from ..backends.fsspec import start_io_thread
 from ..backends.locations import is_url, local_path
 from ..backends.protocol import StorageWriter
-from ..base.coordination import as_timeout, group_timeout, is_broken
+from ..base.coordination import as_timeout, group_timeout, is_broken, new_gloo_group
 from ..base.errors import LostContactError
-from ..base.priority import BACKGROUND_NICE, lower_priority, lower_this_thread, thread_ids
+from ..base.priority import BACKGROUND_NICE, lower_this_thread
 from ..engine import in_flight
 from ..engine.checkpoint import _mesh_group, _refuse_torch_hooks, planner_copy, save
 from ..planning.planner import SavePlanner
@@ -357,21 +357,13 @@ class AsyncCheckpointer:
         if cached is not None and cached[0] is world and not is_broken(cached[1]):
             return cached[1]
         made_timeout = timeout or group_timeout(process_group or world)
-        before = thread_ids() if self.background_nice else set()
         try:
-            if len(ranks) == dist.get_world_size():
-                group = dist.new_group(list(ranks), timeout=made_timeout, backend="gloo")
-            else:  # created by its members alone
-                from ....platform import member_group
-
-                group = member_group(ranks, backend="gloo", timeout=made_timeout)
+            group = new_gloo_group(ranks, made_timeout, nice=self.background_nice)
         except RuntimeError as exc:  # a rank that did not call async_save, or not in time
             raise LostContactError(
                 f"async_save: setting up its gloo group with ranks {list(ranks)[:16]} failed on rank "
                 f"{dist.get_rank()} ({exc}). A rank did not call async_save, or was later than the "
                 f"timeout ({made_timeout})") from exc
-        if self.background_nice:
-            lower_priority(thread_ids(gloo_only=True) - before, self.background_nice)  # its I/O threads
         self._groups[(ranks, timeout)] = (world, group)
         return group
 
