@@ -44,7 +44,8 @@ def _pg_count() -> int:
     return len(dist.distributed_c10d._world.pg_names)
 
 
-def member_group(ranks: Sequence[int], backend: str | None = None, timeout: Any = None) -> Any:
+def member_group(ranks: Sequence[int], backend: str | None = None, timeout: Any = None, *,
+                 cached: bool = True) -> Any:
     """The process group of ``ranks``, created (once) by those ranks alone.
 
     Only the members call this; ranks outside ``ranks`` must not (and need not) take part.
@@ -56,6 +57,7 @@ def member_group(ranks: Sequence[int], backend: str | None = None, timeout: Any 
     asking again for the same ranks returns the same group, without any communication.
 
     ``backend``/``timeout`` go to ``new_group`` (a group per distinct pair is cached).
+    ``cached=False`` makes a new group every call (for callers that cache, and destroy, their own).
 
     Raises:
         ValueError: this rank is not in ``ranks``, or ``ranks`` repeats a rank.
@@ -69,7 +71,7 @@ def member_group(ranks: Sequence[int], backend: str | None = None, timeout: Any 
     canon = tuple(sorted(key))
     cache_key = (canon, backend, timeout, id(dist.group.WORLD))
     with _LOCK:
-        if cache_key in _GROUPS:
+        if cached and cache_key in _GROUPS:
             return _GROUPS[cache_key][1]
         if len(canon) == dist.get_world_size() and backend is None and timeout is None:
             _GROUPS[cache_key] = (dist.group.WORLD, dist.group.WORLD)
@@ -77,14 +79,16 @@ def member_group(ranks: Sequence[int], backend: str | None = None, timeout: Any 
         n = _CALLS.get(cache_key, 0)
         _CALLS[cache_key] = n + 1
         store = dist.distributed_c10d._get_default_store()
-        tag = f"hyper_parallel/member_group/{'_'.join(map(str, canon))}/{backend}/{n}"
+        # the timeout too: n counts per (ranks, backend, timeout), so two timeouts must not share a tag
+        tag = f"hyper_parallel/member_group/{'_'.join(map(str, canon))}/{backend}/{timeout}/{n}"
         store.set(f"{tag}/{me}", str(_pg_count()))
         target = max(int(store.get(f"{tag}/{r}")) for r in canon)
         while _pg_count() < target:
             dist.new_group([me], use_local_synchronization=True)
         kwargs = {k: v for k, v in (("backend", backend), ("timeout", timeout)) if v is not None}
         group = dist.new_group(list(canon), use_local_synchronization=True, **kwargs)
-        _GROUPS[cache_key] = (dist.group.WORLD, group)  # holds the world: ids in the key stay unique
+        if cached:
+            _GROUPS[cache_key] = (dist.group.WORLD, group)  # holds the world: ids in the key stay unique
         return group
 
 

@@ -43,16 +43,10 @@ from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, Sta
 from .sharding.layout import Layout, TensorLayout
 from .sharding.layout_files import load_layout, save_layout
 from .sharding.strategy import LayoutStrategy, get_current_layout
-from .staging.checkpointer import (
-    AsyncCheckpointer,
-    AsyncSaveError,
-    AsyncSaveResponse,
-    AsyncStagingError,
-    StagingStats,
-    async_save,
-    default_checkpointer,
-    register_optimizer_hook,
-)
+from .staging.api import async_save, default_checkpointer, register_optimizer_hook
+from .staging.buffers import StagingStats
+from .staging.checkpointer import AsyncCheckpointer
+from .staging.response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
 from .state.topology_mapper import TopologyMapper
 from .state.train_state import (
     TrainState,

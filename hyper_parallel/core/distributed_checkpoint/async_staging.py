@@ -3,16 +3,10 @@
 A face over :mod:`.staging`.
 """
 
-from .staging.checkpointer import (
-    AsyncCheckpointer,
-    AsyncSaveError,
-    AsyncSaveResponse,
-    AsyncStagingError,
-    StagingStats,
-    async_save,
-    default_checkpointer,
-    register_optimizer_hook,
-)
+from .staging.api import async_save, default_checkpointer, register_optimizer_hook
+from .staging.buffers import StagingStats
+from .staging.checkpointer import AsyncCheckpointer
+from .staging.response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
 
 __all__ = [
     "async_save",

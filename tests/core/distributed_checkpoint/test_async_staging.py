@@ -39,7 +39,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     register_optimizer_hook,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint.staging import checkpointer as async_staging
+from hyper_parallel.core.distributed_checkpoint.staging import buffers as staging_buffers
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -234,7 +234,7 @@ def test_background_failures_surface_on_every_rank_and_on_the_next_call(tmp_path
 
 
 def slow_copies(delay: float):
-    real = async_staging._copy_into
+    real = staging_buffers.copy_into
 
     def copy_slowly(pairs):
         time.sleep(delay)
@@ -244,7 +244,7 @@ def slow_copies(delay: float):
 
 
 def rank_lazy(rank: int, ws: int, path: str) -> dict:
-    async_staging._copy_into = slow_copies(0.5)  # the snapshot is surely not done at step()
+    staging_buffers.copy_into = slow_copies(0.5)  # the snapshot is surely not done at step()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -493,7 +493,7 @@ def test_each_save_in_flight_has_its_own_buffer_and_saves_commit_in_order(tmp_pa
 
 
 def test_lazy_snapshot_waits_and_failures_in_one_process(tmp_path, monkeypatch):
-    monkeypatch.setattr(async_staging, "_copy_into", slow_copies(0.3))
+    monkeypatch.setattr(staging_buffers, "copy_into", slow_copies(0.3))
     ckpt = AsyncCheckpointer()
     sd = {"w": torch.zeros(100), "nested": ({"t": torch.ones(3)}, [1, (2, 3)])}
     resp = ckpt.save(sd, str(tmp_path / "lazy"), no_dist=True, staging="lazy")
@@ -517,7 +517,7 @@ def test_lazy_snapshot_waits_and_failures_in_one_process(tmp_path, monkeypatch):
 
 
 def test_the_hook_blocks_a_step_only_until_staged(monkeypatch, tmp_path):
-    monkeypatch.setattr(async_staging, "_copy_into", slow_copies(0.3))
+    monkeypatch.setattr(staging_buffers, "copy_into", slow_copies(0.3))
     p = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([p], lr=1.0)
     ckpt = AsyncCheckpointer()

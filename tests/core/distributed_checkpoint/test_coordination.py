@@ -180,3 +180,79 @@ def test_a_bad_user_metadata_on_one_rank_fails_every_rank_at_once(tmp_path):
     for out in results:
         assert len(out) == 2 and all(o.startswith("True") for o in out), out
         assert all("rank 1" in o and "user_metadata['loss'] is a numpy.float32" in o for o in out), out
+
+
+# ----------------------------------------------------------------------------- making gloo groups
+
+
+def rank_making_a_group(rank: int, ws: int, out: str, absent: str, timeout_s: float) -> str:
+    import json
+    import signal
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hyper_parallel.core.distributed_checkpoint.base.coordination import group_timeout, new_gloo_group
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank == ws - 1:
+        if absent == "never":  # never calls: the others must not wait for it much past the timeout
+            time.sleep(1.5 * timeout_s + 1)
+            return "absent"
+        # checks in, then dies while the others connect (gloo used to try 5 times, 5x the timeout)
+        threading.Thread(target=new_gloo_group, args=(None, timeout), daemon=True).start()
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.6)
+    start = time.monotonic()
+    try:
+        group = new_gloo_group(None, timeout)
+        outcome = ["made", group_timeout(group).total_seconds(), dist.get_world_size(group)]
+    except RuntimeError as exc:
+        outcome = [type(exc).__name__, str(exc)[:200]]
+    with open(os.path.join(out, str(rank)), "w") as f:
+        json.dump([*outcome, time.monotonic() - start], f)
+    return outcome[0]
+
+
+@pytest.mark.parametrize("absent", ["never", "dies"])
+def test_a_rank_lost_while_a_gloo_group_is_made_fails_the_others_within_the_timeout(tmp_path, absent):
+    import json
+
+    from multiprocess import RankFailure
+
+    timeout_s = 4.0
+    try:
+        run_ranks(rank_making_a_group, 3, str(tmp_path), absent, timeout_s, timeout_s=40)
+    except RankFailure as exc:  # the rank that killed itself
+        assert absent == "dies" and "rank 2" in str(exc), exc
+    for rank in (0, 1):
+        kind, *_, took = json.loads((tmp_path / str(rank)).read_text())
+        assert kind != "made", f"rank {rank} made a group without rank 2"
+        assert took < 1.5 * timeout_s, f"rank {rank} raised after {took:.1f}s (timeout {timeout_s}s)"
+
+
+def rank_made_group_keeps_the_full_timeout(rank: int, ws: int) -> list:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hyper_parallel.core.distributed_checkpoint.base.coordination import group_timeout, new_gloo_group
+
+    group = new_gloo_group(None, timedelta(seconds=3))
+    sub = new_gloo_group([0, 2], timedelta(seconds=5)) if rank != 1 else None
+    t = torch.ones(1)
+    if rank == 1:
+        time.sleep(1.0)  # later than the connect phase's share of the timeout, within the timeout
+    dist.all_reduce(t, group=group)
+    out = [group_timeout(group).total_seconds(), t.item()]
+    if sub is not None:
+        dist.all_reduce(t, group=sub)
+        out += [group_timeout(sub).total_seconds(), dist.get_world_size(sub), t.item()]
+    return out
+
+
+def test_a_new_gloo_group_has_the_full_timeout_for_its_collectives():
+    assert run_ranks(rank_made_group_keeps_the_full_timeout, 3) == [
+        [3.0, 3.0, 5.0, 2, 6.0], [3.0, 3.0], [3.0, 3.0, 5.0, 2, 6.0]]

@@ -22,14 +22,16 @@ import pickle
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from ....platform import member_group
 from .errors import CheckpointError, LostContactError, RankFailedError
+from .priority import lower_priority, thread_ids
 
 T = TypeVar("T")
 
@@ -77,6 +79,59 @@ def as_timeout(value: Any, name: str = "timeout") -> timedelta | None:
         raise ValueError(f"{accepted} that a timedelta can hold; got {value!r}") from None
 
 
+# gloo tries to connect a pair this many times, each waiting the group's timeout (torch 2.13:
+# a peer that stops or dies halfway through making a group surfaces at 5x the timeout)
+_GLOO_CONNECT_TRIES = 5
+_RENDEZVOUS: dict[tuple[int, ...], tuple[Any, int]] = {}  # members -> (world, groups made so far)
+
+
+def new_gloo_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None, *, nice: int = 0) -> Any:
+    """A new gloo process group of ``ranks`` (None: every rank) whose collectives time out after
+    ``timeout`` (default 30 min); the one way this package makes a gloo group.
+
+    Collective over ``ranks`` alone (ranks outside a subgroup need not call it); every member
+    makes the same calls in the same order. It waits about ``timeout`` at most: first every
+    member checks in through the default store (a rank that never comes fails the others
+    after ``timeout``); then the members connect with a fifth of it, since gloo tries a
+    connection five times, each waiting the group's timeout (a peer that stops or dies while
+    connecting would otherwise surface only at 5x the timeout), and the group gets its full
+    ``timeout`` for collectives once made. ``nice`` > 0 lowers the priority of the group's own
+    I/O threads (see :mod:`.priority`).
+
+    Raises:
+        RuntimeError: a member did not come, or was lost while connecting (torch's
+            ``DistStoreError`` or gloo's error; callers turn it into their own words).
+    """
+    timeout = timeout or DEFAULT_TIMEOUT
+    world_size = dist.get_world_size()
+    members = tuple(sorted(int(r) for r in ranks)) if ranks is not None else tuple(range(world_size))
+    _rendezvous(members, timeout)
+    before = thread_ids() if nice else set()
+    connect = timeout / _GLOO_CONNECT_TRIES
+    try:
+        if len(members) == world_size:
+            group = dist.new_group(list(members), backend="gloo", timeout=connect)
+        else:  # created by its members alone
+            group = member_group(members, backend="gloo", timeout=connect, cached=False)
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    finally:
+        if nice:
+            lower_priority(thread_ids(gloo_only=True) - before, nice)
+    return group
+
+
+def _rendezvous(members: tuple[int, ...], timeout: timedelta) -> None:
+    """Wait (at most ``timeout``) until every member has called :func:`new_gloo_group` for this group."""
+    world = dist.group.WORLD
+    made_in, count = _RENDEZVOUS.get(members, (None, 0))
+    n = count if made_in is world else 0  # a new world (destroy, init again): a new store
+    _RENDEZVOUS[members] = (world, n + 1)  # holds the world, so its id is not reused meanwhile
+    store = dist.distributed_c10d._get_default_store()
+    tag = f"hyper_parallel/dcp/gloo_group/{'_'.join(map(str, members))}/{n}"
+    store.set(f"{tag}/{dist.get_rank()}", "1")
+    store.wait([f"{tag}/{r}" for r in members], timeout)
+
+
 def _is_gloo(group: Any) -> bool:
     return "gloo" in str(dist.get_backend(group)).lower()
 
@@ -102,13 +157,8 @@ def _gloo_group(group: Any, timeout: timedelta | None) -> tuple[Any, str]:
     if cached is None or cached[0] is not world or cached[1] is not group:
         if use_as_is:
             made = group
-        elif group is None:
-            made = dist.new_group(backend="gloo", timeout=timeout or DEFAULT_TIMEOUT)
         else:
-            from ....platform import member_group
-
-            made = member_group(dist.get_process_group_ranks(group), backend="gloo",
-                                timeout=timeout or DEFAULT_TIMEOUT)
+            made = new_gloo_group(None if group is None else dist.get_process_group_ranks(group), timeout)
         _GLOO_GROUPS[key] = cached = (world, group, made, uuid.uuid4().hex)
     return cached[2], cached[3]
 

@@ -109,7 +109,8 @@ from ..engine.commit import unreferenced_files
 from ..engine.incremental import IncrementalState
 from ..format import metadata as md
 from ..format.values import is_json_value
-from ..staging.checkpointer import AsyncCheckpointer, AsyncSaveError, AsyncSaveResponse
+from ..staging.checkpointer import AsyncCheckpointer
+from ..staging.response import AsyncSaveError, AsyncSaveResponse
 from .local_tier import LocalTier, new_timeline
 from .step_directory import (
     OPEN_TOKENS,

@@ -107,10 +107,14 @@ import torch
 import torch.distributed as dist
 
 from ..backends.locations import is_url
-from ..base.coordination import Coordinator
+from ..base.coordination import Coordinator, new_gloo_group
 from ..base.errors import CheckpointError, CorruptCheckpointError
-from ..base.priority import lower_priority, lower_this_thread, thread_ids
-from ..staging.checkpointer import StagingStats, _BufferPool, _copy_into, _copy_value, _tensor_spec
+from ..base.priority import BACKGROUND_NICE, lower_this_thread
+from ..staging.buffers import BufferPool as _BufferPool
+from ..staging.buffers import StagingStats
+from ..staging.buffers import copy_into as _copy_into
+from ..staging.buffers import copy_value as _copy_value
+from ..staging.buffers import tensor_spec as _tensor_spec
 from ..state.flatten import Flat, flatten, update_in_place
 from .local_format import FORMAT_NAME as LOCAL_FORMAT
 from .local_format import FORMAT_VERSION as LOCAL_VERSION
@@ -349,18 +353,14 @@ class LocalTier:
         same step). A peer that is dead or later than ``replication_timeout`` ends replication
         for this run, as any replication wait does (the save goes on unreplicated), instead of
         raising gloo's bare "Wait timeout" into the training loop; it is not tried again."""
-        ranks = self.coord.group_ranks
-        before = thread_ids()
         try:
-            self._group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.replication_timeout),
-                                         use_local_synchronization=len(ranks) != dist.get_world_size())
+            self._group = new_gloo_group(self.coord.group_ranks, timedelta(seconds=self.replication_timeout),
+                                         nice=BACKGROUND_NICE)  # its I/O threads in the background
         except RuntimeError as exc:
             self._needs_group = False
             self._stop_replication(f"making the replication group: a rank did not join within "
                                    f"{self.replication_timeout:g}s ({type(exc).__name__}: {exc})")
             return
-        finally:
-            lower_priority(thread_ids(gloo_only=True) - before)  # the group's own I/O threads
 
     def _snapshot(self, job: _Job, flat: Flat) -> None:
         """Copy every payload (tensors, arrays, bytes) into one reused staging buffer, laid out
