@@ -59,6 +59,7 @@ import math
 import os
 import re
 import struct
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -111,6 +112,12 @@ def parse_shard_file_name(name: str) -> tuple[int, str] | None:
     if m is None or name != shard_file_name(int(m.group(1)), m.group(2)):
         return None
     return int(m.group(1)), m.group(2)
+
+
+def new_timeline() -> str:
+    """A new timeline id (a run's, recorded in its files' names and manifests and in the
+    durable steps it commits): creation time (hex ns) and 8 random hex digits."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
 
 
 # ----------------------------------------------------------------------------- what a rank holds
