@@ -79,7 +79,8 @@ from ..state.flatten import Flat
 FORMAT_NAME = "hyper-parallel-local"
 FORMAT_VERSION = 1
 MANIFEST_KEY = "hp_local"
-ALIGN = 64
+BODY_ALIGN = 64  # the header is padded so the body starts at a multiple of this: the staging
+# buffer's 64-byte aligned payloads stay aligned in the file (and in a mapping of it)
 MAX_HEADER = 256 << 20  # a manifest larger than this is not ours
 TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^step_(\d{8,})-([0-9a-f]{8,64})\.safetensors$")
@@ -275,7 +276,7 @@ def build_shard_file(manifest: dict[str, Any], entries: list[LocalEntry], spans:
         raise ValueError(f"shard file body of {body.nbytes} bytes, payloads end at {pos}")
     header["__metadata__"] = {MANIFEST_KEY: json.dumps({**manifest, "entries": listed}, separators=(",", ":"))}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % ALIGN)
+    raw += b" " * (-(8 + len(raw)) % BODY_ALIGN)
     return ShardFile(struct.pack("<Q", len(raw)) + raw, body)
 
 
