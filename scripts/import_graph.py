@@ -43,8 +43,9 @@ LAYERS: list[dict[str, list[str]]] = [
      "interop": ["single_file", "huggingface", "hyper_parallel", "mindspore", "torch_dcp"],
      "tools": ["verify"]},
     {"resharding": ["reshard", "offline_transform"],
-     "manager": ["step_directory", "local_format", "local_directory", "local_replication", "local_save",
-                 "local_recovery", "local_tier", "checkpoint_manager"]},
+     "manager": ["ownership", "step_directory", "step_listing", "step_deletion", "retention", "local_format",
+                 "local_directory", "local_replication", "local_save", "local_recovery", "local_tier",
+                 "checkpoint_manager"]},
 ]
 
 

@@ -102,8 +102,8 @@ class CountingDirectory(LocalDirectory):
     def _count(self, name: str, n: int) -> None:
         self.reads[name] = self.reads.get(name, 0) + n
 
-    def read_metadata(self, name):
-        data = super().read_metadata(name)
+    def step_metadata(self, name):
+        data = super().step_metadata(name)
         self._count(f"{name}/.metadata", len(data))
         return data
 
