@@ -159,7 +159,7 @@ def verify_committed(directory: str, step: int) -> list[str]:
     import torch
 
     from hyper_parallel.core.distributed_checkpoint import load
-    from hyper_parallel.core.distributed_checkpoint.manager.step_directory import step_dir_name
+    from hyper_parallel.core.distributed_checkpoint.format.metadata import step_dir_name
 
     try:
         got = load(path=os.path.join(directory, step_dir_name(step)), no_dist=True)
@@ -332,7 +332,7 @@ def manager_class(injector: Injector | None):
         def __init__(self, path: str):
             super().__init__(path)
             injector.instrument(self, ("listing", "remove_tree", "uncommit"))
-            self.read_metadata = injector.wrap("dir_read_metadata", self.read_metadata)
+            self.step_metadata = injector.wrap("dir_read_metadata", self.step_metadata)
 
         def writer(self, name):
             return injector.instrument(super().writer(name), WRITER_OPS)

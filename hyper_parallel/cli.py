@@ -139,7 +139,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from .core.distributed_checkpoint.engine.commit import collect_garbage
-    from .core.distributed_checkpoint.manager.step_directory import files_other_steps_use
+    from .core.distributed_checkpoint.manager.step_listing import files_other_steps_use
 
     reader = reader_for(args.path)
     try:
@@ -177,7 +177,7 @@ def _json_safe(value: Any) -> Any:
 def cmd_ls(args: argparse.Namespace) -> int:
     import os
 
-    from .core.distributed_checkpoint.manager.step_directory import list_steps
+    from .core.distributed_checkpoint.manager.step_listing import list_steps
 
     if not is_url(args.path) and not os.path.isdir(args.path):
         raise CheckpointError(f"{args.path!r} is not a directory")

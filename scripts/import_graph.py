@@ -45,7 +45,9 @@ LAYERS: list[dict[str, list[str]]] = [
                  "mindspore_distributed", "mindspore", "torch_dcp", "torch_dcp_import", "full_checkpoint"],
      "tools": ["verify"]},
     {"resharding": ["reshard", "offline_transform"],
-     "manager": ["step_directory", "local_format", "local_replication", "local_tier", "checkpoint_manager"]},
+     "manager": ["ownership", "step_directory", "step_listing", "step_deletion", "retention", "local_format",
+                 "local_directory", "local_replication", "local_save", "local_recovery", "local_tier",
+                 "checkpoint_manager"]},
 ]
 
 

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from hyper_parallel.core.distributed_checkpoint import CheckpointError, CheckpointManager
+from hyper_parallel.core.distributed_checkpoint.manager import local_recovery as recovery
 from hyper_parallel.core.distributed_checkpoint.manager import local_replication as replication
 from hyper_parallel.core.distributed_checkpoint.manager import local_tier as tier
 from hyper_parallel.core.distributed_checkpoint.manager.local_format import (
@@ -121,7 +122,8 @@ def arm_replication_fault(rank: int, victim: int, where: str, at_step: int) -> N
     if rank != victim:
         return
     current = {"step": None}
-    real_save, real_replicate, real_confirm = tier.LocalTier.save, tier.LocalTier._replicate, tier.LocalTier._confirm
+    real_save, real_replicate = tier.LocalTier.save, replication.Replicator.replicate
+    real_confirm = replication.Replicator.confirm
     real_isend, real_irecv = dist.isend, dist.irecv
 
     def save(self, step, state_dict):
@@ -142,18 +144,18 @@ def arm_replication_fault(rank: int, victim: int, where: str, at_step: int) -> N
 
     def isend(tensor, dst=None, group=None, tag=0, **kw):
         work = real_isend(tensor, dst=dst, group=group, tag=tag, **kw)
-        if where == "mid_send" and tag == tier._TAG_BODY and current["step"] == at_step:
+        if where == "mid_send" and tag == replication.TAG_BODY and current["step"] == at_step:
             die()  # the body is posted, not known to have arrived
         return work
 
     def irecv(tensor, src=None, group=None, tag=0, **kw):
         work = real_irecv(tensor, src=src, group=group, tag=tag, **kw)
-        if where == "mid_receive" and tag == tier._TAG_BODY and current["step"] == at_step:
+        if where == "mid_receive" and tag == replication.TAG_BODY and current["step"] == at_step:
             die()  # a copy is on its way in
         return work
 
-    tier.LocalTier.save, tier.LocalTier._replicate, tier.LocalTier._confirm = save, replicate, confirm
-    tier.dist.isend, tier.dist.irecv = isend, irecv
+    tier.LocalTier.save, replication.Replicator.replicate, replication.Replicator.confirm = save, replicate, confirm
+    replication.dist.isend, replication.dist.irecv = isend, irecv
 
 
 def rank_killed_during_replication(rank: int, ws: int, root: str, victim: int, where: str, at_step: int,
@@ -237,7 +239,7 @@ def arm_recovery_fault(rank: int, victim: int, where: str) -> None:
     """In the victim, die (or stall for a minute) at ``where`` of the recovery."""
     if rank != victim:
         return
-    real_send, real_recv, real_read = replication.send_file, replication.recv_file, tier.LocalTier._read
+    real_send, real_recv, real_read = replication.send_file, replication.recv_file, recovery.Recoverer._read
 
     def send_file(mapped, dst, group, tag):
         work = real_send(mapped, dst, group, tag)
@@ -258,7 +260,7 @@ def arm_recovery_fault(rank: int, victim: int, where: str) -> None:
             die()  # the others have read their copies into their targets
         return real_read(self, chosen, holder, target)
 
-    tier.send_file, tier.recv_file, tier.LocalTier._read = send_file, recv_file, read
+    recovery.send_file, recovery.recv_file, recovery.Recoverer._read = send_file, recv_file, read
 
 
 def rank_recover_with_a_fault(rank: int, ws: int, root: str, victim: int, where: str, timeout: float) -> None:

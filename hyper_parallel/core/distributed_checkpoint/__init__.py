@@ -28,7 +28,7 @@ from .interop.mindspore import export_mindspore, import_mindspore, read_mindspor
 from .interop.single_file import load_checkpoint, save_checkpoint
 from .interop.torch_dcp import export_torch_dcp
 from .manager.checkpoint_manager import CheckpointManager, SaveTiming
-from .manager.step_directory import StepInfo, list_steps
+from .manager.step_listing import StepInfo, list_steps
 from .offline_transform import (
     convert_full_checkpoint_to_dcp,
     dcp_to_full_state_dict,

@@ -35,8 +35,10 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     verify_checkpoint,
 )
-from hyper_parallel.core.distributed_checkpoint.manager.checkpoint_manager import plan_retention
-from hyper_parallel.core.distributed_checkpoint.manager.step_directory import OWNER_FILE, LocalDirectory, step_dir_name
+from hyper_parallel.core.distributed_checkpoint.format.metadata import step_dir_name
+from hyper_parallel.core.distributed_checkpoint.manager.ownership import OWNER_FILE
+from hyper_parallel.core.distributed_checkpoint.manager.retention import plan_retention
+from hyper_parallel.core.distributed_checkpoint.manager.step_directory import LocalDirectory
 
 # ----------------------------------------------------------------------------- helpers
 

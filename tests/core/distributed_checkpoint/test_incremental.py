@@ -146,7 +146,7 @@ def test_table_stored_keys_reuse_earlier_files_and_load(tmp_path):
 
     from hyper_parallel.core.distributed_checkpoint import StandardPlanner, save
     from hyper_parallel.core.distributed_checkpoint.engine.incremental import IncrementalState
-    from hyper_parallel.core.distributed_checkpoint.manager.step_directory import step_dir_name
+    from hyper_parallel.core.distributed_checkpoint.format.metadata import step_dir_name
     from hyper_parallel.core.distributed_checkpoint.planning.planner import SavePlan
 
     class Tables(StandardPlanner):

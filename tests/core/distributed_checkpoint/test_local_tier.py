@@ -25,15 +25,16 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hyper_parallel import fully_shard
 from hyper_parallel.core.distributed_checkpoint import CheckpointManager, TrainState, list_steps
-from hyper_parallel.core.distributed_checkpoint.manager import local_tier as tier
+from hyper_parallel.core.distributed_checkpoint.manager import local_directory as tier_files
+from hyper_parallel.core.distributed_checkpoint.manager import local_replication as replication
 from hyper_parallel.core.distributed_checkpoint.manager.local_format import (
     parse_shard_file_name,
     rank_dir_name,
     read_manifest,
     shard_file_name,
 )
+from hyper_parallel.core.distributed_checkpoint.manager.local_recovery import decide
 from hyper_parallel.core.distributed_checkpoint.manager.local_replication import Topology, node_identity
-from hyper_parallel.core.distributed_checkpoint.manager.local_tier import decide
 from hyper_parallel.core.distributed_checkpoint.manager.step_directory import LocalDirectory
 from hyper_parallel.core.distributed_checkpoint.state.flatten import flatten
 
@@ -101,8 +102,8 @@ class CountingDirectory(LocalDirectory):
     def _count(self, name: str, n: int) -> None:
         self.reads[name] = self.reads.get(name, 0) + n
 
-    def read_metadata(self, name):
-        data = super().read_metadata(name)
+    def step_metadata(self, name):
+        data = super().step_metadata(name)
         self._count(f"{name}/.metadata", len(data))
         return data
 
@@ -545,7 +546,7 @@ def rank_killed_mid_local_save_or_copy(rank: int, ws: int, d: str, shm: str, whe
     """2 ranks as 2 nodes; at step 3 a process dies inside the local save (``where``:
     "write": rank 1 while writing its own file; "copy": rank 0 while writing the copy of
     rank 1's file it received)."""
-    real = tier.write_shard_file
+    real = tier_files.write_shard_file
     victim = {"write": (1, rank_dir_name(1)), "copy": (0, rank_dir_name(1))}[where]
 
     def die_midway(final, pieces, sync=False, spare=None):
@@ -555,7 +556,7 @@ def rank_killed_mid_local_save_or_copy(rank: int, ws: int, d: str, shm: str, whe
             os.kill(os.getpid(), signal.SIGKILL)
         return real(final, pieces, sync, spare)
 
-    tier.write_shard_file = die_midway
+    tier_files.write_shard_file = die_midway
     mesh = init_device_mesh("cpu", (ws,))
     with CheckpointManager(d, save_interval_steps=100, local_dir=f"{shm}/node{rank}", node_rank=rank, timeout=20,
                            replication_timeout=10) as mgr:
@@ -601,14 +602,14 @@ def test_a_kill_during_a_local_save_or_its_replication_never_makes_recovery_pick
 def rank_slow_peer(rank: int, ws: int, d: str, shm: str) -> dict:
     """Rank 1's replication of step 3 stalls for 6 s; replication_timeout is 1 s."""
     if rank == 1:
-        real = tier.LocalTier._replicate
+        real = replication.Replicator.replicate
 
         def stall(self, step, timeline, path):
             if step == 3:
                 time.sleep(6)
             return real(self, step, timeline, path)
 
-        tier.LocalTier._replicate = stall
+        replication.Replicator.replicate = stall
     mesh = init_device_mesh("cpu", (ws,))
     blocked = []
     with CheckpointManager(d, save_interval_steps=100, local_dir=f"{shm}/node{rank}", node_rank=rank, timeout=20,

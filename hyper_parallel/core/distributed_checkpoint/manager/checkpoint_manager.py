@@ -1,5 +1,10 @@
 """CheckpointManager: step directories, retention and resume for a training loop.
 
+The face of :mod:`.manager` and its cross-rank protocol; the parts are the directory on
+storage (:mod:`.step_directory`), what it holds (:mod:`.step_listing`), retention
+(:mod:`.retention`), background deletion (:mod:`.step_deletion`), the owner claim
+(:mod:`.ownership`) and the local tier (:mod:`.local_tier`).
+
 A training job keeps its checkpoints in one directory (a local or shared path, or an fsspec
 URL such as ``s3://bucket/run``), one *step directory* per saved step::
 
@@ -20,7 +25,7 @@ sees the same steps: the coordinator (rank 0 of the group) lists and decides, an
 reaches every rank through a status-checked exchange, so an error on the coordinator (a
 listing that fails) fails every rank instead of hanging them.
 
-**Retention** (after each commit, never before): keep the newest ``keep_latest`` committed
+**Retention** (after each commit, never before; :mod:`.retention`): keep the newest ``keep_latest`` committed
 steps, every step divisible by ``keep_every_steps``, and the ``keep_best`` best steps by the
 metric ``best_metric`` (metrics are stored in each step's ``.metadata``, so "best" survives
 restarts); the union is kept, and always the newest committed step and the step being saved.
@@ -43,7 +48,7 @@ there names, then the directory if nothing else is in it; any other file stays. 
 that is a symbolic link is never written, deleted or walked: ``save`` refuses it (a failed
 save's cleanup would otherwise empty whatever the link points at).
 
-**One writer.** The manager assumes it is the only writer of its directory while it is
+**One writer** (:mod:`.ownership`). The manager assumes it is the only writer of its directory while it is
 open: that is what makes the sweep safe (nothing else can be in flight). The coordinator
 claims the directory in ``.manager-owner.json`` before it lists or sweeps anything; a
 manager refuses to start while that file names a live process on this host (another job, or
@@ -86,14 +91,9 @@ step of an abandoned run from one the newest durable step does not supersede.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
-import socket
 import time
-import uuid
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -108,85 +108,19 @@ from ..engine.checkpoint import save as _save
 from ..engine.commit import unreferenced_files
 from ..engine.incremental import IncrementalState
 from ..format import metadata as md
+from ..format.validation import step_dir_name
 from ..format.values import is_json_value
 from ..staging.checkpointer import AsyncCheckpointer
 from ..staging.response import AsyncSaveError, AsyncSaveResponse
-from .local_tier import LocalTier, new_timeline
-from .step_directory import (
-    OPEN_TOKENS,
-    USER_KEY,
-    Deleter,
-    Directory,
-    Listed,
-    PathLike,
-    StepInfo,
-    encode_metrics,
-    list_steps,
-    metrics_of,
-    open_directory,
-    owner_alive,
-    parse_owner,
-    process_start,
-    scan,
-    step_dir_name,
-)
+from .local_format import new_timeline
+from .local_tier import LocalTier
+from .ownership import Ownership
+from .retention import Retention
+from .step_deletion import Deleter
+from .step_directory import Directory, Listed, PathLike, open_directory
+from .step_listing import USER_KEY, encode_metrics, metrics_of, scan, timeline_of
 
-__all__ = ["CheckpointManager", "StepInfo", "SaveTiming", "list_steps", "step_dir_name", "plan_retention"]
-
-
-# ----------------------------------------------------------------------------- retention
-
-
-def plan_retention(
-    steps: dict[int, dict[str, Any] | None],
-    *,
-    keep_latest: int | None = None,
-    keep_every_steps: int | None = None,
-    keep_best: int | None = None,
-    best_metric: str | None = None,
-    best_mode: str = "min",
-    protect: Iterable[int] = (),
-    references: Callable[[int], Iterable[int]] = lambda step: (),
-) -> list[int]:
-    """The committed steps to delete: those no rule keeps (pure; the manager's policy).
-
-    Kept: the newest ``keep_latest``; every step divisible by ``keep_every_steps``; the
-    ``keep_best`` best by ``steps[step][best_metric]`` (``best_mode`` "min" or "max"; steps
-    without a finite number for it do not compete; ties go to the newer step); the newest
-    step; ``protect``; and, transitively, every step a kept step ``references``. With no rule
-    set, nothing is deleted.
-    """
-    if not steps or (keep_latest is None and keep_every_steps is None and keep_best is None):
-        return []
-    order = sorted(steps)
-    keep = {order[-1], *protect}
-    if keep_latest is not None:
-        keep.update(order[-keep_latest:] if keep_latest > 0 else [])
-    if keep_every_steps is not None:
-        keep.update(s for s in order if s % keep_every_steps == 0)
-    if keep_best is not None and best_metric is not None:
-        keep.update(_best(steps, best_metric, best_mode)[:keep_best])
-    todo = list(keep)
-    while todo:  # a kept step keeps every step ``references`` says it needs
-        for ref in references(todo.pop()):
-            if ref in steps and ref not in keep:
-                keep.add(ref)
-                todo.append(ref)
-    return [s for s in order if s not in keep]
-
-
-def _metric_value(metrics: dict[str, Any] | None, name: str) -> float | None:
-    value = metrics.get(name) if isinstance(metrics, dict) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _best(steps: dict[int, dict[str, Any] | None], metric: str, mode: str) -> list[int]:
-    """Steps with a finite ``metric``, best first (ties: the newer step first)."""
-    scored = [(v, s) for s, m in steps.items() if (v := _metric_value(m, metric)) is not None]
-    sign = 1.0 if mode == "min" else -1.0
-    return [s for _, s in sorted(scored, key=lambda vs: (sign * vs[0], -vs[1]))]
+__all__ = ["CheckpointManager", "SaveTiming"]
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -330,6 +264,9 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
+        # coordinator: also who names which files of which step
+        self._retention = Retention(keep_latest=keep_latest, keep_every_steps=keep_every_steps, keep_best=keep_best,
+                                    best_metric=best_metric, best_mode=best_mode)
         if isinstance(async_save, AsyncCheckpointer) and async_save.max_in_flight != 1:
             raise ValueError(f"async_save: the manager keeps one save in flight; pass an AsyncCheckpointer with "
                              f"max_in_flight=1 (this one has {async_save.max_in_flight})")
@@ -338,8 +275,6 @@ class CheckpointManager:
         self.async_save = bool(async_save)
         self.incremental = incremental
         self._inc = IncrementalState() if incremental else None
-        self._refs: dict[int, frozenset[tuple[str, str]]] = {}  # coordinator: step -> files of other steps it names
-        self._lingering: set[str] = set()  # deleted steps' directories kept for files later steps name
         self.process_group = process_group
         self.timeout = timeout
         self._root = self._root_for(directory, storage_options)
@@ -352,10 +287,10 @@ class CheckpointManager:
         self._pending: _Pending | None = None
         self._timings: deque[SaveTiming] = deque(maxlen=100)
         self._closed = False
-        self._token = uuid.uuid4().hex
         self._async: AsyncCheckpointer | None = (
             async_save if isinstance(async_save, AsyncCheckpointer) else AsyncCheckpointer(max_in_flight=1)
             if async_save else None)
+        self._owner = Ownership(self._root, self.directory)
         self._coord = Coordinator(process_group, False, 0, timeout)
         self._deleter = Deleter(self._root) if self._coord.is_coordinator else None
         self._local: LocalTier | None = None
@@ -393,10 +328,7 @@ class CheckpointManager:
 
     def best_step(self) -> int | None:
         """The best committed step by ``best_metric`` (None without a metric or a scored step)."""
-        if not self.best_metric:
-            return None
-        ranked = _best(self._steps, self.best_metric, self.best_mode)
-        return ranked[0] if ranked else None
+        return self._retention.best(self._steps)
 
     def metrics(self, step: int) -> dict[str, Any] | None:
         """The metrics saved with committed ``step`` (the coordinator's), or None."""
@@ -484,7 +416,7 @@ class CheckpointManager:
             # Not committed unless a CommitError says it may be: the coordinator (alone deleting)
             # clears the step's debris; a CommitError step is left for the next start to judge.
             if self._deleter is not None and not isinstance(exc, CommitError):
-                self._deleter.submit("failed", name, keep=self._kept_files(name))
+                self._deleter.submit("failed", name, keep=self._retention.kept_files(name))
             self._timings.append(SaveTiming(step, time.perf_counter() - started, None))
             raise
         elapsed = time.perf_counter() - started
@@ -620,21 +552,23 @@ class CheckpointManager:
 
         def discover() -> dict[int, dict[str, Any] | None]:
             self._root.make_root()
-            self._claim()
+            self._owner.claim()
             infos, listing, parsed = scan(self._root)
-            self._refs = {step: _named_elsewhere(meta) for step, meta in parsed.items()}
+            for step, meta in parsed.items():
+                self._retention.learn(step, meta)
             for info in infos:
                 name = step_dir_name(info.step)
                 if info.state == "uncommitted":
-                    keep = self._kept_files(name)
+                    keep = self._retention.kept_files(name)
                     found.setdefault("sweep", []).append((name, keep))
                     if keep:
-                        self._lingering.add(name)
+                        self._retention.lingering.add(name)
                 elif info.state == "unreadable":
                     warnings.warn(f"CheckpointManager: {info.error}; step {info.step} is ignored and left in "
                                   "place (`hyper-dcp verify` it, or move it away)", stacklevel=4)
                 else:
-                    debris = unreferenced_files(Listed(listing[name]), self._referenced_files(parsed[info.step]))
+                    debris = unreferenced_files(Listed(listing[name]),
+                                                self._retention.referenced_files(parsed[info.step]))
                     if debris:
                         found.setdefault("debris", []).append((name, debris))
             committed = [i.step for i in infos if i.state == "committed"]
@@ -649,58 +583,12 @@ class CheckpointManager:
             for name, files in found.get("debris", []):
                 self._deleter.submit("files", name, files)
 
-    def _referenced_files(self, meta: md.Metadata) -> list[str]:
-        """A committed step's own files, and the files of its directory later steps name."""
-        own = step_of_name(meta)
-        return sorted(set(meta.file_names()) | set(self._kept_files(own) if own else ()))
-
-    def _kept_files(self, name: str) -> tuple[str, ...]:
-        """Files of step directory ``name`` that some committed step's metadata names."""
-        return tuple(sorted({f for refs in self._refs.values() for d, f in refs if d == name}))
-
-    def _claim(self) -> None:
-        """Become the directory's owner (coordinator), or refuse while a live owner holds it.
-        Atomic (see ``claim_owner``): of managers starting at once, one wins, and the others
-        raise here, before their start-up sweep could touch a step the winner writes."""
-        pid = os.getpid()
-        record = json.dumps({
-            "host": socket.gethostname(), "pid": pid, "started": process_start(pid), "token": self._token,
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode()
-        # open before the record lands: a manager of this process claiming next sees it alive
-        OPEN_TOKENS.add(self._token)
-        # a manager dropped without close() (a notebook cell run again) no longer holds the directory
-        weakref.finalize(self, OPEN_TOKENS.discard, self._token)
-        self._root.claim_owner(record, self._refuse_if_held)
-
-    def _refuse_if_held(self, raw: bytes | None) -> None:
-        owner = parse_owner(raw)
-        if owner is not None and owner.get("token") != self._token and owner_alive(owner):
-            raise CheckpointError(
-                f"{self.directory!r} is in use by another CheckpointManager (pid {owner.get('pid')} on "
-                f"{owner.get('host')}, since {owner.get('since')}): one job writes a directory at a time. "
-                "Close that manager or use another directory")
-
-    def _owns(self, raw: bytes) -> bool:
-        owner = parse_owner(raw)
-        return owner is not None and owner.get("token") == self._token
-
-    def _check_owner(self) -> None:
-        raw = self._root.read_owner()
-        if raw is not None and self._owns(raw):
-            return
-        owner = parse_owner(raw)
-        who = (f"pid {owner.get('pid')} on {owner.get('host')}" if owner is not None
-               else "someone (the owner file is gone)")
-        raise CheckpointError(
-            f"another writer took over {self.directory!r} ({who}); this manager stops saving there. "
-            "Two jobs must not share a checkpoint directory")
-
     def _agree(self, what: str, step: int | None) -> None:
         """Every rank names the same ``step`` (the coordinator also checks it still owns the
         directory and that no deletion of that step's directory is pending)."""
         def check() -> int | None:
             if self._coord.is_coordinator:
-                self._check_owner()
+                self._owner.check()
                 if step is not None and what == "save":
                     self._deleter.wait_for(step_dir_name(step))  # type: ignore[union-attr]
                     self._check_writable(step)
@@ -718,7 +606,7 @@ class CheckpointManager:
         name = step_dir_name(step)
         self._root.check_step(name)
         try:
-            raw = self._root.read_metadata(name)
+            raw = self._root.step_metadata(name)
         except NotACheckpointError:
             return  # nothing committed there (the usual case: no directory yet)
         where = f"{self._root.step_path(name)}/{md.METADATA_FILE}"
@@ -767,18 +655,12 @@ class CheckpointManager:
             if committed is not None:
                 steps[pending.step] = metrics_of(committed)
                 timelines[pending.step] = timeline_of(committed)
-                self._refs[pending.step] = _named_elsewhere(committed)
-                doomed = self._retention(steps, protect={pending.step, *protect})
+                self._retention.learn(pending.step, committed)
+                doomed = self._retention.plan(steps, protect={pending.step, *protect})
                 for s in doomed:
                     del steps[s]
                     timelines.pop(s, None)
-                    self._refs.pop(s, None)
-                # a deleted step's files that kept steps still name stay (incremental checkpoints);
-                # directories kept only for such files go once nothing names them any more
-                plan["delete"] = [(s, self._kept_files(step_dir_name(s))) for s in doomed]
-                self._lingering.update(step_dir_name(s) for s, keep in plan["delete"] if keep)
-                plan["release"] = [n for n in self._lingering if not self._kept_files(n)]
-                self._lingering.difference_update(plan["release"])
+                plan["delete"], plan["release"] = self._retention.forget(doomed)
             elif finished:
                 plan["cleanup"] = True
             return error, (committed is not None, steps, timelines)
@@ -791,7 +673,7 @@ class CheckpointManager:
             for name in plan.get("release", []):
                 self._deleter.submit("step", name)
             if plan.get("cleanup"):
-                self._deleter.submit("failed", name, keep=self._kept_files(name))
+                self._deleter.submit("failed", name, keep=self._retention.kept_files(name))
         failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
         if not failures:
             return
@@ -807,22 +689,12 @@ class CheckpointManager:
     def _probe(self, name: str) -> md.Metadata | None:
         """The step's committed metadata, or None when it has none (or it does not parse)."""
         try:
-            return md.Metadata.from_json(self._root.read_metadata(name))
+            return md.Metadata.from_json(self._root.step_metadata(name))
         except NotACheckpointError:
             return None
         except CheckpointError as exc:
             warnings.warn(f"CheckpointManager: {self._root.step_path(name)}: {exc}", stacklevel=4)
             return None
-
-    def _retention(self, steps: dict[int, dict[str, Any] | None], protect: set[int]) -> list[int]:
-        return plan_retention(steps, keep_latest=self.keep_latest, keep_every_steps=self.keep_every_steps,
-                              keep_best=self.keep_best, best_metric=self.best_metric, best_mode=self.best_mode,
-                              protect=protect, references=self._references)
-
-    def _references(self, step: int) -> tuple[int, ...]:
-        # Steps named by a kept step are not kept whole: only the files it names survive their
-        # step's deletion (see _kept_files), so retention counts steps, not references.
-        return ()
 
     def _release(self) -> None:
         """Free threads, groups and the owner file (no collectives)."""
@@ -839,32 +711,11 @@ class CheckpointManager:
             if self._deleter is not None:
                 self._deleter.wait_for()
                 self._deleter.stop()
-                with contextlib.suppress(Exception):
-                    self._root.release_owner(self._owns)
-            OPEN_TOKENS.discard(self._token)
+            self._owner.release(remove_record=self._deleter is not None)
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({self.directory!r}, steps={self.all_steps()}, "
                 f"in_flight={self._pending.step if self._pending else None})")
-
-
-def _named_elsewhere(meta: md.Metadata) -> frozenset[tuple[str, str]]:
-    """(step directory, file) of every file of another step that ``meta`` names."""
-    return frozenset((f.dir, f.name) for f in meta.files if f.dir)
-
-
-def timeline_of(meta: md.Metadata) -> str | None:
-    """The timeline (run) that saved a committed step, from its user data (None: not recorded)."""
-    own = meta.user.get(USER_KEY) if isinstance(meta.user, dict) else None
-    timeline = own.get("timeline") if isinstance(own, dict) else None
-    return timeline if isinstance(timeline, str) else None
-
-
-def step_of_name(meta: md.Metadata) -> str | None:
-    """The step directory name a committed step's metadata was saved under (from its user data)."""
-    own = meta.user.get(USER_KEY) if isinstance(meta.user, dict) else None
-    step = own.get("step") if isinstance(own, dict) else None
-    return step_dir_name(step) if isinstance(step, int) else None
 
 
 def _plain_metrics(metrics: Any) -> dict[str, Any]:

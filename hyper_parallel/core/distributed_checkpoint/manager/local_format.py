@@ -58,6 +58,7 @@ import json
 import math
 import os
 import re
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..base.alignment import TENSOR_ALIGN
 from ..base.atomic_file import atomic_file
 from ..base.dtypes import dtype_name, itemsize, safetensors_dtype
 from ..base.errors import CorruptCheckpointError, UnsupportedValueError
@@ -80,7 +82,8 @@ from ..state.flatten import Flat
 FORMAT_NAME = "hyper-parallel-local"
 FORMAT_VERSION = 1
 MANIFEST_KEY = "hp_local"
-ALIGN = 64
+BODY_ALIGN = TENSOR_ALIGN  # the header is padded so the body starts at a multiple of this: the
+# staging buffer's aligned payloads stay aligned in the file (and in a mapping of it)
 MAX_HEADER = 256 << 20  # a manifest larger than this is not ours
 TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^step_(\d{8,})-([0-9a-f]{8,64})\.safetensors$")
@@ -113,6 +116,12 @@ def parse_shard_file_name(name: str) -> tuple[int, str] | None:
     if m is None or name != shard_file_name(int(m.group(1)), m.group(2)):
         return None
     return int(m.group(1)), m.group(2)
+
+
+def new_timeline() -> str:
+    """A new timeline id (a run's, recorded in its files' names and manifests and in the
+    durable steps it commits): creation time (hex ns) and 8 random hex digits."""
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
 
 
 # ----------------------------------------------------------------------------- what a rank holds
@@ -268,7 +277,7 @@ def build_shard_file(manifest: dict[str, Any], entries: list[LocalEntry], spans:
     if pos != body.nbytes:
         raise ValueError(f"shard file body of {body.nbytes} bytes, payloads end at {pos}")
     header[METADATA_KEY] = {MANIFEST_KEY: json.dumps({**manifest, "entries": listed}, separators=(",", ":"))}
-    return ShardFile(encode_header(header, ALIGN), body)
+    return ShardFile(encode_header(header, BODY_ALIGN), body)
 
 
 def _nbytes(e: LocalEntry) -> int:

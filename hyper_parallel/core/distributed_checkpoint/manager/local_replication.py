@@ -18,6 +18,16 @@ read-only mapping: the page cache pages are sent as they are, no copy in user sp
 receiver maps a temporary file of the announced size and receives straight into it, then
 renames it into place once the bytes are in. Every wait is bounded by a deadline; a gloo
 timeout makes the group unusable, which the caller must treat as final for that group.
+
+**Replication** (:class:`Replicator`, steps 4 and 5 of a local save in :mod:`.local_tier`):
+on a dedicated gloo group made at the first local save, each rank sends the header and the
+staging buffer of its new file to its peers and receives the files of its sources (each
+written to a temporary name and renamed once whole), then one all-reduce (MIN) confirms the
+step on every rank. Any failure or a wait past ``replication_timeout`` stops replication for
+the rest of the run (a gloo group cannot recover from a timeout), with a warning.
+
+This module moves files between ranks; it does not write a rank's own file
+(:mod:`.local_save`) nor choose what recovery fetches (:mod:`.local_recovery`).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import mmap
 import os
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -34,7 +45,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["node_identity", "Topology", "MappedFile", "send_file", "recv_file", "wait_all"]
+from ..base.coordination import Coordinator, new_gloo_group
+from ..base.priority import BACKGROUND_NICE
+from .local_directory import TierDirectory
+from .local_format import ShardFile, parse_manifest
+
+__all__ = ["node_identity", "Topology", "MappedFile", "send_file", "recv_file", "wait_all", "Replicator"]
+
+MAGIC = 0x48504C54  # "HPLT": the head of every replication message
+# Message tags, distinct: a replication message's head, its file header, its body; a recovery fetch.
+TAG_HEAD, TAG_FILE, TAG_BODY, TAG_FETCH = 0x4C01, 0x4C02, 0x4C04, 0x4C03
 
 
 def node_identity(node_rank: int | None) -> tuple[str, Any]:
@@ -139,3 +159,153 @@ def wait_all(works: list[Any], deadline: float) -> None:
         if left <= 0:
             raise TimeoutError("the deadline passed before the transfer completed")
         work.wait(timedelta(seconds=left))
+
+
+class Replicator:
+    """This rank's side of the local tier's replication (see the module docstring).
+
+    ``abandoned`` holds the buffers of transfers that failed while gloo may still use them:
+    never freed or reused.
+    """
+
+    def __init__(self, coord: Coordinator, files: TierDirectory, peers: list[int], sources: list[int],
+                 replication_timeout: float, sync_files: bool):
+        self.coord, self.files = coord, files
+        self.world_size = coord.world_size
+        self.peers, self.sources = peers, sources
+        self.replication_timeout = replication_timeout
+        self.sync_files = sync_files
+        self.error: str | None = None  # why replication stopped (None: it runs)
+        self.needs_group = coord.distributed and coord.world_size > 1  # made at the first save
+        self.group: Any = None
+        self.abandoned: list[Any] = []
+        self._rx: dict[int, torch.Tensor] = {}  # receive buffers by source rank
+
+    def ensure_group(self) -> None:
+        """Make the replication group if it is still to be made (collective: every rank makes
+        its first local save at the same step)."""
+        if self.needs_group and self.group is None:
+            self._make_group()
+
+    def _make_group(self) -> None:
+        """Make the replication group. A peer that is dead or later than ``replication_timeout``
+        ends replication for this run, as any replication wait does (the save goes on
+        unreplicated), instead of raising gloo's bare "Wait timeout" into the training loop;
+        it is not tried again."""
+        try:
+            self.group = new_gloo_group(self.coord.group_ranks, timedelta(seconds=self.replication_timeout),
+                                        nice=BACKGROUND_NICE)  # its I/O threads in the background
+        except RuntimeError as exc:
+            self.needs_group = False
+            self.stop(f"making the replication group: a rank did not join within "
+                      f"{self.replication_timeout:g}s ({type(exc).__name__}: {exc})")
+
+    def replicate(self, step: int, timeline: str, shard: ShardFile | None) -> tuple[bool, int, int, bool]:
+        """Send this rank's file to its peers, receive its sources' files. Returns (all went
+        well, bytes sent, bytes received, whether a failed send may still read the file)."""
+        if self.error is not None:  # stopped (or its group could never be made)
+            return False, 0, 0, False
+        if self.group is None or (not self.peers and not self.sources):
+            return True, 0, 0, False
+        deadline = time.monotonic() + self.replication_timeout
+        keep_alive: list[Any] = []  # everything gloo may touch until the transfers are over
+        sent = received = 0
+        failed = False
+        try:
+            has = shard is not None
+            hlen, blen = (len(shard.header), shard.body.nbytes) if has else (0, 0)
+            head = torch.tensor([MAGIC, step, hlen, blen, int(has)], dtype=torch.int64)
+            keep_alive.append(head)
+            works = []
+            if has:
+                header_t = torch.frombuffer(bytearray(shard.header), dtype=torch.uint8)
+                body_t = torch.frombuffer(shard.body, dtype=torch.uint8) if blen else None
+                keep_alive += [header_t, body_t]
+            for peer in self.peers:
+                dst = self.coord._global(peer)
+                works.append(dist.isend(head, dst=dst, group=self.group, tag=TAG_HEAD))
+                if has:
+                    works.append(dist.isend(header_t, dst=dst, group=self.group, tag=TAG_FILE))
+                    if blen:
+                        works.append(dist.isend(body_t, dst=dst, group=self.group, tag=TAG_BODY))
+                    sent += hlen + blen
+            heads = []
+            for src in self.sources:
+                h = torch.zeros(5, dtype=torch.int64)
+                keep_alive.append(h)
+                heads.append((src, h, dist.irecv(h, src=self.coord._global(src), group=self.group, tag=TAG_HEAD)))
+            incoming = []
+            for src, h, work in heads:
+                wait_all([work], deadline)
+                magic, their_step, their_hlen, their_blen, their_has = h.tolist()
+                if magic != MAGIC or their_step != step:
+                    raise RuntimeError(f"replication out of step: rank {src} sent step {their_step} while this rank "
+                                       f"saves step {step}")
+                if not their_has:
+                    continue
+                header_r = torch.empty(their_hlen, dtype=torch.uint8)
+                body_r = self._receive_buffer(src, their_blen)
+                keep_alive += [header_r, body_r]
+                works.append(dist.irecv(header_r, src=self.coord._global(src), group=self.group, tag=TAG_FILE))
+                if their_blen:
+                    works.append(dist.irecv(body_r, src=self.coord._global(src), group=self.group, tag=TAG_BODY))
+                incoming.append((src, header_r, body_r))
+            wait_all(works, deadline)
+            for src, header_r, body_r in incoming:
+                header_b = header_r.numpy().tobytes()
+                final = self.files.path(src, step, timeline)
+                man = parse_manifest(header_b, len(header_b) + body_r.numel(), final)
+                if (man.rank, man.step, man.timeline, man.world_size) != (src, step, timeline, self.world_size):
+                    raise RuntimeError(f"rank {src} sent a file of rank {man.rank}, step {man.step}; expected its "
+                                       f"step {step}")
+                pieces = [memoryview(header_b), memoryview(body_r.numpy()).cast("B")] if body_r.numel() else [
+                    memoryview(header_b)]
+                received += self.files.write(final, pieces, self.sync_files)
+            return True, sent, received, False
+        except Exception as exc:
+            failed = True
+            self.stop(f"step {step}: {type(exc).__name__}: {exc}")
+            return False, sent, received, bool(sent)
+        finally:
+            if failed:  # transfers may still be pending on these buffers: keep them alive
+                self.abandoned.append(keep_alive)
+                self._rx.clear()
+
+    def _receive_buffer(self, src: int, nbytes: int) -> torch.Tensor:
+        """A receive buffer for ``src``'s files, reused from save to save (memory that is
+        already mapped: receiving into fresh pages costs a page fault per 4 KiB)."""
+        buf = self._rx.get(src)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._rx[src] = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def confirm(self, ok: bool) -> bool:
+        """Every rank learns whether every rank committed its file and its copies."""
+        if self.group is None:
+            return ok
+        if self.error is not None:
+            return False
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group,
+                            async_op=True).wait(timedelta(seconds=self.replication_timeout))
+        except Exception as exc:
+            self.abandoned.append(flag)
+            self.stop(f"confirming a step: {type(exc).__name__}: {exc}")
+            return False
+        return bool(flag.item())
+
+    def stop(self, why: str) -> None:
+        """End replication for this run (the first reason is kept), with a warning."""
+        if self.error is None:
+            self.error = why
+            warnings.warn(f"CheckpointManager (rank {self.coord.global_rank}): local tier replication stopped for this "
+                          f"run ({why}); local saves continue on this node only, unconfirmed. The next start "
+                          "replicates again", stacklevel=2)
+
+    def close(self, finished: bool) -> None:
+        """Free the group (only once no transfer can still be using it: ``finished``). Local."""
+        if self.group is not None and finished:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self.group)
+        self.group = None

@@ -1,45 +1,46 @@
-"""The step directories of a CheckpointManager: naming, one-listing discovery, deletion, ownership.
+"""A CheckpointManager's directory on storage: its step directories, read, written and removed.
 
-Storage-level helpers of :mod:`.manager` (which holds the policy and the cross-rank
-protocol): what a manager directory holds (:func:`list_steps`), how a step directory is
-named (:func:`step_dir_name`), how it is deleted (``.metadata`` first, see :class:`Deleter`),
-and who may write the directory (the owner file). Local and shared filesystems use ``os``;
-fsspec URLs (``s3://...``) use one recursive listing. The layout is in ``docs/format.md``.
+A manager directory holds one step directory per saved step (named by
+:func:`~..format.metadata.step_dir_name`) and the owner file. :class:`LocalDirectory`
+(local and shared filesystems, through ``os``; never through a symbolic link) and
+:class:`FsspecDirectory` (fsspec URLs such as ``s3://...``: one recursive listing, whole-object
+puts, every call bounded) give the manager the same operations: list the step directories,
+read a step's ``.metadata`` (:meth:`~LocalDirectory.step_metadata`), open storage writers and
+readers for a step, remove a step (``.metadata`` first), its files or its tree, and read,
+claim and release the owner record (the claim itself is in :mod:`.ownership`).
+:func:`open_directory` picks one for a path or URL. The layout is in ``docs/format.md``.
+
+It is not what the steps are (:mod:`.step_listing`), nor when they go (:mod:`.retention`,
+:mod:`.step_deletion`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
-import queue
 import shutil
-import socket
-import threading
-import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from ..backends.filesystem import FileSystemReader, FileSystemWriter
 from ..backends.fsspec import BoundedCalls, FsspecReader, FsspecWriter, open_filesystem
-from ..backends.locations import is_url, local_path, location
+from ..backends.locations import is_url, local_path
 from ..backends.protocol import StorageReader, StorageWriter
 from ..base.errors import CheckpointError, NotACheckpointError
-from ..engine.commit import unreferenced_files
 from ..format import metadata as md
-from ..format.validation import step_dir_name, step_of  # the format's naming rule (``dirs``)
-from ..format.values import decode_value, encode_value
+from ..format.validation import step_of  # the format's naming rule (``dirs``)
+from .ownership import (
+    claim_fsspec,
+    claim_local,
+    read_fsspec_owner,
+    read_local_owner,
+    release_fsspec,
+    release_local,
+)
 
-__all__ = ["StepInfo", "files_other_steps_use", "list_steps", "step_dir_name", "references_of"]
+__all__ = ["Directory", "FsspecDirectory", "Listed", "LocalDirectory", "PathLike", "open_directory"]
 
 PathLike = str | os.PathLike
-OWNER_FILE = ".manager-owner.json"
-USER_KEY = "checkpoint_manager"  # where a step's own facts live in Metadata.user
-_READ_THREADS = 8  # parallel .metadata reads at start (object stores have latency)
 
 
 # ----------------------------------------------------------------------------- storage
@@ -81,7 +82,8 @@ class LocalDirectory:
                 continue
         return out
 
-    def read_metadata(self, name: str) -> bytes:
+    def step_metadata(self, name: str) -> bytes:
+        """The bytes of step directory ``name``'s ``.metadata`` (NotACheckpointError: none)."""
         return FileSystemReader(self.step_path(name)).read_metadata()
 
     def writer(self, name: str) -> StorageWriter:
@@ -159,56 +161,16 @@ class LocalDirectory:
             os.rmdir(self.step_path(name))
 
     def read_owner(self) -> bytes | None:
-        try:
-            with open(os.path.join(self.path, OWNER_FILE), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+        return read_local_owner(self.path)
 
     def claim_owner(self, record: bytes, refuse: Callable[[bytes | None], None]) -> None:
-        """Put ``record`` in the owner file unless ``refuse(what it holds now)`` raises, as one
-        step: every claim holds an exclusive lock (``flock``) on the owner file while it reads,
-        decides and writes, so of managers starting at the same moment one writes and the
-        others read its record."""
-        with self._owner_locked(create=True) as fd:
-            refuse(_read_fd(fd) or None)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, record, 0)
-            os.fsync(fd)
+        """Put ``record`` in the owner file unless ``refuse(what it holds now)`` raises, atomically
+        (see :func:`.ownership.claim_local`)."""
+        claim_local(self.path, record, refuse)
 
     def release_owner(self, mine: Callable[[bytes], bool]) -> None:
         """Remove the owner file if ``mine(its record)`` (under the claim's lock)."""
-        with self._owner_locked(create=False) as fd:
-            if fd is not None and mine(_read_fd(fd)):
-                os.unlink(os.path.join(self.path, OWNER_FILE))
-
-    @contextlib.contextmanager
-    def _owner_locked(self, create: bool) -> Iterator[int | None]:
-        """The owner file, open and locked exclusively (None: absent and ``create`` False). A
-        file removed or replaced while we waited for its lock is not the owner file any more:
-        lock the one in place then."""
-        path = os.path.join(self.path, OWNER_FILE)
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-        deadline = time.monotonic() + _OWNER_LOCK_WAIT_S
-        while True:
-            try:
-                fd = os.open(path, flags, 0o644)
-            except FileNotFoundError:
-                yield None
-                return
-            try:
-                if _lock(fd, path, deadline):
-                    try:
-                        now = os.stat(path, follow_symlinks=False)
-                    except FileNotFoundError:
-                        now = None
-                    here = os.fstat(fd)
-                    if now is None or (now.st_dev, now.st_ino) != (here.st_dev, here.st_ino):
-                        continue  # (the finally closes it, which unlocks it)
-                yield fd
-                return
-            finally:
-                os.close(fd)
+        release_local(self.path, mine)
 
 
 class FsspecDirectory:
@@ -258,7 +220,8 @@ class FsspecDirectory:
             out.setdefault(parts[0], {})[parts[1]] = int(info.get("size") or 0)
         return out
 
-    def read_metadata(self, name: str) -> bytes:
+    def step_metadata(self, name: str) -> bytes:
+        """The bytes of step directory ``name``'s ``.metadata`` (NotACheckpointError: none)."""
         try:
             return self._call(f"reading {name}/{md.METADATA_FILE}", self.fs.cat_file, self._key(name, md.METADATA_FILE))
         except FileNotFoundError:
@@ -296,79 +259,23 @@ class FsspecDirectory:
                 self._call(f"deleting {name}", self.fs.rm, self._key(name), recursive=True)
 
     def read_owner(self) -> bytes | None:
-        try:
-            return self._call(f"reading {OWNER_FILE}", self.fs.cat_file, self._key(OWNER_FILE))
-        except FileNotFoundError:
-            return None
+        return read_fsspec_owner(self)
 
     def claim_owner(self, record: bytes, refuse: Callable[[bytes | None], None]) -> None:
-        """Put ``record`` as the owner object unless ``refuse(what it holds now)`` raises, with
-        a conditional put, so of managers starting at the same moment one writes and the others
-        fail: created only if absent (If-None-Match), replaced only if unchanged since read
-        (If-Match on its ETag, S3). Stores without If-Match replace a stale record
-        unconditionally: there, two jobs taking over one directory at once are not told apart."""
-        key = self._key(OWNER_FILE)
-        for _ in range(3):
-            etag, raw = self._read_owner_tagged(key)
-            refuse(raw)
-            try:
-                self._put_owner(key, record, etag, replace=raw is not None)
-                return
-            except Exception as exc:
-                if not _lost_race(exc, replacing=raw is not None):
-                    raise
-            finally:
-                self._forget_cached_listings()
-            # another manager's put came first: its record is fresh, so it is alive whatever
-            # its host; only a record that is gone again (that manager closed) is tried anew
-            _, now = self._read_owner_tagged(key)
-            if now is not None:
-                refuse(now)
-                raise CheckpointError(f"{self.url!r} was claimed by another CheckpointManager at the same moment "
-                                      f"({_who(now)}): one job writes a directory at a time")
-        raise CheckpointError(f"{self.url!r}: could not claim the directory (its owner record changed at every try)")
-
-    def _put_owner(self, key: str, record: bytes, etag: str | None, replace: bool) -> None:
-        """One put of the owner record, conditional where the store allows (see claim_owner)."""
-        try:
-            if not replace:
-                self._call(f"creating {OWNER_FILE}", self.fs.pipe_file, key, record, mode="create")
-            elif etag is not None and hasattr(self.fs, "call_s3"):
-                bucket, path, _ = self.fs.split_path(key)
-                self._call(f"replacing {OWNER_FILE}", self.fs.call_s3, "put_object", Bucket=bucket, Key=path,
-                           Body=record, IfMatch=etag)
-            else:
-                self._call(f"writing {OWNER_FILE}", self.fs.pipe_file, key, record)
-        except Exception as exc:
-            if not _no_conditional_put(exc):
-                raise
-            warnings.warn(f"CheckpointManager: {self.url!r}: the store refuses conditional puts ({exc}); claiming "
-                          "the directory is not atomic there: do not start two jobs on one directory at once",
-                          stacklevel=5)
-            self._call(f"writing {OWNER_FILE}", self.fs.pipe_file, key, record)
-
-    def _read_owner_tagged(self, key: str) -> tuple[str | None, bytes | None]:
-        """(ETag, bytes) of the owner object, or (None, None). The ETag is read first: a record
-        that changes in between fails the If-Match put, never passes it with stale content."""
-        self._forget_cached_listings()
-        try:
-            etag = self._call(f"reading {OWNER_FILE}", self.fs.info, key).get("ETag")
-            return etag, self._call(f"reading {OWNER_FILE}", self.fs.cat_file, key)
-        except FileNotFoundError:
-            return None, None
+        """Put ``record`` as the owner object unless ``refuse(what it holds now)`` raises, with a
+        conditional put (see :func:`.ownership.claim_fsspec`)."""
+        claim_fsspec(self, record, refuse)
 
     def release_owner(self, mine: Callable[[bytes], bool]) -> None:
         """Remove the owner object if ``mine(its record)``."""
-        raw = self.read_owner()
-        if raw is not None and mine(raw):
-            with contextlib.suppress(FileNotFoundError):
-                self._call(f"deleting {OWNER_FILE}", self.fs.rm_file, self._key(OWNER_FILE))
+        release_fsspec(self, mine)
 
 
 Directory = LocalDirectory | FsspecDirectory
 
 
 def open_directory(directory: PathLike, storage_options: dict[str, Any] | None) -> Directory:
+    """The manager directory of a local path or an fsspec URL (``storage_options``: URLs only)."""
     path = os.fspath(directory)
     if is_url(path):
         return FsspecDirectory(path, dict(storage_options or {}))
@@ -377,311 +284,3 @@ def open_directory(directory: PathLike, storage_options: dict[str, Any] | None) 
     return LocalDirectory(local_path(path))
 
 
-# ----------------------------------------------------------------------------- what a directory holds
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """One step directory as found on storage (see :func:`list_steps`).
-
-    ``state`` is ``"committed"`` (its ``.metadata`` parses: it loads), ``"uncommitted"`` (no
-    ``.metadata``: a save in flight, or debris of a crashed save or deletion, which the next
-    manager start sweeps), or ``"unreadable"`` (a ``.metadata`` that does not parse: corrupt
-    or written by a newer version; never counted, never deleted; ``error`` says why).
-    ``references`` are the other steps whose files this step uses (always empty until
-    incremental checkpoints exist).
-    """
-
-    step: int
-    path: str
-    state: str
-    files: int
-    bytes: int
-    metrics: dict[str, Any] | None = None
-    references: tuple[int, ...] = ()
-    error: str | None = None
-
-
-def encode_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Metrics as they are stored in ``Metadata.user``: plain JSON where it can be (``nan``
-    and other non-JSON values carry the type tags of :func:`values.encode_value`)."""
-    return {k: encode_value(v) for k, v in metrics.items()}
-
-
-def metrics_of(meta: md.Metadata) -> dict[str, Any] | None:
-    own = meta.user.get(USER_KEY)
-    stored = own.get("metrics") if isinstance(own, dict) else None
-    if not isinstance(stored, dict):
-        return None
-    try:
-        return {k: decode_value(v) for k, v in stored.items()}
-    except ValueError:
-        return None
-
-
-def references_of(meta: md.Metadata) -> tuple[int, ...]:
-    """The steps (other than its own) whose directories hold data ``meta`` names: an
-    incremental checkpoint's unchanged chunks live in earlier steps' files."""
-    return tuple(sorted(s for d in meta.referenced_dirs() if (s := step_of(d)) is not None))
-
-
-def scan(root: Directory) -> tuple[list[StepInfo], dict[str, dict[str, int]], dict[int, md.Metadata]]:
-    """List ``root`` once and read every step's ``.metadata``: (infos by step, the listing,
-    parsed metadata of committed steps)."""
-    listing = root.listing()
-    with_meta = [name for name, files in listing.items() if md.METADATA_FILE in files]
-
-    def read(name: str) -> tuple[str, md.Metadata | None, str | None]:
-        try:
-            return name, md.Metadata.from_json(root.read_metadata(name), where=f"{root.step_path(name)}/"
-                                               f"{md.METADATA_FILE}"), None
-        except NotACheckpointError:  # removed between the listing and the read: uncommitted
-            return name, None, None
-        except CheckpointError as exc:
-            return name, None, str(exc)
-
-    if len(with_meta) > 1:
-        with ThreadPoolExecutor(min(_READ_THREADS, len(with_meta))) as pool:
-            results = list(pool.map(read, with_meta))
-    else:
-        results = [read(n) for n in with_meta]
-    parsed: dict[int, md.Metadata] = {}
-    errors: dict[str, str] = {}
-    for name, meta, error in results:
-        if meta is not None:
-            parsed[step_of(name)] = meta  # type: ignore[index]
-        elif error is not None:
-            errors[name] = error
-    infos = []
-    for name, files in listing.items():
-        step = step_of(name)
-        meta = parsed.get(step)  # type: ignore[arg-type]
-        state = "committed" if meta is not None else ("unreadable" if name in errors else "uncommitted")
-        infos.append(StepInfo(step, root.step_path(name), state, len(files), sum(files.values()),  # type: ignore[arg-type]
-                              metrics_of(meta) if meta else None, references_of(meta) if meta else (),
-                              errors.get(name)))
-    return sorted(infos, key=lambda i: i.step), listing, parsed
-
-
-def list_steps(directory: PathLike, *, storage_options: dict[str, Any] | None = None) -> list[StepInfo]:
-    """Every step directory under ``directory``, committed or not, oldest first (read-only).
-
-    Needs no process group and changes nothing (no sweep, no owner file); ``hyper-dcp ls``
-    prints it.
-
-    Example::
-
-        committed = [s.step for s in list_steps("/ckpt/run1") if s.state == "committed"]
-    """
-    return scan(open_directory(directory, storage_options))[0]
-
-
-def files_other_steps_use(path: PathLike) -> set[str]:
-    """Files of the step directory ``path`` that committed sibling steps name: an incremental
-    step reads its unchanged chunks from an earlier step's files (``../<step>/<file>``), and
-    the manager keeps those files when it retires that step. Empty when ``path`` is not a
-    step directory. A sibling whose ``.metadata`` does not parse might name some: that is an
-    error, not a guess.
-    """
-    given = os.fspath(path)
-    if is_url(given):
-        return _files_siblings_use(given.rstrip("/"))
-    # the step under the name given ("step/." and "." normalised; run/step_1 may be a symlink
-    # to another volume) and under the name it resolves to (an alias of the step directory)
-    names = {os.path.abspath(local_path(given)), location(given)}
-    return set().union(*(_files_siblings_use(p) for p in sorted(names)))
-
-
-def _files_siblings_use(path: str) -> set[str]:
-    name = path.rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
-    if step_of(name) is None:
-        return set()
-    parent = path[: len(path) - len(name)].rstrip("/") or "."
-    infos, _, parsed = scan(open_directory(parent, None))
-    unreadable = [i for i in infos if i.state == "unreadable"]
-    if unreadable:
-        raise CheckpointError(
-            f"cannot tell which files of {path!r} other steps use: {unreadable[0].error} "
-            f"({len(unreadable)} step(s) unreadable)")
-    return {f.name for meta in parsed.values() for f in meta.files if f.dir == name}
-
-
-# ----------------------------------------------------------------------------- background deletion
-
-
-class Deleter:
-    """The coordinator's deletion thread: jobs run one at a time, in order; failures warn."""
-
-    def __init__(self, root: Directory):
-        self.root = root
-        self._jobs: queue.Queue[tuple[str, str, tuple[str, ...]] | None] = queue.Queue()
-        self._pending: dict[str, int] = {}
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self.failures: list[str] = []
-
-    def submit(self, kind: str, name: str, files: Iterable[str] = (), keep: Iterable[str] = ()) -> None:
-        """``kind`` "step": remove a whole step (``.metadata`` first) except the data files in
-        ``keep`` (later steps name them); "files": only ``files``; "failed": what a save that
-        did not commit left (see :meth:`_clean_failed`), except ``keep``."""
-        with self._cond:
-            self._pending[name] = self._pending.get(name, 0) + 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hp-dcp-manager-delete", daemon=True)
-                self._thread.start()
-        self._jobs.put((kind, name, tuple(files) if kind == "files" else tuple(keep)))
-
-    def _clean_failed(self, name: str, keep: tuple[str, ...]) -> None:
-        """After a save of step directory ``name`` that did not commit: remove the files this
-        library writes there that no ``.metadata`` in it names (data files, temporary metadata),
-        then the directory if nothing else is left; nothing else, and nothing at all when a
-        ``.metadata`` there cannot be read (what it names is unknown)."""
-        present = self.root.listing().get(name)  # a step path that is a symbolic link is never listed
-        if present is None:
-            return
-        referenced = list(keep)
-        if md.METADATA_FILE in present:
-            try:
-                referenced += md.Metadata.from_json(self.root.read_metadata(name)).file_names()
-            except NotACheckpointError:
-                pass
-            except CheckpointError:
-                return
-        self.root.remove_files(name, unreferenced_files(Listed(present), referenced))
-        self.root.remove_if_empty(name)
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            kind, name, files = job
-            try:
-                if kind == "step":
-                    self.root.uncommit(name)  # the step stops counting before any data goes
-                    if files:  # data later steps still name stays; the rest goes
-                        present = self.root.listing().get(name, {})
-                        self.root.remove_files(name, [f for f in present if f not in files])
-                    else:
-                        self.root.remove_tree(name)
-                elif kind == "failed":
-                    self._clean_failed(name, files)
-                else:
-                    self.root.remove_files(name, files)
-            except Exception as exc:  # the step stays: the next start finds it and tries again
-                message = f"{self.root.step_path(name)}: deletion failed ({type(exc).__name__}: {exc})"
-                self.failures.append(message)
-                warnings.warn(f"CheckpointManager: {message}; it is retried at the next start", stacklevel=1)
-            finally:
-                with self._cond:
-                    self._pending[name] -= 1
-                    if not self._pending[name]:
-                        del self._pending[name]
-                    self._cond.notify_all()
-
-    def wait_for(self, name: str | None = None, timeout: float | None = None) -> bool:
-        """Wait until nothing (or nothing for step dir ``name``) is pending; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: not self._pending if name is None else name not in self._pending, timeout)
-
-    def stop(self) -> None:
-        with self._cond:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._jobs.put(None)
-            thread.join()
-
-
-# ----------------------------------------------------------------------------- ownership
-
-OPEN_TOKENS: set[str] = set()  # owner tokens of the managers open in this process
-_OWNER_LOCK_WAIT_S = 60.0  # a claim holds the lock for one read and one write
-
-
-def _read_fd(fd: int) -> bytes:
-    chunks, offset = [], 0
-    while chunk := os.pread(fd, 1 << 16, offset):
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
-
-
-def _lock(fd: int, path: str, deadline: float) -> bool:
-    """Lock ``fd`` exclusively, waiting until ``deadline``; False where the filesystem has no
-    locks (then the claim is a plain read and write, and a warning says so)."""
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"{path!r} stayed locked for {_OWNER_LOCK_WAIT_S:g}s: another CheckpointManager is starting "
-                    "or closing there and does not finish (a stuck filesystem?)") from None
-            time.sleep(0.005)
-        except OSError as exc:  # e.g. ENOLCK, EOPNOTSUPP: a filesystem mounted without locks
-            warnings.warn(f"CheckpointManager: cannot lock {path!r} ({exc}); claiming the directory is not atomic "
-                          "on this filesystem: do not start two jobs on one directory at once", stacklevel=4)
-            return False
-
-
-def _store_code(exc: BaseException) -> str | None:
-    """The S3 error code behind an exception (s3fs chains the botocore error as the cause)."""
-    response = getattr(exc.__cause__, "response", None) or getattr(exc, "response", None)
-    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-
-
-def _lost_race(exc: BaseException, replacing: bool) -> bool:
-    """Whether a conditional put failed because the object changed meanwhile: it appeared, or
-    (``replacing`` a record) it went or changed."""
-    return (isinstance(exc, FileExistsError) or (replacing and isinstance(exc, FileNotFoundError))
-            or _store_code(exc) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"))
-
-
-def _no_conditional_put(exc: BaseException) -> bool:
-    """Whether a put failed because the filesystem or store has no conditional puts (an fsspec
-    filesystem without ``mode="create"``, an S3-compatible store answering 501)."""
-    return (isinstance(exc, TypeError) and "mode" in str(exc)) or _store_code(exc) in ("NotImplemented", "501")
-
-
-def parse_owner(raw: bytes | None) -> dict[str, Any] | None:
-    """An owner record (None: none, or not one: it does not parse)."""
-    if raw is None:
-        return None
-    try:
-        owner = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return owner if isinstance(owner, dict) else None
-
-
-def _who(raw: bytes | None) -> str:
-    owner = parse_owner(raw) or {}
-    return f"pid {owner.get('pid')} on {owner.get('host')}, since {owner.get('since')}"
-
-
-def process_start(pid: int) -> str | None:
-    """The start time of ``pid`` (Linux /proc), so a reused pid is not taken for the owner."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def owner_alive(owner: dict[str, Any]) -> bool:
-    """Whether the manager ``owner`` names is still open (only checkable on this host)."""
-    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
-        return False
-    pid = owner["pid"]
-    if pid == os.getpid():
-        return owner.get("token") in OPEN_TOKENS
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, another user's
-    started = process_start(pid)
-    return started is None or owner.get("started") in (None, started)

@@ -2,7 +2,7 @@
 
 One flat host allocation per state-dict *structure* (keys, kinds, dtypes, shapes, layouts of
 the tensors), every tensor at a :data:`TENSOR_ALIGN`-byte aligned offset (large ones, and
-column bands, on :data:`PAGE_ALIGN` boundaries), one copy per tensor. A later snapshot of
+column bands, on :data:`DIRECT_IO_ALIGN` boundaries), one copy per tensor. A later snapshot of
 the same structure reuses the buffer (:class:`BufferPool`); :class:`StagingStats` counts
 allocations. Buffers are pinned when the tensors live on an accelerator.
 
@@ -23,17 +23,17 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..base.alignment import DIRECT_IO_ALIGN, TENSOR_ALIGN
+from ..format.data_file import ALIGNED_PAYLOAD_MIN
 from ..planning.staged_bands import BandedSnapshot
 from ..sharding.grid import band_columns
 
-__all__ = ["TENSOR_ALIGN", "PAGE_ALIGN", "PAGE_ALIGN_MIN", "StagingStats", "StagingBuffer", "BufferPool",
+__all__ = ["StagingStats", "StagingBuffer", "BufferPool",
            "tensor_spec", "copy_value", "copy_into"]
 
-TENSOR_ALIGN = 64  # byte alignment of every tensor in a staging buffer
-# Large tensors start on page boundaries (and the buffer on one), so the background write can
-# hand their memory to O_DIRECT as it is, with no copy through a bounce buffer. The values are
-# the data file's (format.data_file ALIGN / ALIGN_MIN) and direct I/O's block.
-PAGE_ALIGN, PAGE_ALIGN_MIN = 4096, 64 << 10
+# Large tensors start on O_DIRECT block boundaries (and the buffer on one), as the data file
+# places them, so the background write hands their memory to O_DIRECT as it is, with no copy
+# through a bounce buffer; smaller ones at TENSOR_ALIGN.
 
 
 @dataclass
@@ -95,7 +95,7 @@ class StagingBuffer:
             cols = band_columns(spec[2][1], tiles[key]) if key in tiles else None
             parts = []
             for n in _part_bytes(spec, cols):
-                pos += -pos % (PAGE_ALIGN if n >= PAGE_ALIGN_MIN or cols else TENSOR_ALIGN)
+                pos += -pos % (DIRECT_IO_ALIGN if n >= ALIGNED_PAYLOAD_MIN or cols else TENSOR_ALIGN)
                 parts.append((pos, n))
                 pos += n
             layout.append((cols, parts))
@@ -147,14 +147,14 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
     raw = None
     if pinned:
         try:
-            raw = torch.empty(nbytes + PAGE_ALIGN, dtype=torch.uint8, pin_memory=True)
+            raw = torch.empty(nbytes + DIRECT_IO_ALIGN, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:  # pageable memory still works, but copies are slower and synchronous
             warnings.warn(f"async_save: pinning a {nbytes}-byte staging buffer failed ({exc}); using pageable "
                           "memory, so snapshots from the accelerator are slower and block on each copy",
                           stacklevel=2)
     if raw is None:
-        raw = torch.empty(nbytes + PAGE_ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % PAGE_ALIGN
+        raw = torch.empty(nbytes + DIRECT_IO_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % DIRECT_IO_ALIGN
     return raw[skip:skip + nbytes]
 
 

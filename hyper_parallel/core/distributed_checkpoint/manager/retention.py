@@ -1,0 +1,137 @@
+"""Retention: which committed steps a CheckpointManager keeps, which it deletes, which files stay.
+
+Kept after each commit (never before): the newest ``keep_latest`` committed steps, every step
+divisible by ``keep_every_steps``, the ``keep_best`` best steps by ``best_metric``, always the
+newest committed step and the steps a caller protects (the one being saved, the one about to
+load); with no rule set, every step is kept (:func:`plan_retention`, pure).
+
+A deleted step's files that a kept step still names (an incremental step reads its unchanged
+chunks from earlier steps' files) stay in its directory, without ``.metadata``, until nothing
+names them (:class:`Retention` remembers who names what). Retention never deletes what a save
+did not write: it hands whole steps, minus those files, to the deleter; a failed save's
+leftovers and the start-up sweep keep them too.
+
+It decides; it does not delete (:mod:`.step_deletion`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..format import metadata as md
+from ..format.metadata import step_dir_name
+from .step_listing import step_of_name
+
+__all__ = ["Retention", "best_steps", "plan_retention"]
+
+
+def plan_retention(
+    steps: dict[int, dict[str, Any] | None],
+    *,
+    keep_latest: int | None = None,
+    keep_every_steps: int | None = None,
+    keep_best: int | None = None,
+    best_metric: str | None = None,
+    best_mode: str = "min",
+    protect: Iterable[int] = (),
+    references: Callable[[int], Iterable[int]] = lambda step: (),
+) -> list[int]:
+    """The committed steps to delete: those no rule keeps (pure; the manager's policy).
+
+    Kept: the newest ``keep_latest``; every step divisible by ``keep_every_steps``; the
+    ``keep_best`` best by ``steps[step][best_metric]`` (``best_mode`` "min" or "max"; steps
+    without a finite number for it do not compete; ties go to the newer step); the newest
+    step; ``protect``; and, transitively, every step a kept step ``references``. With no rule
+    set, nothing is deleted.
+    """
+    if not steps or (keep_latest is None and keep_every_steps is None and keep_best is None):
+        return []
+    order = sorted(steps)
+    keep = {order[-1], *protect}
+    if keep_latest is not None:
+        keep.update(order[-keep_latest:] if keep_latest > 0 else [])
+    if keep_every_steps is not None:
+        keep.update(s for s in order if s % keep_every_steps == 0)
+    if keep_best is not None and best_metric is not None:
+        keep.update(best_steps(steps, best_metric, best_mode)[:keep_best])
+    todo = list(keep)
+    while todo:  # a kept step keeps every step ``references`` says it needs
+        for ref in references(todo.pop()):
+            if ref in steps and ref not in keep:
+                keep.add(ref)
+                todo.append(ref)
+    return [s for s in order if s not in keep]
+
+
+def _metric_value(metrics: dict[str, Any] | None, name: str) -> float | None:
+    value = metrics.get(name) if isinstance(metrics, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def best_steps(steps: dict[int, dict[str, Any] | None], metric: str, mode: str) -> list[int]:
+    """Steps with a finite ``metric``, best first (ties: the newer step first)."""
+    scored = [(v, s) for s, m in steps.items() if (v := _metric_value(m, metric)) is not None]
+    sign = 1.0 if mode == "min" else -1.0
+    return [s for _, s in sorted(scored, key=lambda vs: (sign * vs[0], -vs[1]))]
+
+
+def named_elsewhere(meta: md.Metadata) -> frozenset[tuple[str, str]]:
+    """(step directory, file) of every file of another step that ``meta`` names."""
+    return frozenset((f.dir, f.name) for f in meta.files if f.dir)
+
+
+class Retention:
+    """A manager's retention rules, and (on the coordinator) the files of other steps that
+    committed steps name, so that deleting a step never deletes what a kept step reads."""
+
+    def __init__(self, *, keep_latest: int | None, keep_every_steps: int | None, keep_best: int | None,
+                 best_metric: str | None, best_mode: str):
+        self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self.refs: dict[int, frozenset[tuple[str, str]]] = {}  # step -> files of other steps it names
+        self.lingering: set[str] = set()  # deleted steps' directories kept for files later steps name
+
+    def learn(self, step: int, meta: md.Metadata) -> None:
+        """Committed ``step`` (its metadata ``meta``) names the files it names."""
+        self.refs[step] = named_elsewhere(meta)
+
+    def kept_files(self, name: str) -> tuple[str, ...]:
+        """Files of step directory ``name`` that some committed step's metadata names."""
+        return tuple(sorted({f for refs in self.refs.values() for d, f in refs if d == name}))
+
+    def referenced_files(self, meta: md.Metadata) -> list[str]:
+        """A committed step's own files, and the files of its directory later steps name."""
+        own = step_of_name(meta)
+        return sorted(set(meta.file_names()) | set(self.kept_files(own) if own else ()))
+
+    def best(self, steps: dict[int, dict[str, Any] | None]) -> int | None:
+        """The best step by ``best_metric`` (None without a metric or a scored step)."""
+        if not self.best_metric:
+            return None
+        ranked = best_steps(steps, self.best_metric, self.best_mode)
+        return ranked[0] if ranked else None
+
+    def plan(self, steps: dict[int, dict[str, Any] | None], protect: set[int]) -> list[int]:
+        """The committed steps to delete now (never ``protect``)."""
+        # Steps named by a kept step are not kept whole: only the files it names survive their
+        # step's deletion (see kept_files), so retention counts steps, not references.
+        return plan_retention(steps, keep_latest=self.keep_latest, keep_every_steps=self.keep_every_steps,
+                              keep_best=self.keep_best, best_metric=self.best_metric, best_mode=self.best_mode,
+                              protect=protect)
+
+    def forget(self, doomed: list[int]) -> tuple[list[tuple[int, tuple[str, ...]]], list[str]]:
+        """Steps ``doomed`` go: ``(step, files of it to keep)`` for each, and the directories of
+        steps deleted earlier that nothing names any more (to remove whole)."""
+        for s in doomed:
+            self.refs.pop(s, None)
+        # a deleted step's files that kept steps still name stay (incremental checkpoints);
+        # directories kept only for such files go once nothing names them any more
+        delete = [(s, self.kept_files(step_dir_name(s))) for s in doomed]
+        self.lingering.update(step_dir_name(s) for s, keep in delete if keep)
+        release = [n for n in self.lingering if not self.kept_files(n)]
+        self.lingering.difference_update(release)
+        return delete, release
