@@ -71,36 +71,42 @@ PROBE = textwrap.dedent("""
     import resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
     from hyper_parallel.cli import main
-    from hyper_parallel.core.distributed_checkpoint import load, offline_transform
+    from hyper_parallel.core.distributed_checkpoint import export_torch_dcp, load, offline_transform
     from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
-    path, out = sys.argv[1:3]
+    path, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
     calls = {{
         "load": lambda: load(path=path),
         "reshard": lambda: reshard(path, out + "-r", dst_mesh={{"tp": 4}}),
         "offline_transform": lambda: offline_transform(path, out + "-t", dst_layout={{"tp": 3}}),
+        "export_torch_dcp": lambda: export_torch_dcp(path, out + "-e"),
         "inspect": lambda: sys.exit(main(["inspect", path])),
     }}
-    for what, call in calls.items():
+    for what in names:
         t0 = time.monotonic()
         try:
-            call()
+            calls[what]()
         except SystemExit as exc:
             print(f"{{what}} EXIT {{exc.code}}")
         except Exception as exc:
-            print(f"{{what}} REFUSED {{type(exc).__name__}}: {{exc}}")
+            print(f"{{what}} REFUSED {{type(exc).__name__}}: {{exc}}".replace(chr(10), " "))
         else:
             print(f"{{what}} ACCEPTED")
         print(f"{{what}} SECONDS {{time.monotonic() - t0:.2f}}", flush=True)
 """)
 
+LAYOUT_CALLS = ("load", "reshard", "offline_transform", "inspect")  # every entry point that reads a layout
+DATA_CALLS = ("load", "reshard", "offline_transform", "export_torch_dcp")  # every one that reads data
 
-def probe(path: str, out: str) -> dict[str, tuple[str, float]]:
-    """Every entry point on ``path`` in one fresh, memory-limited process: {name: (outcome, seconds)}."""
+
+def probe(path: str, out: str, names: tuple[str, ...] = LAYOUT_CALLS) -> dict[str, tuple[str, float]]:
+    """The entry points ``names`` on ``path`` in one fresh, memory-limited process:
+    {name: (outcome, seconds)}, and {"stderr": (its stderr, 0.0)}."""
     code = PROBE.format(limit=MEMORY_LIMIT)
-    done = subprocess.run([sys.executable, "-c", code, path, out], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code, path, out, *names], capture_output=True, text=True,
+                          timeout=120)
     lines = (done.stdout + done.stderr).splitlines()
     results: dict[str, tuple[str, float]] = {}
-    for what in ("load", "reshard", "offline_transform", "inspect"):
+    for what in names:
         outcome = next((ln for ln in lines if ln.startswith(f"{what} ") and " SECONDS " not in ln), "")
         seconds = next((float(ln.split()[-1]) for ln in lines if ln.startswith(f"{what} SECONDS")), None)
         assert seconds is not None, f"{what} never finished (memory limit or crash?):\n{done.stdout}{done.stderr}"
@@ -234,43 +240,6 @@ def test_metadata_error_names_the_layout_field(laid_out, tmp_path):
 
 # ---------------------------------------------------------------------------- sizes and places
 
-SIZES_PROBE = textwrap.dedent("""
-    import resource, sys, time
-    resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
-    from hyper_parallel.core.distributed_checkpoint import export_torch_dcp, load, offline_transform
-    from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
-    path, out = sys.argv[1:3]
-    calls = {{
-        "load": lambda: load(path=path),
-        "reshard": lambda: reshard(path, out + "-r", dst_mesh={{"tp": 4}}),
-        "offline_transform": lambda: offline_transform(path, out + "-t", dst_layout={{"tp": 3}}),
-        "export_torch_dcp": lambda: export_torch_dcp(path, out + "-e"),
-    }}
-    for what, call in calls.items():
-        t0 = time.monotonic()
-        try:
-            call()
-        except Exception as exc:
-            print(f"{{what}} REFUSED {{type(exc).__name__}}: {{exc}}".replace(chr(10), " "))
-        else:
-            print(f"{{what}} ACCEPTED")
-        print(f"{{what}} SECONDS {{time.monotonic() - t0:.2f}}", flush=True)
-""")
-
-
-def probe_sizes(path: str, out: str) -> dict[str, tuple[str, float]]:
-    """The entry points that read data, on ``path``, in one fresh memory-limited process."""
-    code = SIZES_PROBE.format(limit=MEMORY_LIMIT)
-    done = subprocess.run([sys.executable, "-c", code, path, out], capture_output=True, text=True, timeout=120)
-    lines = done.stdout.splitlines()
-    results = {}
-    for what in ("load", "reshard", "offline_transform", "export_torch_dcp"):
-        outcome = next((ln for ln in lines if ln.startswith(f"{what} ") and " SECONDS " not in ln), "")
-        seconds = next((float(ln.split()[-1]) for ln in lines if ln.startswith(f"{what} SECONDS")), None)
-        assert seconds is not None, f"{what} never finished (memory limit or crash?):\n{done.stdout}{done.stderr}"
-        results[what] = (outcome, seconds)
-    return results
-
 
 def _file_record(doc):
     return doc["files"][0]
@@ -291,7 +260,9 @@ def test_a_forged_size_is_checked_against_the_files_before_anything_is_allocated
     refuses with CorruptCheckpointError naming the file (or the tensor), in seconds."""
     src, _ = laid_out
     path = tampered(src, str(tmp_path / "c"), HOSTILE_SIZES[case])
-    for what, (outcome, seconds) in probe_sizes(path, str(tmp_path / "out")).items():
+    results = probe(path, str(tmp_path / "out"), DATA_CALLS)
+    results.pop("stderr")
+    for what, (outcome, seconds) in results.items():
         assert "REFUSED CorruptCheckpointError" in outcome, (what, outcome)
         assert ".safetensors" in outcome or "'w'" in outcome, (what, outcome)
         assert seconds < 10, f"{what} took {seconds} s"
