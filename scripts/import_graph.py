@@ -39,7 +39,7 @@ LAYERS: list[dict[str, list[str]]] = [
     {"transfer": ["host_copy", "streams", "saver", "loader", "shared_reads"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "commit", "streaming_writer",
                 "scope", "targets", "plan_exchange", "rank_local_save", "checkpoint"]},
-    {"staging": ["buffers", "response", "process_hooks", "checkpointer", "api"],
+    {"asynchronous": ["buffers", "response", "process_hooks", "checkpointer", "api"],
      "interop": ["aliases", "single_file", "hf_index", "huggingface", "hf_export", "hf_import", "hyper_parallel",
                  "mindspore_file", "mindspore_ckpt", "mindspore_safetensors", "mindspore_reader",
                  "mindspore_distributed", "mindspore", "torch_dcp", "torch_dcp_import", "full_checkpoint"],

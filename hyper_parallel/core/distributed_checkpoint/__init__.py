@@ -5,6 +5,10 @@ under any other. See ``docs/design.md`` for the architecture and ``docs/format.m
 on-disk format.
 """
 
+from .asynchronous.api import async_save, default_checkpointer, register_optimizer_hook
+from .asynchronous.buffers import StagingStats
+from .asynchronous.checkpointer import AsyncCheckpointer
+from .asynchronous.response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
 from .backends.filesystem import FileSystemReader, FileSystemWriter
 from .backends.fsspec import FsspecReader, FsspecWriter
 from .backends.protocol import StorageReader, StorageWriter
@@ -43,10 +47,6 @@ from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, Sta
 from .sharding.layout import Layout, TensorLayout
 from .sharding.layout_files import load_layout, save_layout
 from .sharding.strategy import LayoutStrategy, get_current_layout
-from .staging.api import async_save, default_checkpointer, register_optimizer_hook
-from .staging.buffers import StagingStats
-from .staging.checkpointer import AsyncCheckpointer
-from .staging.response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
 from .state.topology_mapper import TopologyMapper
 from .state.train_state import (
     TrainState,

@@ -1,12 +1,12 @@
 """Asynchronous saves (seed path ``distributed_checkpoint.async_staging``).
 
-A face over :mod:`.staging`.
+A face over :mod:`.asynchronous`.
 """
 
-from .staging.api import async_save, default_checkpointer, register_optimizer_hook
-from .staging.buffers import StagingStats
-from .staging.checkpointer import AsyncCheckpointer
-from .staging.response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
+from .asynchronous.api import async_save, default_checkpointer, register_optimizer_hook
+from .asynchronous.buffers import StagingStats
+from .asynchronous.checkpointer import AsyncCheckpointer
+from .asynchronous.response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
 
 __all__ = [
     "async_save",

@@ -39,7 +39,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     register_optimizer_hook,
     save,
 )
-from hyper_parallel.core.distributed_checkpoint.staging import buffers as staging_buffers
+from hyper_parallel.core.distributed_checkpoint.asynchronous import buffers as staging_buffers
 
 # ----------------------------------------------------------------------------- helpers
 

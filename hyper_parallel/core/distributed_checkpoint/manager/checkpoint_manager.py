@@ -100,6 +100,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ..asynchronous.checkpointer import AsyncCheckpointer
+from ..asynchronous.response import AsyncSaveError, AsyncSaveResponse
 from ..backends.protocol import StorageReader, StorageWriter
 from ..base.coordination import DEFAULT_TIMEOUT, Coordinator, as_timeout
 from ..base.errors import CheckpointError, CommitError, CorruptCheckpointError, NotACheckpointError
@@ -110,8 +112,6 @@ from ..engine.incremental import IncrementalState
 from ..format import metadata as md
 from ..format.validation import step_dir_name
 from ..format.values import is_json_value
-from ..staging.checkpointer import AsyncCheckpointer
-from ..staging.response import AsyncSaveError, AsyncSaveResponse
 from .local_format import new_timeline
 from .local_tier import LocalTier
 from .ownership import Ownership

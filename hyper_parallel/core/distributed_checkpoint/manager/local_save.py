@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from ..asynchronous.buffers import BufferPool, StagingStats, copy_into, copy_value, tensor_spec
 from ..base.priority import lower_this_thread
-from ..staging.buffers import BufferPool, StagingStats, copy_into, copy_value, tensor_spec
 from ..state.flatten import Flat, flatten
 from .local_directory import TierDirectory
 from .local_format import FORMAT_NAME as LOCAL_FORMAT

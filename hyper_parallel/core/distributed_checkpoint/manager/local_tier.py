@@ -12,7 +12,7 @@ calls it alike on every rank):
 
 1. Wait for this rank's previous local save (bounded: see "Bounded waits").
 2. Snapshot: flatten the state dict and copy every tensor, array and bytes value into a
-   reused host buffer (the staging buffers of :mod:`..staging.checkpointer`), whose layout is the
+   reused host buffer (the staging buffers of :mod:`..asynchronous.checkpointer`), whose layout is the
    shard file's body. This is the only time training is blocked.
 3. In the background (one thread per process, at a lower CPU priority than training), write
    the rank's shard file (one file, its own shards only, see :mod:`.local_format`): the
@@ -102,9 +102,9 @@ from collections import deque
 from datetime import timedelta
 from typing import Any
 
+from ..asynchronous.buffers import StagingStats
 from ..backends.locations import is_url
 from ..base.coordination import Coordinator
-from ..staging.buffers import StagingStats
 from .local_directory import TierDirectory
 from .local_format import new_timeline
 from .local_recovery import Recoverer, Recovery
