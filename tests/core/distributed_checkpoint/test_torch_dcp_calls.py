@@ -255,11 +255,40 @@ def rank_sharded_optimizer(rank: int, ws: int, path: str) -> str:
     assert torch.equal(got["state"]["w"]["step"], torch.tensor(3.0))
     assert torch.equal(got["state"]["b"]["exp_avg"], optim["state"]["b"]["exp_avg"])
     assert got["param_groups"] == optim["param_groups"]
+    _fsdp2_adam_round_trip(mesh, path + "-fsdp")
     try:
         load_sharded_optimizer_state_dict(new_model, "optimizer", FileSystemReader(path))
     except StateDictMismatchError as exc:
         return str(exc)
     raise AssertionError("a missing optimizer_key did not raise")
+
+
+def _fsdp2_adam_round_trip(mesh, path: str) -> None:
+    """torch's documented flow, on FSDP2: the optimizer state loaded sharded, then set_optimizer_state_dict."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from hyper_parallel import fully_shard
+
+    def build():
+        torch.manual_seed(0)
+        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)), mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    model, opt = build()
+    for step in range(2):
+        model(torch.randn(4, 5, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+    osd = get_optimizer_state_dict(model, opt)
+    save({"model": get_model_state_dict(model), "optim": osd}, storage_writer=FileSystemWriter(path))
+
+    fresh, fresh_opt = build()
+    loaded = load_sharded_optimizer_state_dict(get_model_state_dict(fresh), "optim", FileSystemReader(path))
+    set_optimizer_state_dict(fresh, fresh_opt, optim_state_dict=loaded["optim"])
+    assert_same(osd, get_optimizer_state_dict(fresh, fresh_opt))
 
 
 def test_load_sharded_optimizer_state_dict_shards_the_state_like_the_model(tmp_path):
