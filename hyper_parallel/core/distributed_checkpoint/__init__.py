@@ -29,6 +29,7 @@ from .format.metadata import Metadata
 from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
 from .interop.hyper_parallel import import_hyper_parallel
 from .interop.mindspore import export_mindspore, import_mindspore, read_mindspore_checkpoint
+from .interop.quantized_hf import QuantizedHuggingFaceStorageReader
 from .interop.single_file import load_checkpoint, save_checkpoint
 from .interop.torch_dcp import export_torch_dcp
 from .manager.checkpoint_manager import CheckpointManager, SaveTiming
@@ -105,6 +106,7 @@ __all__ = [
     "FileSystemReader",
     "HuggingFaceStorageReader",
     "TorchShardedSafetensorsReader",
+    "QuantizedHuggingFaceStorageReader",
     "Metadata",
     "Layout",
     "TensorLayout",
