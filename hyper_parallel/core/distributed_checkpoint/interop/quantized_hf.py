@@ -294,7 +294,7 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         self.files.read_into(q.file, q.start + first, memoryview(raw.numpy()))
         weight = raw.view(torch_dtype(q.dtype))
         b, cols, end = self.block_size, q.cols, first + n
-        pos = first
+        pos, direct = first, self.target_dtype == torch.float32
         while pos < end:
             r, c = divmod(pos, cols)
             if c or end - pos < cols:  # part of one row
@@ -304,8 +304,11 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
             i = pos - first
             count = nrows * ncols
             scale = self._scale_row(q, r // b, c, c + ncols)
-            piece = weight[i:i + count].view(nrows, ncols).to(torch.float32) * scale
-            out[i:i + count].view(nrows, ncols).copy_(piece)  # float32 -> target_dtype: torch's rounding
+            dest = out[i:i + count].view(nrows, ncols)
+            if direct:  # float32 values: computed in place
+                dest.copy_(weight[i:i + count].view(nrows, ncols)).mul_(scale)
+            else:  # float32 product, then rounded to target_dtype (torch's two roundings)
+                dest.copy_(weight[i:i + count].view(nrows, ncols).to(torch.float32).mul_(scale))
             pos += count
 
     def _scale_row(self, q: QuantizedWeight, block_row: int, c0: int, c1: int) -> torch.Tensor:
