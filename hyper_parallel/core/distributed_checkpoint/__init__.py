@@ -50,6 +50,7 @@ from .offline_transform import (
 )
 from .planning.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
+from .planning.torch_planners import DefaultLoadPlanner, DefaultSavePlanner
 from .sharding.layout import Layout, TensorLayout
 from .sharding.layout_files import load_layout, save_layout
 from .sharding.strategy import LayoutStrategy, get_current_layout
@@ -98,6 +99,8 @@ __all__ = [
     "StandardPlanner",
     "StandardSavePlanner",
     "StandardLoadPlanner",
+    "DefaultSavePlanner",
+    "DefaultLoadPlanner",
     "SavePlanner",
     "LoadPlanner",
     "SavePlan",

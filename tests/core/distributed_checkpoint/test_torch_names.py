@@ -34,9 +34,6 @@ COMMON = [
 
 # (module, name) -> who builds it; skipped (not failed) while missing, so the merger turns it on.
 BUILT_ELSEWHERE = {
-    ("", "DefaultSavePlanner"): "t-objects (planning/torch_planners.py)",
-    ("", "DefaultLoadPlanner"): "t-objects (planning/torch_planners.py)",
-    ("default_planner", "*"): "t-objects (the default_planner face over planning/torch_planners.py)",
     ("", "HuggingFaceStorageWriter"): "t-hfwriter (interop/)",
     ("hf_storage", "HuggingFaceStorageWriter"): "t-hfwriter (interop/)",
 }

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from ..backends.protocol import StorageWriter
-from ..base.errors import UnsupportedValueError
 from ..planning.planner import SavePlanner
 from .checkpointer import AsyncCheckpointer, PathLike
 from .process_hooks import process_lock
 from .response import AsyncSaveResponse
+from .torch_stagers import check_checkpointer_type, staging_of
 
 __all__ = ["async_save", "default_checkpointer", "register_optimizer_hook"]
 
@@ -97,15 +97,22 @@ def async_save(
         use_gloo: accepted for HyperParallel code. The background save always coordinates on
             a dedicated gloo group (so it never shares a communicator with training, on any
             device); ``use_gloo=False`` changes nothing.
-        async_checkpointer_type: accepted for torch DCP code: the save always runs on
-            background threads of this process (``THREAD``); ``PROCESS`` changes nothing.
-        async_stager: torch DCP's custom stager; not supported (only None): staging is
-            ``staging=`` and the checkpointer's reused buffers.
+        async_checkpointer_type: torch DCP's ``AsyncCheckpointerType``: ``THREAD`` and
+            ``PROCESS`` both run the save on background threads of this process, at a lower CPU
+            priority, with their exchanges on a gloo group of their own (see
+            :mod:`.torch_stagers` for why ``PROCESS`` is accepted so).
+        async_stager: torch DCP's ``DefaultStager(StagingOptions(...))`` or
+            ``BlockingAsyncStager``, taken as configuration (it overrides ``staging=``):
+            ``use_async_staging=True`` stages lazily, False eagerly; ``use_pinned_memory``
+            pins accelerator staging buffers or not (:mod:`.torch_stagers`). The stager stays
+            the caller's (close it as torch asks); a custom stager is refused.
 
     Returns:
         An :class:`AsyncSaveResponse`: ``result()`` (or ``get_result()``) waits for the commit
-        and returns the :class:`Metadata`, on every rank; ``persist_completion`` is the same as
-        a Future.
+        and returns the :class:`Metadata`, on every rank. It is also what torch's
+        ``async_save`` returns: a Future (``result()``, ``done()``, ``add_done_callback``) and
+        torch's ``AsyncSaveResponse`` (``staging_completion`` and ``upload_completion``
+        Futures).
 
     Raises:
         AsyncSaveError: the previous async save failed (nothing new is started).
@@ -122,16 +129,14 @@ def async_save(
         ...
         resp.result()             # the checkpoint is committed
     """
-    del async_checkpointer_type  # see above
-    if async_stager is not None:
-        raise UnsupportedValueError(f"async_stager={async_stager!r}: torch DCP's stagers are not supported; staging "
-                                    "is staging='eager' or 'lazy' into the checkpointer's reused buffers")
+    check_checkpointer_type(async_checkpointer_type)
+    chosen = staging_of(async_stager, staging)
     return (checkpointer or default_checkpointer()).save(
         state_dict, path, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
         process_group=process_group, no_dist=no_dist, use_collectives=use_collectives,
         coordinator_rank=coordinator_rank, allow_pickle=allow_pickle, thread_count=thread_count,
-        sync_files=sync_files, timeout=timeout, user_metadata=user_metadata, staging=staging,
-        callback=callback, use_gloo=use_gloo)
+        sync_files=sync_files, timeout=timeout, user_metadata=user_metadata, staging=chosen.staging,
+        callback=callback, use_gloo=use_gloo, pin_memory=chosen.pin_memory)
 
 
 def register_optimizer_hook(

@@ -88,7 +88,7 @@ class StagingBuffer:
 
     def __init__(self, signature: tuple, templates: dict[str, Any], pinned: bool, bands: tuple = ()):
         self.signature = signature
-        self.key = (signature, bands)
+        self.key = (signature, bands, pinned)  # a buffer asked for unpinned is never a pinned one
         tiles = dict(bands)  # key -> column bands it is staged as (absent: row-major)
         layout, pos = [], 0  # per leaf: its column bands (None: row-major), (offset, bytes) of each part
         for key, spec in signature:
@@ -209,7 +209,7 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def acquire(self, signature: tuple, templates: dict[str, Any], pinned: bool, bands: tuple = ()) -> StagingBuffer:
-        key = (signature, bands)
+        key = (signature, bands, pinned)
         with self._lock:
             free = self._free.get(key)
             if free:

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from ..backends.fsspec import start_io_thread
 from ..backends.locations import is_url, local_path
 from ..backends.protocol import StorageWriter
+from ..backends.torch_storage import as_our_writer
 from ..base.coordination import as_timeout, group_timeout, is_broken, new_gloo_group
 from ..base.errors import LostContactError
 from ..base.priority import BACKGROUND_NICE, lower_this_thread
@@ -59,6 +60,7 @@ from ..planning.per_call import planner_copy
 from ..planning.per_call import refuse_torch_hooks as _refuse_torch_hooks
 from ..planning.planner import SavePlanner
 from ..planning.standard_planner import StandardPlanner
+from ..planning.torch_planners import as_our_planner
 from ..state.flatten import FlatStateDict, flatten
 from . import buffers
 from .buffers import BufferPool, StagingBuffer, StagingStats, copy_value, tensor_spec
@@ -105,6 +107,7 @@ class _Job:
     buffer: StagingBuffer | None = None
     error: BaseException | None = None
     place: str | None = None  # where it saves (:func:`place_of`)
+    pin_memory: bool = True  # pin staging buffers of accelerator tensors
 
 
 class AsyncCheckpointer:
@@ -195,10 +198,14 @@ class AsyncCheckpointer:
         callback: Callable[..., Any] | None = None,
         use_gloo: bool = True,
         incremental: Any = None,
+        pin_memory: bool | None = None,
     ) -> AsyncSaveResponse:
         """Start an async save; see :func:`async_save` for the arguments (``incremental``: as
-        for :func:`~.api.save`; the checkpoint manager passes it)."""
+        for :func:`~.api.save`; the checkpoint manager passes it; ``pin_memory=False``: never pin
+        the staging buffers of accelerator tensors, None/True: pin them)."""
         started = time.perf_counter()
+        # torch DCP's planner and storage objects stand for ours (now: errors belong to the call)
+        storage_writer, planner = as_our_writer(storage_writer), as_our_planner(planner, "save")
         self._ensure_threads()
         if state_dict is None:
             raise ValueError("async_save() needs a state_dict")
@@ -244,7 +251,8 @@ class AsyncCheckpointer:
                            # with a group, the timeout is the dedicated group's (a timeout here would make
                            # it a gloo twin of its own); without one, it bounds the storage calls
                            timeout=timeout if group is None else None, _mesh_scoped=mesh_scoped)
-        job = _Job(self, response, save_kwargs, group, started, place=in_flight.place_of(where, storage_writer))
+        job = _Job(self, response, save_kwargs, group, started, place=in_flight.place_of(where, storage_writer),
+                   pin_memory=pin_memory is not False)
         try:
             self._prepare(job, state_dict)
         except Exception as exc:  # reported on every rank by the background save
@@ -385,7 +393,7 @@ class AsyncCheckpointer:
                 tensor = leaf.value._local_tensor if spec[0] == "dtensor" else leaf.value
                 devices.add(tensor.device)
         job.paths = {key: leaf.path for key, leaf in flat.leaves.items()}
-        job.signature, job.templates, job.pinned = tuple(signature), templates, bool(devices)
+        job.signature, job.templates, job.pinned = tuple(signature), templates, bool(devices) and job.pin_memory
         if job.response.staging == "lazy":
             job.events = {d: _record_event(d) for d in devices if d.type == "cuda"}
 
@@ -406,7 +414,7 @@ class AsyncCheckpointer:
         finally:
             job.templates = {}
             job.response.staging_s = time.perf_counter() - start
-            job.response._staged.set()
+            job.response._mark_staged()
 
     def _bands(self, job: _Job) -> tuple:
         """((key, column bands), ...): the host tensors to stage as the bands the save will

@@ -42,7 +42,13 @@ class AsyncSaveResponse:
         staging: ``"eager"`` or ``"lazy"``.
         persist_completion: a :class:`concurrent.futures.Future` resolved with the committed
             :class:`~.metadata.Metadata` (on every rank), or with
-            the save's error.
+            the save's error; ``upload_completion`` is the same Future (torch's name).
+        staging_completion: a Future resolved (with None) once the snapshot is taken, as in
+            torch's ``AsyncSaveResponse``.
+
+    It behaves as the Future torch's ``async_save`` returns too: ``result()``, ``done()``,
+    ``exception()``, ``add_done_callback(fn)``, ``cancel()`` (False: a save once started runs
+    to its end), ``running()``, ``cancelled()``.
         blocking_s: seconds the ``async_save`` call took.
         staging_s: seconds the snapshot copies took (set once staged).
         total_s: seconds from the call to the end of the save (set once done).
@@ -54,6 +60,8 @@ class AsyncSaveResponse:
         self.wait_timeout_s = wait_timeout_s
         self.staging = staging
         self.persist_completion: Future = Future()
+        self.upload_completion = self.persist_completion  # torch's AsyncSaveResponse name
+        self.staging_completion: Future = Future()
         self.blocking_s = 0.0
         self.staging_s: float | None = None
         self.total_s: float | None = None
@@ -62,6 +70,8 @@ class AsyncSaveResponse:
         self._finished = threading.Event()
         self._callback_thread: int | None = None
         self._observed = False  # result()/exception() handed its outcome to the caller
+        self._done_lock = threading.Lock()
+        self._done_callbacks: list[Callable[[Any], Any]] = []  # add_done_callback's, run once finished
 
     def _wait_finished(self, timeout: Any) -> None:
         # Inside the callback the save is over; waiting for the callback itself would deadlock.
@@ -76,6 +86,28 @@ class AsyncSaveResponse:
     def done(self) -> bool:
         """True once the save committed or failed (and its callback ran)."""
         return self._finished.is_set()
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        """Call ``fn(self)`` once the save committed or failed (at once if it has), as
+        :meth:`concurrent.futures.Future.add_done_callback` does: on the writer thread, after
+        ``callback``, when ``result()`` returns at once. Exceptions it raises become warnings."""
+        with self._done_lock:
+            if not self._finished.is_set():
+                self._done_callbacks.append(fn)
+                return
+        _run_done_callback(fn, self)
+
+    def cancel(self) -> bool:
+        """False: an async save cannot be cancelled once started (as a running Future)."""
+        return False
+
+    def cancelled(self) -> bool:
+        """False (see :meth:`cancel`)."""
+        return False
+
+    def running(self) -> bool:
+        """True until the save committed or failed."""
+        return not self.done()
 
     def staged(self) -> bool:
         """True once the snapshot is taken: the state dict's tensors are no longer read."""
@@ -119,6 +151,12 @@ class AsyncSaveResponse:
         state = "done" if self.done() else ("staged" if self.staged() else "staging")
         return f"AsyncSaveResponse({self.checkpoint_id!r}, {self.staging}, {state})"
 
+    def _mark_staged(self) -> None:
+        """The snapshot is taken (stager or caller's thread): wake waiters, resolve the Future."""
+        self._staged.set()
+        if not self.staging_completion.done():
+            self.staging_completion.set_result(None)
+
     def _finish(self, meta: md.Metadata | None, error: BaseException | None, total_s: float) -> None:
         """Resolve the save (writer thread): the Future, then the callback, then the waiters."""
         self.total_s = total_s
@@ -134,7 +172,18 @@ class AsyncSaveResponse:
                 warnings.warn(f"async save callback {self._callback!r} raised {exc!r}", stacklevel=1)
             finally:
                 self._callback_thread = None
-        self._finished.set()
+        with self._done_lock:
+            self._finished.set()
+            done, self._done_callbacks = self._done_callbacks, []
+        for fn in done:
+            _run_done_callback(fn, self)
+
+
+def _run_done_callback(fn: Callable[[Any], Any], response: AsyncSaveResponse) -> None:
+    try:
+        fn(response)
+    except Exception as exc:  # as concurrent.futures does: the save's outcome stands
+        warnings.warn(f"async save done-callback {fn!r} raised {exc!r}", stacklevel=1)
 
 
 def _call_back(callback: Callable[..., Any], response: AsyncSaveResponse) -> None:

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from ..base.errors import CorruptCheckpointError, NotACheckpointError, StorageTimeoutError
+from ..base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, StorageTimeoutError
 from ..format.metadata import METADATA_FILE
 from .protocol import Buffer, StorageReader, StorageWriter
 
@@ -101,6 +101,7 @@ class FsspecWriter(StorageWriter):
         self._options = storage_options
         self.fs, self.root = open_filesystem(url, storage_options)
         self._call = BoundedCalls(url)
+        self.overwrite = True  # False: refuse to replace a committed checkpoint (torch's FsspecWriter option)
 
     def reset(self, checkpoint_id: str) -> None:
         """Point this writer at another URL with the same storage options (torch DCP's
@@ -117,6 +118,8 @@ class FsspecWriter(StorageWriter):
         return f"{self.root}/{name}"
 
     def prepare(self) -> None:
+        if not self.overwrite and self._call("looking for a checkpoint", self.fs.exists, self._path(METADATA_FILE)):
+            raise CheckpointError(f"{self.url!r} already holds a checkpoint and the writer has overwrite=False")
         self._call("creating the directory", self.fs.makedirs, self.root, exist_ok=True)
 
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..backends.locations import location
 from ..backends.protocol import StorageReader, StorageWriter
 from ..backends.resolve import reader_for, writer_for
+from ..backends.torch_storage import as_our_reader, as_our_writer
 from ..base.coordination import Coordinator, as_timeout
 from ..base.gc_pause import paused_gc
 from ..format import metadata as md
@@ -32,6 +33,7 @@ from ..planning.per_call import planner_for_call
 from ..planning.plan_cache import CachedSaveResult, announce_plan, cache_scope, cached_plans, plan_digest, remember_plan
 from ..planning.planner import LoadPlanner, SavePlan, SavePlanner
 from ..planning.standard_planner import StandardPlanner
+from ..planning.torch_planners import as_our_planner
 from ..state.flatten import FlatStateDict, flatten, unflatten
 from ..transfer.loader import read_plan
 from ..transfer.saver import build_metadata, data_file_names, write_plan
@@ -88,8 +90,11 @@ def save(
         path / checkpoint_id: the checkpoint directory (the two names are synonyms), or an
             fsspec URL such as ``s3://bucket/ckpt`` (credentials from the environment; pass
             an ``FsspecWriter`` to set storage options).
-        storage_writer: a :class:`StorageWriter`; default: :class:`FileSystemWriter`.
-        planner: a :class:`SavePlanner`; default: :class:`StandardPlanner`.
+        storage_writer: a :class:`StorageWriter`; default: :class:`FileSystemWriter`. torch DCP's
+            ``FileSystemWriter``/``FsspecWriter`` are taken as configuration (their options mapped:
+            :mod:`..backends.torch_storage`).
+        planner: a :class:`SavePlanner`; default: :class:`StandardPlanner`. torch DCP's
+            ``DefaultSavePlanner`` is taken as configuration (:mod:`..planning.torch_planners`).
         process_group: the ranks that save together. Default: the whole world, or, when every
             DTensor of the state dict lives on one mesh created over some ranks only
             (``init_device_mesh(..., rank_list=...)``), that mesh's ranks; ranks outside it
@@ -129,6 +134,8 @@ def save(
 
         save(model.state_dict(), "/ckpt/step100")
     """
+    # torch DCP's planner and storage objects stand for ours with their options
+    storage_writer, planner = as_our_writer(storage_writer), as_our_planner(planner, "save")
     where = resolve_path(path, checkpoint_id, storage_writer)
     if state_dict is None:
         raise ValueError("save() needs a state_dict")
@@ -242,8 +249,11 @@ def load(
     Args:
         state_dict: the target (filled in place), or None to return everything.
         path / checkpoint_id: the checkpoint directory (synonyms).
-        storage_reader: a :class:`StorageReader`; default: :class:`FileSystemReader`.
-        planner: a :class:`LoadPlanner`; default: :class:`StandardPlanner`.
+        storage_reader: a :class:`StorageReader`; default: :class:`FileSystemReader`. torch DCP's
+            ``FileSystemReader``/``FsspecReader`` are taken as configuration.
+        planner: a :class:`LoadPlanner`; default: :class:`StandardPlanner`. torch DCP's
+            ``DefaultLoadPlanner`` is taken as configuration (``allow_partial_load=True``: keys
+            missing from the checkpoint are left as they are, as ``strict=False``).
         process_group: as for :func:`save` (default: the world, or the one mesh over some
             ranks that every target DTensor lives on; ranks outside that mesh need not call
             load). A call with an empty target returns at once without any collective, as
@@ -303,6 +313,7 @@ def load(
         raise ValueError(f"strict must be True, False or 'all', found {strict!r}")
     if broadcast_groups is not None and broadcast_replicated_tensors is False:
         raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True")
+    storage_reader, planner = as_our_reader(storage_reader), as_our_planner(planner, "load")
     where = resolve_path(path, checkpoint_id, storage_reader)
     # an async save in flight to this place would commit under the reader (and remove the old files)
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_reader))

@@ -32,8 +32,10 @@ __all__ = ["GlobalPlan"]
 class GlobalPlan(Sequence):
     """The global save plan: entries with their stores for everyone, writes per rank on demand."""
 
-    def __init__(self, tiles_of: Callable[[str, EntrySpec], int], plans: list[SavePlan]):
-        """``tiles_of(key, spec)``: the column bands per saved box (the planner's ``tiles``)."""
+    def __init__(self, tiles_of: Callable[[str, EntrySpec], int], plans: list[SavePlan], lowest_rank: bool = False):
+        """``tiles_of(key, spec)``: the column bands per saved box (the planner's ``tiles``);
+        ``lowest_rank``: a tensor held whole by several ranks goes to the lowest of them (torch
+        DCP's ``dedup_save_to_lowest_rank``) instead of the least-loaded."""
         self.size = len(plans)
         groups: dict[int, tuple[SavePlan, list[int]]] = {}
         for r, plan in enumerate(plans):
@@ -95,7 +97,7 @@ class GlobalPlan(Sequence):
             else:
                 offset = zlib.crc32(key.encode()) % grid.replicas
                 self.entries[key] = _with_store(spec, md.GridStore(tiles=tiles, offset=offset, layout=own))
-        # One-box tensors with several holders: largest first, to the least-loaded holder.
+        # One-box tensors with several holders: largest first, to the least-loaded holder (or the lowest).
         load = [0] * self.size
         heaps: dict[tuple, list[tuple[int, int]]] = {}
         for nbytes, key, hs in sorted(single, key=lambda t: (-t[0], t[1])):
@@ -105,13 +107,16 @@ class GlobalPlan(Sequence):
                          else list(hs[1]) if isinstance(hs[1], tuple) else list(range(hs[1])))
                 heap = heaps[hs] = [(load[r], r) for r in ranks]
                 heapq.heapify(heap)
-            while True:  # entries go stale when a rank of several holder sets gained load elsewhere
-                got, rank = heapq.heappop(heap)
-                if got == load[rank]:
-                    break
-                heapq.heappush(heap, (load[rank], rank))
+            if lowest_rank:
+                rank = min(r for _, r in heap)
+            else:
+                while True:  # entries go stale when a rank of several holder sets gained load elsewhere
+                    got, rank = heapq.heappop(heap)
+                    if got == load[rank]:
+                        break
+                    heapq.heappush(heap, (load[rank], rank))
+                heapq.heappush(heap, (load[rank] + nbytes, rank))
             load[rank] += nbytes
-            heapq.heappush(heap, (load[rank], rank))
             spec, grid = self.entries[key], self.grids[key]
             if spec.layout is None or self.size == 1:
                 self.entries[key] = _with_store(spec, md.GridStore(tiles=grid.tiles, writer=rank))

@@ -75,11 +75,22 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         enable_plan_caching: reuse the global save plan while the structure is unchanged.
         convert_dtype: on load, fill a target of another dtype through the saved dtype.
         allow_partial_load: HyperParallel's name for ``load(strict=False)``.
-        flatten_state_dict, flatten_sharded_tensors, dedup_replicated_tensors,
-            dedup_save_to_lowest_rank: torch DCP's options, accepted for code written for it
-            (nested state dicts are always flattened; replicated chunks are always written
-            once, by the least-loaded holder); ``remove_redundancy``, ``save_to_minimum_rank``:
-            HyperParallel's names for the same.
+        flatten_state_dict: torch DCP's option. True (default): nested containers are stored
+            flattened (``"optim.state.0.exp_avg"``) and load returns them nested. False is
+            honoured where it means the same thing, a state dict whose values are not nested
+            containers; one holding a nested container is refused (torch would store it as one
+            pickled object), naming the key.
+        flatten_sharded_tensors: torch DCP's option for legacy ``ShardedTensor`` values, which
+            this library does not take; either value is accepted.
+        dedup_replicated_tensors: torch DCP's deprecated option (no effect there either);
+            ``remove_redundancy``: HyperParallel's name. Replicated chunks are always written
+            once.
+        dedup_save_to_lowest_rank: torch DCP's option (``save_to_minimum_rank``: HyperParallel's
+            name). False (default): a tensor held whole by several ranks (a plain tensor, a
+            replicated DTensor of one box) is written by the least-loaded holder, largest
+            first; True: by its lowest rank. The boxes of a sharded tensor with replicas are
+            written by the replicas in turn either way (the format derives the writer from the
+            layout).
         topology_mapper: renames keys after :meth:`transform_state_dict`: on load, each
             target key to the checkpoint key it is read from; on save, each key to the key
             stored (e.g. a pipeline stage's local layer numbers to the whole model's). A
@@ -106,13 +117,16 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                  flatten_sharded_tensors: bool = True, dedup_replicated_tensors: bool | None = None,
                  dedup_save_to_lowest_rank: bool = False, remove_redundancy: bool = True,
                  save_to_minimum_rank: bool = False):
-        # torch DCP's and HyperParallel's planner options, for code written for them: replicated
-        # chunks are always written once (by the least-loaded holder), state dicts always flattened
-        del flatten_sharded_tensors, dedup_replicated_tensors, dedup_save_to_lowest_rank
-        del remove_redundancy, save_to_minimum_rank
-        if flatten_state_dict is not True:
-            raise ValueError("flatten_state_dict=False: this library always flattens nested state dicts (keys "
-                             "'a.b.c'); load returns them nested as they were saved")
+        del dedup_replicated_tensors, remove_redundancy  # replicated chunks are always written once
+        for name, value in (("flatten_state_dict", flatten_state_dict),
+                            ("flatten_sharded_tensors", flatten_sharded_tensors),
+                            ("dedup_save_to_lowest_rank", dedup_save_to_lowest_rank),
+                            ("save_to_minimum_rank", save_to_minimum_rank)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        self.flatten_state_dict = flatten_state_dict
+        self.flatten_sharded_tensors = flatten_sharded_tensors
+        self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank or save_to_minimum_rank
         self.allow_pickle = allow_pickle
         self.enable_plan_caching = enable_plan_caching
         self.convert_dtype = convert_dtype
@@ -178,7 +192,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     def cache_key(self) -> Any:
         """Global save plans are reused while this and every rank's structure are unchanged."""
         return (type(self).__qualname__, self.allow_pickle, self.max_tiles, self.tile_min_chunk_bytes,
-                self.tile_min_band_bytes)
+                self.tile_min_band_bytes, self.dedup_save_to_lowest_rank)
 
     # ------------------------------------------------------------------ plan cache
     # HyperParallel's hooks (see :mod:`.plan_cache` for when save calls them). Both names are
@@ -212,6 +226,21 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         if self.enable_plan_caching and self._cached_plans_key:
             PLAN_CACHE[self._cached_plans_key] = CachedSaveResult(final_plan, None)
 
+    def _check_flat(self, state_dict: dict[str, Any], what: str) -> None:
+        """``flatten_state_dict=False`` is honoured where flattening changes nothing: refuse a
+        value stored through a nested container (torch would store that container as one
+        pickled object; this library stores its leaves)."""
+        if self.flatten_state_dict:
+            return
+        nested = next((k for k in state_dict if len(self._path(k)) > 1), None)
+        if nested is not None:
+            top = self._path(nested)[0]
+            raise UnsupportedValueError(
+                f"{what}: flatten_state_dict=False, but {top!r} is a nested container (holding {nested!r}): "
+                "torch DCP would store it as one pickled object, this library stores each leaf under its "
+                "flattened key and returns it nested on load. Use flatten_state_dict=True (the default), or "
+                "pass a state dict whose values are not nested containers")
+
     def _path(self, key: str) -> tuple:
         return self._paths.get(key) or tuple(key.split("."))
 
@@ -219,6 +248,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def set_up_save(self, state_dict: dict[str, Any], is_coordinator: bool) -> None:
         self._paths = dict(getattr(state_dict, "paths", {}))
+        self._check_flat(state_dict, "save")
         # an async save's snapshot of tensors staged as their column bands, by the meta tensor
         # standing for each (renaming keys keeps the values)
         self._banded = {id(b.logical): b for b in getattr(state_dict, "bands", {}).values()}
@@ -292,7 +322,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         rank's own plan when it is asked for, so each rank does O(tensors) work.
         """
         with md.paused_gc():
-            return GlobalPlan(self.tiles, plans)
+            return GlobalPlan(self.tiles, plans, lowest_rank=self.dedup_save_to_lowest_rank)
 
     #: Column bands (format v2 ``tiles``): a saved chunk of at least ``tile_min_chunk_bytes``
     #: is cut along dim 1 into up to ``max_tiles`` bands (a power of two), each at least
@@ -362,6 +392,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self.is_coordinator = is_coordinator
         self.rank = rank
         self._paths = dict(getattr(state_dict, "paths", {})) if state_dict is not None else {}
+        if state_dict is not None:
+            self._check_flat(state_dict, "load")
         self._targets = self._transform(state_dict) if state_dict is not None else None
         self.missing_keys: list[str] = []
         self.unexpected_keys: list[str] = []
