@@ -26,6 +26,7 @@ from .base.errors import (
 )
 from .engine.checkpoint import load, save
 from .format.metadata import Metadata
+from .interop.hf_writer import HuggingFaceStorageWriter
 from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
 from .interop.hyper_parallel import import_hyper_parallel
 from .interop.mindspore import export_mindspore, import_mindspore, read_mindspore_checkpoint
@@ -104,6 +105,7 @@ __all__ = [
     "FileSystemWriter",
     "FileSystemReader",
     "HuggingFaceStorageReader",
+    "HuggingFaceStorageWriter",
     "TorchShardedSafetensorsReader",
     "Metadata",
     "Layout",
