@@ -40,6 +40,7 @@ Not here: the safetensors bytes (:mod:`..format.safetensors`), reading these dir
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -52,7 +53,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..backends import direct_io
+from ..backends.filesystem import FileSystemWriter
 from ..backends.locations import checkpoint_path, is_url, local_path
+from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.atomic_file import sync_directory
 from ..base.box import Box
 from ..base.dtypes import safetensors_dtype
@@ -166,6 +170,7 @@ class HuggingFaceStorageWriter(PlanWriter):
         self._index: dict[str, Any] | None = None
         self._temps: set[str] = set()  # files this rank created in this save (removed if it fails)
         self._tag = ""
+        self._direct = False  # decided in prepare()
 
     @staticmethod
     def _local(path: str | os.PathLike) -> str:
@@ -197,6 +202,8 @@ class HuggingFaceStorageWriter(PlanWriter):
 
     def prepare(self) -> None:
         os.makedirs(self.output_dir, exist_ok=True)
+        # local block filesystems: the bulk of the bytes with O_DIRECT, as our own saves write
+        self._direct = direct_io.direct_io_default(self.output_dir)
 
     # ------------------------------------------------------------------ writing
 
@@ -255,14 +262,14 @@ class HuggingFaceStorageWriter(PlanWriter):
         mine = sorted({files[key] for key in boxes})
         if self.is_coordinator:
             mine = sorted(layouts)
-        fds: dict[int, int] = {}
+        fds: dict[int, _PlacedWrites] = {}
         try:
             for i in mine:
-                fds[i] = os.open(tmp_of[i], os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fds[i] = _PlacedWrites(tmp_of[i], self._direct)
             if self.is_coordinator:  # the headers, and each file at its full size
                 for i, lay in layouts.items():
-                    _pwrite_all(fds[i], memoryview(lay.header), 0)
-                    os.ftruncate(fds[i], lay.size)
+                    fds[i].write(memoryview(lay.header), 0)
+                    os.ftruncate(fds[i].fd, lay.size)
 
             def place(key: str) -> None:
                 spec, i = plan.entries[key], files[key]
@@ -271,15 +278,15 @@ class HuggingFaceStorageWriter(PlanWriter):
                     data = tensor_bytes(value)
                     offsets, run = _runs(shape, box, md.itemsize(spec.dtype))
                     for j, off in enumerate(offsets.tolist()):
-                        _pwrite_all(fds[i], data[j * run:(j + 1) * run], start + off)
+                        fds[i].write(data[j * run:(j + 1) * run], start + off)
 
             _run_all(place, sorted(boxes, key=lambda k: -sum(w.nbytes for w in boxes[k])), threads)
             if self.sync_files:
-                for fd in fds.values():
-                    os.fsync(fd)
+                for f in fds.values():
+                    os.fsync(f.fd)
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for f in fds.values():
+                f.close()
 
     def _write_shards(self, plan: SavePlan, planner: SavePlanner, boxes: dict[str, list[WriteItem]],
                       files: dict[str, int], rank: int, threads: int) -> None:
@@ -310,15 +317,11 @@ class HuggingFaceStorageWriter(PlanWriter):
             header = encode_header(contiguous_header(
                 [(key, plan.entries[key].dtype, box.sizes) for key, box, _ in parts],
                 {_SHARDING_INFO: json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}))
-            name = shard_file_name(rank + 1, i, count)
-            with open(self._temporary(name), "wb") as f:
-                f.write(header)
-                for _, _, value in parts:
-                    f.write(tensor_bytes(value))
-                f.flush()
-                if self.sync_files:
-                    os.fsync(f.fileno())
+            tmp = self._temporary(shard_file_name(rank + 1, i, count))
+            files.write_file(os.path.basename(tmp), [memoryview(header), *(tensor_bytes(v) for _, _, v in parts)])
 
+        # a rank's own files: our filesystem writer's (O_DIRECT where it pays, large writes)
+        files = FileSystemWriter(self.output_dir, sync_files=self.sync_files, direct_io=self._direct)
         _run_all(write_file, sorted(keys_of), threads)
 
     # ------------------------------------------------------------------ commit
@@ -431,11 +434,68 @@ def _runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarray, 
     return (offsets + start) * itemsize, box.sizes[i] * strides[i] * itemsize
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
+_DIRECT_MIN = 64 << 10  # runs shorter than this are written through the page cache
+_BOUNCE = 8 << 20  # bytes of a run copied into aligned memory and written with O_DIRECT at a time
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+class _PlacedWrites:
+    """Byte runs written at their offsets in one file that several ranks (and threads) fill.
+
+    With ``direct``, a run's whole 4 KiB blocks go with O_DIRECT (from aligned memory: the
+    run's own where it is aligned, else a reused bounce buffer), its partial blocks at either
+    end through the page cache. A block is then either whole in one run, written directly, or
+    shared by neighbours (another tensor, another rank's part, the header), every byte of it
+    buffered: the two kinds of write never meet on one page. EINVAL from O_DIRECT (a
+    filesystem that takes the flag but not the write) turns it off for the rest of the file.
+    """
+
+    def __init__(self, path: str, direct: bool):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.direct_fd: int | None = None
+        if direct:
+            try:
+                self.direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | direct_io.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    os.close(self.fd)
+                    raise
+        self.direct = self.direct_fd is not None
+
+    def write(self, data: memoryview, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        head = -offset % DIRECT_IO_ALIGN
+        body = (view.nbytes - head) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
+        if not self.direct or view.nbytes < _DIRECT_MIN or body <= 0:
+            _pwrite_all(self.fd, view, offset)
+            return
+        _pwrite_all(self.fd, view[:head], offset)
+        _pwrite_all(self.fd, view[head + body:], offset + head + body)
+        for pos in range(head, head + body, _BOUNCE):
+            piece = view[pos:min(head + body, pos + _BOUNCE)]
+            if self.direct:
+                if not direct_io.is_aligned(piece):
+                    bounce = direct_io.POOL.get(piece.nbytes)
+                    bounce[:] = piece
+                    piece = bounce
+                try:
+                    _pwrite_all(self.direct_fd, piece, offset + pos)  # type: ignore[arg-type]
+                    continue
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self.direct = False
+            _pwrite_all(self.fd, piece, offset + pos)
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None:
+                os.close(fd)
 
 
 def _run_all(fn: Any, args: list[Any], threads: int) -> None:
