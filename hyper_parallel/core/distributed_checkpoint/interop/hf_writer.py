@@ -8,8 +8,11 @@ torch's name and arguments (``torch.distributed.checkpoint.HuggingFaceStorageWri
   gives it (file 1 of 1 without a mapping). No pass over the data follows the save: a file's
   header depends only on the global shapes and dtypes, which every rank knows from the global
   plan, so every rank computes the same layout and writes each box it holds straight to its
-  place in the final file (one ``pwrite`` per contiguous run: one for a ``Shard(0)`` box, one
-  per row for a ``Shard(1)`` box). Each byte is written once, by one rank. (torch's writer
+  place in the final file: one write per contiguous run (one for a ``Shard(0)`` box; its whole
+  4 KiB blocks with O_DIRECT on local block filesystems), or, for a box of many short runs (a
+  ``Shard(1)`` box has one per row) on a filesystem of this node, one strided copy into a shared
+  mapping of the file. Each byte is written once, by one rank. The path must be one directory
+  that every rank sees (a shared filesystem for ranks on several nodes). (torch's writer
   writes shards to ``<path>/sharded`` first, then rank 0 reads them all back and writes the
   files; here there is no ``sharded`` directory.)
 - **Sharded** (``save_distributed=True`` alone): torch's format of per-rank files, rank ``r``
@@ -43,6 +46,7 @@ import contextlib
 import errno
 import json
 import math
+import mmap
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -170,7 +174,7 @@ class HuggingFaceStorageWriter(PlanWriter):
         self._index: dict[str, Any] | None = None
         self._temps: set[str] = set()  # files this rank created in this save (removed if it fails)
         self._tag = ""
-        self._direct = False  # decided in prepare()
+        self._direct = self._node_local = False  # decided in prepare()
 
     @staticmethod
     def _local(path: str | os.PathLike) -> str:
@@ -204,6 +208,9 @@ class HuggingFaceStorageWriter(PlanWriter):
         os.makedirs(self.output_dir, exist_ok=True)
         # local block filesystems: the bulk of the bytes with O_DIRECT, as our own saves write
         self._direct = direct_io.direct_io_default(self.output_dir)
+        # a filesystem of this node only (block device or memory), whose page cache every rank
+        # writing the file shares: short runs may then be copied into a shared mapping
+        self._node_local = self._direct or direct_io.is_memory_filesystem(self.output_dir)
 
     # ------------------------------------------------------------------ writing
 
@@ -266,10 +273,10 @@ class HuggingFaceStorageWriter(PlanWriter):
         try:
             for i in mine:
                 fds[i] = _PlacedWrites(tmp_of[i], self._direct)
-            if self.is_coordinator:  # the headers, and each file at its full size
+                os.ftruncate(fds[i].fd, layouts[i].size)  # its final size (every rank alike: nothing is cut)
+            if self.is_coordinator:  # the headers
                 for i, lay in layouts.items():
                     fds[i].write(memoryview(lay.header), 0)
-                    os.ftruncate(fds[i].fd, lay.size)
 
             def place(key: str) -> None:
                 spec, i = plan.entries[key], files[key]
@@ -277,6 +284,9 @@ class HuggingFaceStorageWriter(PlanWriter):
                 for box, value in _resolved(planner, key, boxes[key], spec):
                     data = tensor_bytes(value)
                     offsets, run = _runs(shape, box, md.itemsize(spec.dtype))
+                    if len(offsets) > 1 and run < _DIRECT_MIN and self._node_local:  # many short runs: one copy
+                        fds[i].copy_box(data, start, shape, box, md.itemsize(spec.dtype))
+                        continue
                     for j, off in enumerate(offsets.tolist()):
                         fds[i].write(data[j * run:(j + 1) * run], start + off)
 
@@ -456,7 +466,7 @@ class _PlacedWrites:
     """
 
     def __init__(self, path: str, direct: bool):
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # RDWR: a shared mapping needs it
         self.direct_fd: int | None = None
         if direct:
             try:
@@ -491,6 +501,21 @@ class _PlacedWrites:
                         raise
                     self.direct = False
             _pwrite_all(self.fd, piece, offset + pos)
+
+    def copy_box(self, data: memoryview, start: int, shape: tuple[int, ...], box: Box, itemsize: int) -> None:
+        """Copy ``box``'s row-major bytes ``data`` into the tensor of ``shape`` at byte ``start``
+        through a shared mapping of the file (one strided copy, no call per run): for boxes of
+        many short runs (a ``Shard(1)`` box has one per row), on a filesystem of this node."""
+        rows = shape[:-1] + (shape[-1] * itemsize,)  # the last dim in bytes: any dtype, any alignment
+        nbytes = math.prod(rows)
+        base = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(self.fd, start + nbytes - base, offset=base) as mapped:
+            whole = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=start - base).reshape(rows)
+            index = (*box.relative_to(Box.full(shape))[:-1],
+                     slice(box.offsets[-1] * itemsize, box.ends[-1] * itemsize))
+            src = np.frombuffer(data, dtype=np.uint8).reshape(box.sizes[:-1] + (box.sizes[-1] * itemsize,))
+            np.copyto(whole[index], src)
+            del whole, src  # the mapping closes only without views into it
 
     def close(self) -> None:
         for fd in (self.fd, self.direct_fd):
