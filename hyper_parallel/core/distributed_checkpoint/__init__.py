@@ -30,6 +30,7 @@ from .base.errors import (
 from .engine.checkpoint import load, save
 from .format.metadata import Metadata
 from .interop.deprecated_calls import load_state_dict, save_state_dict
+from .interop.hf_writer import HuggingFaceStorageWriter
 from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
 from .interop.hyper_parallel import import_hyper_parallel
 from .interop.mindspore import export_mindspore, import_mindspore, read_mindspore_checkpoint
@@ -113,6 +114,7 @@ __all__ = [
     "FileSystemWriter",
     "FileSystemReader",
     "HuggingFaceStorageReader",
+    "HuggingFaceStorageWriter",
     "TorchShardedSafetensorsReader",
     "QuantizedHuggingFaceStorageReader",
     "Metadata",

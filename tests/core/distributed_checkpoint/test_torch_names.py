@@ -34,8 +34,6 @@ COMMON = [
 
 # (module, name) -> who builds it; skipped (not failed) while missing, so the merger turns it on.
 BUILT_ELSEWHERE = {
-    ("", "HuggingFaceStorageWriter"): "t-hfwriter (interop/)",
-    ("hf_storage", "HuggingFaceStorageWriter"): "t-hfwriter (interop/)",
 }
 
 # Where our object deliberately differs from torch's in its constructor or signature, and why

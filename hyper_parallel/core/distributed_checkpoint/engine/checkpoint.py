@@ -36,6 +36,7 @@ from ..planning.standard_planner import StandardPlanner
 from ..planning.torch_planners import as_our_planner
 from ..state.flatten import FlatStateDict, flatten, unflatten
 from ..transfer.loader import read_plan
+from ..transfer.plan_writer import PlanWriter
 from ..transfer.saver import build_metadata, data_file_names, write_plan
 from ..transfer.shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
 from . import in_flight
@@ -195,8 +196,11 @@ def save(
     def write() -> Any:
         announce_plan(planner, scope, fingerprint, used)  # in the exchange: a hook that raises fails every rank
         reuse = incremental.reusable(mine.entries) if incremental is not None else None
-        result = write_plan(mine, planner, writer, coord.rank, save_id, thread_count,
-                            hashes=incremental is not None, reuse=reuse)
+        if isinstance(writer, PlanWriter):  # it lays out its own files (Hugging Face safetensors)
+            result = writer.write_plan(mine, planner, coord.rank, save_id, thread_count)
+        else:
+            result = write_plan(mine, planner, writer, coord.rank, save_id, thread_count,
+                                hashes=incremental is not None, reuse=reuse)
         mine_written.append(result)
         return result.for_coordinator()
 

@@ -160,7 +160,7 @@ def save_state_dict_as_huggingface_format(
     try:
         for i, shard in enumerate(shards, 1):
             name = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
-            tmp = os.path.join(dst_dir, f"{name}{_TMP}{tag}")
+            tmp = os.path.join(dst_dir, temporary_name(name, tag))
             _write_safetensors(tmp, shard, produce, {"format": "pt"})
             written.append((tmp, name))
             for tname, dtype, shape in shard:
@@ -177,15 +177,23 @@ def save_state_dict_as_huggingface_format(
     finally:
         close()
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    _swap_in_export(dst_dir, written, index if total > 1 else None)
+    swap_in_export(dst_dir, written, index if total > 1 else None)
     return index
 
 
 _TMP = ".tmp-"  # a file being written: "<final name>.tmp-<8 hex digits>"
+
+
+def temporary_name(name: str, tag: str) -> str:
+    """The name file ``name`` of an export is written under until :func:`swap_in_export` puts
+    it in place; ``tag``: 8 hex digits, one per export (the debris of a killed one is found by it)."""
+    return f"{name}{_TMP}{tag}"
+
+
 _HF_DEBRIS = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?\.tmp-[0-9a-f]{8}$")
 
 
-def _swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], index: dict[str, Any] | None) -> None:
+def swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], index: dict[str, Any] | None) -> None:
     """Replace an earlier export in ``dst_dir`` by the shards ``written`` (synced, under temporary
     names) so that a crash at any point leaves the old export whole, the new one whole, or a
     directory no reader takes for a checkpoint (never old and new shards under one index):

@@ -1,0 +1,534 @@
+"""HuggingFaceStorageWriter: ``save`` writes Hugging Face safetensors straight from every rank.
+
+torch's name and arguments (``torch.distributed.checkpoint.HuggingFaceStorageWriter``), two outputs:
+
+- **Consolidated** (``enable_consolidation=True``, or ``save_distributed=False``, torch's
+  default): what ``save_pretrained`` writes, ``model-0000i-of-0000N.safetensors`` files and
+  ``model.safetensors.index.json``, each tensor whole in the file ``fqn_to_index_mapping``
+  gives it (file 1 of 1 without a mapping). No pass over the data follows the save: a file's
+  header depends only on the global shapes and dtypes, which every rank knows from the global
+  plan, so every rank computes the same layout and writes each box it holds straight to its
+  place in the final file: one write per contiguous run (one for a ``Shard(0)`` box; its whole
+  4 KiB blocks with O_DIRECT on local block filesystems), or, for a box of many short runs (a
+  ``Shard(1)`` box has one per row) on a filesystem of this node, one strided copy into a shared
+  mapping of the file. Each byte is written once, by one rank. The path must be one directory
+  that every rank sees (a shared filesystem for ranks on several nodes). (torch's writer
+  writes shards to ``<path>/sharded`` first, then rank 0 reads them all back and writes the
+  files; here there is no ``sharded`` directory.)
+- **Sharded** (``save_distributed=True`` alone): torch's format of per-rank files, rank ``r``
+  writing ``shard-<r+1>-model-<i>-of-<N>.safetensors`` with its boxes under the tensors'
+  names and their offsets in the whole tensors in the header's ``DCP_SHARDING_INFO``, so
+  torch's ``HuggingFaceStorageReader`` and our :class:`~.huggingface.TorchShardedSafetensorsReader`
+  read it. Replicated data is in one file only (the plan gives each box one writer).
+
+Commit: every file is written under a temporary name no reader takes for a checkpoint file;
+after every rank wrote (and synced) its part, the coordinator puts the files in place, with
+``.metadata``'s commit step (:meth:`commit`). Consolidated: :func:`.hf_export.swap_in_export`
+(an earlier export's index goes first, the new files take their names, the new index is
+written atomically last: a crash leaves the old checkpoint, the new one, or files without an
+index, which readers refuse). Sharded: torch's format has no index or marker; earlier shard
+files the save does not replace are removed, then the new ones renamed.
+
+Not written: ``.metadata`` (the directory is a Hugging Face one; read it with
+:class:`~.huggingface.HuggingFaceStorageReader`). Refused, each with an error naming the key:
+values other than tensors (torch's writer writes them into the file before the safetensors
+bytes, which no reader can then open), dtypes safetensors has no name for, keys
+``fqn_to_index_mapping`` does not map. Also refused: URLs (the files are written in place
+with ``pwrite``: a local or shared POSIX filesystem) and rank-local saves.
+
+Not here: the safetensors bytes (:mod:`..format.safetensors`), reading these directories
+(:mod:`.huggingface`), exporting a checkpoint of ours (:mod:`.hf_export`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import mmap
+import os
+import re
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..backends import direct_io
+from ..backends.filesystem import FileSystemWriter
+from ..backends.locations import checkpoint_path, is_url, local_path
+from ..base.alignment import DIRECT_IO_ALIGN
+from ..base.atomic_file import sync_directory
+from ..base.box import Box
+from ..base.dtypes import safetensors_dtype
+from ..base.errors import CheckpointError, StateDictMismatchError, UnsupportedValueError
+from ..format import metadata as md
+from ..format.data_file import tensor_bytes
+from ..format.safetensors import contiguous_header, encode_header
+from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
+from ..planning.standard_planner import StandardPlanner
+from ..transfer.plan_writer import PlanWriter
+from ..transfer.saver import WriteResult
+from .hf_export import swap_in_export, temporary_name
+
+__all__ = ["HuggingFaceStorageWriter"]
+
+# torch's names (torch/distributed/checkpoint/_hf_utils.py)
+_SHARDING_INFO = "DCP_SHARDING_INFO"
+_SAVED_OFFSETS = "saved_offsets"
+_TORCH_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+
+
+def model_file_name(index: int, count: int) -> str:
+    """torch's name of consolidated file ``index`` of ``count`` (also ``save_pretrained``'s)."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def shard_file_name(shard: int, index: int, count: int) -> str:
+    """torch's name of rank ``shard - 1``'s part of file ``index`` of ``count``."""
+    return f"shard-{shard:05d}-{model_file_name(index, count)}"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One output file: its header and where each tensor's data starts (absolute offsets)."""
+
+    name: str
+    header: bytes
+    starts: dict[str, int]
+    size: int
+
+
+class HuggingFaceStorageWriter(PlanWriter):
+    """Writes Hugging Face safetensors files from every rank of a save, with no pass after it.
+
+    Pass it to :func:`~.api.save` (every rank, its own shards: DTensors of any placements,
+    FSDP2 models, plain tensors)::
+
+        save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(out, enable_consolidation=True))
+        AutoModelForCausalLM.from_pretrained(out)    # with the config beside the files
+
+        save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
+        load(sd, storage_reader=TorchShardedSafetensorsReader(out))    # torch's sharded format
+
+    See the module docstring for the two outputs and the commit.
+
+    Args:
+        path: the directory (local or a shared POSIX filesystem).
+        fqn_to_index_mapping: the file (1..N) of each tensor key; every tensor saved must be in
+            it (keys it maps that the save does not hold are ignored). Default: one file.
+        thread_count: threads per rank that write (``save(thread_count=)`` when larger).
+        save_distributed: every rank writes its own shards; alone, torch's sharded format.
+        enable_consolidation: the output is one Hugging Face checkpoint of whole tensors.
+        thread_count_consolidation: with consolidation, at least this many writer threads
+            per rank (there is no separate consolidation pass to give them to).
+        consolidated_output_path: where the consolidated files go (default: ``path``).
+        sync_files: fsync the files before they are put in place (default True).
+
+    Raises (from ``save``, on every rank, inside :class:`~.errors.RankFailedError` when ranks
+    save together):
+        StateDictMismatchError: a tensor key is not in ``fqn_to_index_mapping``.
+        UnsupportedValueError: a value that is not a tensor, a dtype safetensors cannot name
+            (complex128, float8_e8m0fnu), a tensor named ``__metadata__``; a rank-local save.
+        CheckpointError: the state dict holds no tensor.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        fqn_to_index_mapping: Mapping[str, int] | None = None,
+        thread_count: int = 1,
+        save_distributed: bool = False,
+        enable_consolidation: bool = False,
+        thread_count_consolidation: int = 1,
+        *,
+        consolidated_output_path: str | os.PathLike | None = None,
+        sync_files: bool = True,
+    ) -> None:
+        if fqn_to_index_mapping is not None:
+            bad = next(((k, i) for k, i in fqn_to_index_mapping.items() if type(i) is not int or i < 1), None)
+            if bad is not None:
+                raise ValueError(f"fqn_to_index_mapping maps {bad[0]!r} to {bad[1]!r}; file indices are integers "
+                                 "from 1 to the number of files")
+            if not fqn_to_index_mapping:
+                raise ValueError("fqn_to_index_mapping is empty; pass None to write one file")
+        for n, what in ((thread_count, "thread_count"), (thread_count_consolidation, "thread_count_consolidation")):
+            if type(n) is not int or n < 1:
+                raise ValueError(f"{what} must be an integer >= 1, found {n!r}")
+        self.fqn_to_index_mapping = dict(fqn_to_index_mapping) if fqn_to_index_mapping is not None else None
+        self.thread_count = thread_count
+        self.save_distributed = save_distributed
+        self.enable_consolidation = enable_consolidation
+        self.thread_count_consolidation = thread_count_consolidation
+        self.sync_files = sync_files
+        self._own_output = consolidated_output_path is not None
+        self.path = ""
+        self.consolidated_output_path: str | None = None
+        self.reset(path)
+        if consolidated_output_path is not None:
+            self.consolidated_output_path = self._local(consolidated_output_path)
+        self._pending: list[tuple[str, str]] = []  # (temporary path, final name) to put in place
+        self._index: dict[str, Any] | None = None
+        self._temps: set[str] = set()  # files this rank created in this save (removed if it fails)
+        self._tag = ""
+        self._direct = self._node_local = False  # decided in prepare()
+
+    @staticmethod
+    def _local(path: str | os.PathLike) -> str:
+        path = checkpoint_path(path)
+        if is_url(path):
+            raise UnsupportedValueError(
+                f"HuggingFaceStorageWriter({path!r}): every rank writes into shared files in place, which needs a "
+                "local or shared POSIX filesystem; save to a local directory and upload it, or use FsspecWriter "
+                "for a checkpoint of this library")
+        return local_path(path)
+
+    @property
+    def consolidates(self) -> bool:
+        """Whether the output is a consolidated checkpoint (whole tensors, an index)."""
+        return self.enable_consolidation or not self.save_distributed
+
+    @property
+    def output_dir(self) -> str:
+        """The directory the files of this save go to."""
+        return self.consolidated_output_path if self.consolidates else self.path  # type: ignore[return-value]
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Point the writer at ``checkpoint_id`` (torch's hook: ``save(checkpoint_id=)`` calls it)."""
+        if checkpoint_id is None:
+            return
+        self.path = self._local(checkpoint_id)
+        if self.consolidates and not self._own_output:
+            self.consolidated_output_path = self.path
+
+    def prepare(self) -> None:
+        os.makedirs(self.output_dir, exist_ok=True)
+        # local block filesystems: the bulk of the bytes with O_DIRECT, as our own saves write
+        self._direct = direct_io.direct_io_default(self.output_dir)
+        # a filesystem of this node only (block device or memory), whose page cache every rank
+        # writing the file shares: short runs may then be copied into a shared mapping
+        self._node_local = self._direct or direct_io.is_memory_filesystem(self.output_dir)
+
+    # ------------------------------------------------------------------ writing
+
+    def write_plan(self, plan: SavePlan, planner: SavePlanner, rank: int, save_id: str,
+                   thread_count: int) -> WriteResult:
+        files = self._file_of_keys(plan.entries)
+        self._tag, self._pending, self._index, self._temps = save_id[:8], [], None, set()
+        boxes = _boxes_by_key(plan.items)
+        if self.consolidates:
+            self._write_consolidated(plan, planner, boxes, files, max(thread_count, self.thread_count_consolidation))
+        else:
+            self._write_shards(plan, planner, boxes, files, rank, thread_count)
+        return WriteResult()
+
+    def _file_of_keys(self, entries: dict[str, EntrySpec]) -> dict[str, int]:
+        """Every tensor key's file index (checked on every rank alike, before any write)."""
+        out: dict[str, int] = {}
+        for key, spec in entries.items():
+            if spec.kind != "tensor":
+                raise UnsupportedValueError(
+                    f"{key!r} is {_kind_text(spec.kind)}: a Hugging Face checkpoint holds tensors only; leave it out "
+                    "of the state dict given to HuggingFaceStorageWriter (save it with save(..., path) instead)")
+            if safetensors_dtype(spec.dtype) is None:
+                raise UnsupportedValueError(
+                    f"{key!r} is a {spec.dtype} tensor, a dtype safetensors (and so HuggingFaceStorageWriter) cannot "
+                    "store; convert it (e.g. complex128 -> torch.view_as_real) before saving")
+            if self.fqn_to_index_mapping is None:
+                out[key] = 1
+            elif key in self.fqn_to_index_mapping:
+                out[key] = self.fqn_to_index_mapping[key]
+            else:
+                near = sorted(self.fqn_to_index_mapping)[:3]
+                raise StateDictMismatchError(
+                    f"{key!r} is not in fqn_to_index_mapping (it maps {len(self.fqn_to_index_mapping)} keys, e.g. "
+                    f"{near}), so no file is given to it; add it, or leave the key out of the state dict")
+        if not out:
+            raise CheckpointError("the state dict holds no tensor: a Hugging Face checkpoint needs at least one")
+        return out
+
+    def _count(self) -> int:
+        return max(self.fqn_to_index_mapping.values()) if self.fqn_to_index_mapping else 1
+
+    def _temporary(self, name: str) -> str:
+        tmp = os.path.join(self.output_dir, temporary_name(name, self._tag))
+        self._temps.add(tmp)
+        return tmp
+
+    def _write_consolidated(self, plan: SavePlan, planner: SavePlanner, boxes: dict[str, list[WriteItem]],
+                            files: dict[str, int], threads: int) -> None:
+        count = self._count()
+        layouts = _consolidated_layouts(plan.entries, files, count)
+        self._pending = [(self._temporary(lay.name), lay.name) for lay in layouts.values()]
+        tmp_of = dict(zip(layouts, (tmp for tmp, _ in self._pending), strict=True))
+        self._index = {"metadata": {"total_size": sum(lay.size - len(lay.header) for lay in layouts.values())},
+                       "weight_map": {key: layouts[i].name for key, i in files.items()}}
+        mine = sorted({files[key] for key in boxes})
+        if self.is_coordinator:
+            mine = sorted(layouts)
+        fds: dict[int, _PlacedWrites] = {}
+        try:
+            for i in mine:
+                fds[i] = _PlacedWrites(tmp_of[i], self._direct)
+                os.ftruncate(fds[i].fd, layouts[i].size)  # its final size (every rank alike: nothing is cut)
+            if self.is_coordinator:  # the headers
+                for i, lay in layouts.items():
+                    fds[i].write(memoryview(lay.header), 0)
+
+            def place(key: str) -> None:
+                spec, i = plan.entries[key], files[key]
+                start, shape = layouts[i].starts[key], tuple(spec.shape or ())
+                for box, value in _resolved(planner, key, boxes[key], spec):
+                    data = tensor_bytes(value)
+                    offsets, run = _runs(shape, box, md.itemsize(spec.dtype))
+                    if len(offsets) > 1 and run < _DIRECT_MIN and self._node_local:  # many short runs: one copy
+                        fds[i].copy_box(data, start, shape, box, md.itemsize(spec.dtype))
+                        continue
+                    for j, off in enumerate(offsets.tolist()):
+                        fds[i].write(data[j * run:(j + 1) * run], start + off)
+
+            _run_all(place, sorted(boxes, key=lambda k: -sum(w.nbytes for w in boxes[k])), threads)
+            if self.sync_files:
+                for f in fds.values():
+                    os.fsync(f.fd)
+        finally:
+            for f in fds.values():
+                f.close()
+
+    def _write_shards(self, plan: SavePlan, planner: SavePlanner, boxes: dict[str, list[WriteItem]],
+                      files: dict[str, int], rank: int, threads: int) -> None:
+        count = self._count()
+        keys_of: dict[int, list[str]] = {}
+        for key in plan.entries:  # in the state dict's order
+            if key in boxes:
+                keys_of.setdefault(files[key], []).append(key)
+            elif self.is_coordinator and not math.prod(plan.entries[key].shape or ()):
+                keys_of.setdefault(files[key], []).append(key)  # an empty tensor: no rank holds a box of it
+
+        def write_file(i: int) -> None:
+            parts: list[tuple[str, Box, torch.Tensor]] = []
+            for key in keys_of[i]:
+                spec = plan.entries[key]
+                if key not in boxes:
+                    shape = tuple(spec.shape or ())
+                    parts.append((key, Box.full(shape), torch.empty(shape, dtype=md.torch_dtype(spec.dtype))))
+                    continue
+                got = list(_resolved(planner, key, boxes[key], spec))
+                if len(got) > 1:
+                    raise UnsupportedValueError(
+                        f"{key!r}: this rank writes {len(got)} separate boxes of it ({got[0][0]}, {got[1][0]}, ...), "
+                        "and torch's sharded format holds one box of a tensor per rank and file; use "
+                        "enable_consolidation=True, or the default StandardPlanner")
+                parts.append((key, got[0][0], got[0][1]))
+            info = {key: {_SAVED_OFFSETS: list(box.offsets)} for key, box, _ in parts}
+            header = encode_header(contiguous_header(
+                [(key, plan.entries[key].dtype, box.sizes) for key, box, _ in parts],
+                {_SHARDING_INFO: json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}))
+            tmp = self._temporary(shard_file_name(rank + 1, i, count))
+            files.write_file(os.path.basename(tmp), [memoryview(header), *(tensor_bytes(v) for _, _, v in parts)])
+
+        # a rank's own files: our filesystem writer's (O_DIRECT where it pays, large writes)
+        files = FileSystemWriter(self.output_dir, sync_files=self.sync_files, direct_io=self._direct)
+        _run_all(write_file, sorted(keys_of), threads)
+
+    # ------------------------------------------------------------------ commit
+
+    def read_committed(self, name: str = md.METADATA_FILE) -> bytes | None:
+        """None: a Hugging Face directory has no ``.metadata`` of ours (nothing of an earlier save
+        is reclaimed through it; :meth:`commit` replaces an earlier export itself)."""
+        return None
+
+    def commit(self, metadata: bytes, name: str = md.METADATA_FILE) -> None:
+        """Put this save's files in place (the coordinator, after every rank wrote its part);
+        ``metadata`` is not written. See the module docstring."""
+        if name != md.METADATA_FILE:
+            raise UnsupportedValueError("HuggingFaceStorageWriter cannot write rank-local checkpoints; save with "
+                                        "use_collectives=True")
+        out = self.output_dir
+        if self.consolidates:
+            swap_in_export(out, self._pending, self._index)
+            return
+        suffix = temporary_name("", self._tag)
+        new = {n[: -len(suffix)]: n for n in os.listdir(out) if n.endswith(suffix) and _TORCH_SHARD.fullmatch(
+            n[: -len(suffix)])}
+        for old in sorted(n for n in os.listdir(out) if _TORCH_SHARD.fullmatch(n) and n not in new):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(out, old))
+        for final, tmp in sorted(new.items()):
+            os.replace(os.path.join(out, tmp), os.path.join(out, final))
+        with contextlib.suppress(OSError):  # the files are in place: a failed directory sync is no failure
+            sync_directory(out)
+
+    def remove(self, names: Iterable[str]) -> None:
+        """Remove ``names`` and the files this rank created in this save (a save that did not commit)."""
+        for path in [*(os.path.join(self.output_dir, n) for n in names), *sorted(self._temps)]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._temps = set()
+
+
+def _kind_text(kind: str) -> str:
+    return {"ndarray": "a numpy array", "bytes": "bytes", "pickle": "an object saved with pickle",
+            "object": "a plain value (not a tensor)"}.get(kind, kind)
+
+
+def _boxes_by_key(items: list[WriteItem]) -> dict[str, list[WriteItem]]:
+    out: dict[str, list[WriteItem]] = {}
+    for item in items:
+        out.setdefault(item.key, []).append(item)
+    return out
+
+
+def _consolidated_layouts(entries: dict[str, EntrySpec], files: dict[str, int], count: int) -> dict[int, _Layout]:
+    """Each consolidated file's header and tensor positions, the same on every rank."""
+    keys_of: dict[int, list[str]] = {}
+    for key, i in files.items():
+        keys_of.setdefault(i, []).append(key)
+    out = {}
+    for i, keys in sorted(keys_of.items()):
+        header = contiguous_header([(k, entries[k].dtype, tuple(entries[k].shape or ())) for k in keys],
+                                   {"format": "pt"})
+        raw = encode_header(header)
+        starts = {k: len(raw) + header[k]["data_offsets"][0] for k in keys}
+        size = len(raw) + max((header[k]["data_offsets"][1] for k in keys), default=0)
+        out[i] = _Layout(model_file_name(i, count), raw, starts, size)
+    return out
+
+
+def _resolved(planner: SavePlanner, key: str, items: list[WriteItem],
+              spec: EntrySpec) -> list[tuple[Box, torch.Tensor]]:
+    """This rank's data of ``key`` as (box, tensor) pairs: its write items' boxes put back
+    together into one box where they make one (the column bands of a box), so the box is
+    written in as few runs as it has; else one pair per item."""
+    if len(items) > 1:
+        ndim = items[0].box.ndim
+        lo = tuple(min(w.box.offsets[d] for w in items) for d in range(ndim))
+        hi = tuple(max(w.box.ends[d] for w in items) for d in range(ndim))
+        union = Box(lo, tuple(h - o for o, h in zip(lo, hi, strict=True)))
+        if union.numel == sum(w.box.numel for w in items):
+            nbytes = union.numel * md.itemsize(spec.dtype)
+            if type(planner).resolve_data is StandardPlanner.resolve_data:  # hands out any region of what it holds
+                return [(union, _tensor(key, planner.resolve_data(WriteItem(key, union, nbytes, items[0].sub)),
+                                        union))]
+            whole = torch.empty(union.sizes, dtype=md.torch_dtype(spec.dtype))
+            for w in items:
+                whole[w.box.relative_to(union)] = _tensor(key, planner.resolve_data(w), w.box)
+            return [(union, whole)]
+    return [(w.box, _tensor(key, planner.resolve_data(w), w.box)) for w in items]
+
+
+def _tensor(key: str, value: Any, box: Box) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != box.sizes:
+        found = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise UnsupportedValueError(f"{key!r}: the planner gave {found} for box {box}; HuggingFaceStorageWriter "
+                                    "writes tensors of the planned boxes")
+    return value
+
+
+def _runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarray, int]:
+    """Where ``box``'s contiguous runs start in a row-major tensor of ``shape`` (byte offsets from
+    the tensor's start, in the box's own row-major order) and the bytes of each run."""
+    i = len(shape) - 1
+    while i >= 0 and box.sizes[i] == shape[i]:  # trailing dims the box spans whole
+        i -= 1
+    if i < 0:
+        return np.zeros(1, dtype=np.int64), box.numel * itemsize
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    offsets = np.zeros(1, dtype=np.int64)
+    for d in range(i):
+        offsets = (offsets[:, None] + np.arange(box.sizes[d], dtype=np.int64) * strides[d]).reshape(-1)
+    start = sum(box.offsets[d] * strides[d] for d in range(i + 1))
+    return (offsets + start) * itemsize, box.sizes[i] * strides[i] * itemsize
+
+
+_DIRECT_MIN = 64 << 10  # runs shorter than this are written through the page cache
+_BOUNCE = 8 << 20  # bytes of a run copied into aligned memory and written with O_DIRECT at a time
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class _PlacedWrites:
+    """Byte runs written at their offsets in one file that several ranks (and threads) fill.
+
+    With ``direct``, a run's whole 4 KiB blocks go with O_DIRECT (from aligned memory: the
+    run's own where it is aligned, else a reused bounce buffer), its partial blocks at either
+    end through the page cache. A block is then either whole in one run, written directly, or
+    shared by neighbours (another tensor, another rank's part, the header), every byte of it
+    buffered: the two kinds of write never meet on one page. EINVAL from O_DIRECT (a
+    filesystem that takes the flag but not the write) turns it off for the rest of the file.
+    """
+
+    def __init__(self, path: str, direct: bool):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # RDWR: a shared mapping needs it
+        self.direct_fd: int | None = None
+        if direct:
+            try:
+                self.direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | direct_io.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    os.close(self.fd)
+                    raise
+        self.direct = self.direct_fd is not None
+
+    def write(self, data: memoryview, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        head = -offset % DIRECT_IO_ALIGN
+        body = (view.nbytes - head) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
+        if not self.direct or view.nbytes < _DIRECT_MIN or body <= 0:
+            _pwrite_all(self.fd, view, offset)
+            return
+        _pwrite_all(self.fd, view[:head], offset)
+        _pwrite_all(self.fd, view[head + body:], offset + head + body)
+        for pos in range(head, head + body, _BOUNCE):
+            piece = view[pos:min(head + body, pos + _BOUNCE)]
+            if self.direct:
+                if not direct_io.is_aligned(piece):
+                    bounce = direct_io.POOL.get(piece.nbytes)
+                    bounce[:] = piece
+                    piece = bounce
+                try:
+                    _pwrite_all(self.direct_fd, piece, offset + pos)  # type: ignore[arg-type]
+                    continue
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self.direct = False
+            _pwrite_all(self.fd, piece, offset + pos)
+
+    def copy_box(self, data: memoryview, start: int, shape: tuple[int, ...], box: Box, itemsize: int) -> None:
+        """Copy ``box``'s row-major bytes ``data`` into the tensor of ``shape`` at byte ``start``
+        through a shared mapping of the file (one strided copy, no call per run): for boxes of
+        many short runs (a ``Shard(1)`` box has one per row), on a filesystem of this node."""
+        rows = shape[:-1] + (shape[-1] * itemsize,)  # the last dim in bytes: any dtype, any alignment
+        nbytes = math.prod(rows)
+        base = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(self.fd, start + nbytes - base, offset=base) as mapped:
+            whole = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=start - base).reshape(rows)
+            index = (*box.relative_to(Box.full(shape))[:-1],
+                     slice(box.offsets[-1] * itemsize, box.ends[-1] * itemsize))
+            src = np.frombuffer(data, dtype=np.uint8).reshape(box.sizes[:-1] + (box.sizes[-1] * itemsize,))
+            np.copyto(whole[index], src)
+            del whole, src  # the mapping closes only without views into it
+
+    def close(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd is not None:
+                os.close(fd)
+
+
+def _run_all(fn: Any, args: list[Any], threads: int) -> None:
+    """``fn(arg)`` for every arg, on up to ``threads`` threads; the first error is raised."""
+    if threads <= 1 or len(args) <= 1:
+        for a in args:
+            fn(a)
+        return
+    with ThreadPoolExecutor(min(threads, len(args)), thread_name_prefix="hf-write") as pool:
+        for f in [pool.submit(fn, a) for a in args]:
+            f.result()
