@@ -32,17 +32,20 @@ LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "limits", "alignment", "box", "dtypes", "gc_pause", "sizes", "atomic_file", "protowire",
               "priority", "coordination"]},
     {"state": ["flatten", "topology_mapper", "train_state"]},
-    {"sharding": ["placements", "grid", "layout", "strategy", "records", "mindspore_strategy", "layout_files"]},
+    {"sharding": ["placements", "grid", "layout", "strategy", "records", "mindspore_strategy", "layout_files",
+                  "shard_lookup"]},
     {"format": ["values", "chunk_info", "validation", "sealed_json", "metadata", "chunks", "safetensors", "data_file"]},
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "fsspec", "resolve"],
-     "planning": ["planner", "plan_cache", "per_call", "staged_bands", "leaves", "global_plan", "standard_planner"]},
+     "planning": ["planner", "plan_cache", "per_call", "staged_bands", "leaves", "global_plan", "standard_planner",
+                  "chunk_reads"]},
     {"transfer": ["host_copy", "streams", "saver", "loader", "shared_reads"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "commit", "streaming_writer",
                 "scope", "targets", "plan_exchange", "rank_local_save", "checkpoint"]},
     {"asynchronous": ["buffers", "response", "process_hooks", "checkpointer", "api"],
      "interop": ["aliases", "single_file", "hf_index", "huggingface", "hf_export", "hf_import", "hyper_parallel",
                  "mindspore_file", "mindspore_ckpt", "mindspore_safetensors", "mindspore_reader",
-                 "mindspore_distributed", "mindspore", "torch_dcp", "torch_dcp_import", "full_checkpoint"],
+                 "mindspore_distributed", "mindspore", "torch_dcp", "torch_dcp_import", "full_checkpoint",
+                 "deprecated_calls", "torch_save", "sharded_optimizer"],
      "tools": ["verify"]},
     {"resharding": ["reshard", "offline_transform"],
      "manager": ["ownership", "step_directory", "step_listing", "step_deletion", "retention", "local_format",
@@ -191,7 +194,9 @@ def picture() -> str:
         "```mermaid",
         "flowchart TD",
         '  faces["faces: __init__, api, planner, standard_planner, saver, loader, storage,<br/>'
-        'filesystem_storage, metadata, reshard, async_staging, offline_transform, layout, util"]',
+        'filesystem_storage, metadata, reshard, async_staging, offline_transform, layout, util,<br/>'
+        "torch DCP's: state_dict_saver, state_dict_loader, filesystem, format_utils, optimizer, planner_helpers,<br/>"
+        'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage"]',
     ]
     for i, layer in reversed(list(enumerate(LAYERS))):
         lines.append(f'  subgraph L{i}["layer {i}"]')

@@ -5,6 +5,9 @@ under any other. See ``docs/design.md`` for the architecture and ``docs/format.m
 on-disk format.
 """
 
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
+
 from .asynchronous.api import async_save, default_checkpointer, register_optimizer_hook
 from .asynchronous.buffers import StagingStats
 from .asynchronous.checkpointer import AsyncCheckpointer
@@ -26,9 +29,11 @@ from .base.errors import (
 )
 from .engine.checkpoint import load, save
 from .format.metadata import Metadata
+from .interop.deprecated_calls import load_state_dict, save_state_dict
 from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
 from .interop.hyper_parallel import import_hyper_parallel
 from .interop.mindspore import export_mindspore, import_mindspore, read_mindspore_checkpoint
+from .interop.sharded_optimizer import load_sharded_optimizer_state_dict
 from .interop.single_file import load_checkpoint, save_checkpoint
 from .interop.torch_dcp import export_torch_dcp
 from .manager.checkpoint_manager import CheckpointManager, SaveTiming
@@ -127,4 +132,12 @@ __all__ = [
     "set_train_state_dict",
     "rng_state_dict",
     "load_rng_state_dict",
+    # torch.distributed.checkpoint's names (issue 32)
+    "CheckpointException",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorStorageMetadata",
+    "save_state_dict",
+    "load_state_dict",
+    "load_sharded_optimizer_state_dict",
 ]

@@ -8,6 +8,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "BytesStorageMetadata",
     "ChunkStorageMetadata",
     "MetadataIndex",
+    "StorageMeta",
     "TensorProperties",
     "TensorStorageMetadata",
 ]

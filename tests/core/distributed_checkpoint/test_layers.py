@@ -54,6 +54,20 @@ PATHS = {
     "offline_transform": ["offline_transform", "convert_full_checkpoint_to_dcp", "import_torch_dcp"],
     "layout": ["Layout", "TensorLayout", "LayoutStrategy", "save_layout", "load_layout", "get_current_layout"],
     "util": ["_MAX_BROADCASTS_IN_FLIGHT"],
+    # torch.distributed.checkpoint's module paths (test_torch_names.py checks every name of each)
+    "staging": ["AsyncStager", "DefaultStager", "StagingOptions"],
+    "stateful": ["Stateful"],
+    "state_dict_saver": ["save", "async_save", "save_state_dict"],
+    "state_dict_loader": ["load", "load_state_dict"],
+    "filesystem": ["FileSystemWriter", "FileSystemReader"],
+    "format_utils": ["dcp_to_torch_save", "torch_save_to_dcp"],
+    "utils": ["find_tensor_shard", "find_state_dict_object"],
+    "planner_helpers": ["create_read_items_for_chunk_list"],
+    "optimizer": ["load_sharded_optimizer_state_dict"],
+    "state_dict": ["get_state_dict", "set_state_dict", "StateDictOptions"],
+    "logger": ["DCP_LOGGER_NAME"],
+    "logging_handlers": ["DCP_LOGGER_NAME"],
+    "hf_storage": ["HuggingFaceStorageReader"],
 }
 
 

@@ -44,6 +44,7 @@ import threading
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -281,6 +282,8 @@ class FileSystemWriter(StorageWriter):
         defer_sync: with ``sync_files``, sync data files in one batch at :meth:`flush`
             (many threads at once, so the filesystem journals them together) instead of
             each as it is closed: what offline tools writing thousands of small files use.
+        serialization_format: torch's choice of data-file encoding (its ``SerializationFormat``),
+            accepted so torch code runs; our data files are always safetensors, whichever is given.
 
     Example::
 
@@ -289,8 +292,12 @@ class FileSystemWriter(StorageWriter):
 
     def __init__(self, path: str | os.PathLike, single_file_per_rank: bool = True, sync_files: bool = True,
                  thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
-                 overwrite: bool = True, *, direct_io: bool | None = None, defer_sync: bool = False):
+                 overwrite: bool = True, *, direct_io: bool | None = None, defer_sync: bool = False,
+                 serialization_format: Any = None):
         del single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict  # torch's knobs (see above)
+        if serialization_format is not None and type(serialization_format).__name__ != "SerializationFormat":
+            raise ValueError(f"serialization_format must be torch's SerializationFormat (or None), got "
+                             f"{serialization_format!r}; the data files are safetensors either way")
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be an int >= 1, got {thread_count!r}")
         self.path = checkpoint_path(path)

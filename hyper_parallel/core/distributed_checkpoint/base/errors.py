@@ -2,13 +2,38 @@
 
 Every error says what was expected, what was found, and where (key, file, rank), so that a
 user reading one line of a log on one rank knows what to fix.
+
+Every one of them is also torch DCP's ``CheckpointException``, so code written for
+``torch.distributed.checkpoint`` (``except CheckpointException``) catches ours; and still a
+``RuntimeError``, so ``except Exception`` keeps catching them (torch's class derives from
+``BaseException`` only).
 """
 
 from __future__ import annotations
 
+from typing import Any
 
-class CheckpointError(RuntimeError):
-    """Base class of every error this package raises on purpose."""
+from torch.distributed.checkpoint.api import CheckpointException
+
+
+class CheckpointError(RuntimeError, CheckpointException):
+    """Base class of every error this package raises on purpose.
+
+    ``failures`` (torch's ``CheckpointException.failures``) maps each failing rank to what
+    failed there: filled by :class:`RankFailedError` (rank -> its error's text, never a
+    pickled exception); empty for an error raised on this rank alone.
+    """
+
+    # RuntimeError's message, not CheckpointException's "ranks:" report (which needs failures)
+    __str__ = BaseException.__str__
+
+    @property
+    def failures(self) -> dict[int, Any]:
+        return self.__dict__.get("_failures", {})
+
+    @failures.setter
+    def failures(self, value: dict[int, Any]) -> None:
+        self._failures = value
 
 
 class NotACheckpointError(CheckpointError, FileNotFoundError):

@@ -1,0 +1,13 @@
+"""torch DCP's ``filesystem`` import path: the local/shared filesystem reader and writer.
+
+A face. ``FileSystemWriter``/``FileSystemReader`` are ours (:mod:`.backends.filesystem`), with
+torch's constructor arguments. ``FileSystemBase``/``FileSystem`` (torch's file-operations
+abstraction) and ``SerializationFormat`` (torch's enum) are torch's own, re-exported as plain
+protocol and data: our writer accepts ``serialization_format=`` and always writes safetensors.
+"""
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, SerializationFormat
+
+from .backends.filesystem import FileSystemReader, FileSystemWriter
+
+__all__ = ["FileSystemWriter", "FileSystemReader", "FileSystem", "FileSystemBase", "SerializationFormat"]
