@@ -453,7 +453,7 @@ def torchtitan_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) -
 
 
 @pytest.mark.parametrize("impl", impls(
-    "ModuleNotFoundError: No module named 'hyper_parallel.core.distributed_checkpoint.staging'"))
+    "ModuleNotFoundError: No module named 'hyper_parallel.core.distributed_checkpoint.default_planner'"))
 def test_torchtitan_style_manager(tmp_path, impl):
     """torchtitan's CheckpointManager sequence; the consolidated HF files hold the last step's
     full tensors, and loading them through ``HuggingFaceStorageReader`` restores them."""
