@@ -33,6 +33,7 @@ from .interop.deprecated_calls import load_state_dict, save_state_dict
 from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
 from .interop.hyper_parallel import import_hyper_parallel
 from .interop.mindspore import export_mindspore, import_mindspore, read_mindspore_checkpoint
+from .interop.quantized_hf import QuantizedHuggingFaceStorageReader
 from .interop.sharded_optimizer import load_sharded_optimizer_state_dict
 from .interop.single_file import load_checkpoint, save_checkpoint
 from .interop.torch_dcp import export_torch_dcp
@@ -110,6 +111,7 @@ __all__ = [
     "FileSystemReader",
     "HuggingFaceStorageReader",
     "TorchShardedSafetensorsReader",
+    "QuantizedHuggingFaceStorageReader",
     "Metadata",
     "Layout",
     "TensorLayout",

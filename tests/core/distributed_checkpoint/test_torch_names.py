@@ -39,8 +39,6 @@ BUILT_ELSEWHERE = {
     ("default_planner", "*"): "t-objects (the default_planner face over planning/torch_planners.py)",
     ("", "HuggingFaceStorageWriter"): "t-hfwriter (interop/)",
     ("hf_storage", "HuggingFaceStorageWriter"): "t-hfwriter (interop/)",
-    ("", "QuantizedHuggingFaceStorageReader"): "t-fp8 (interop/)",
-    ("quantized_hf_storage", "*"): "t-fp8 (interop/)",
 }
 
 # Where our object deliberately differs from torch's in its constructor or signature, and why
