@@ -15,6 +15,7 @@ our own planners' subclasses (:mod:`.per_call`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch.distributed.checkpoint import default_planner as _torch_default
@@ -121,6 +122,7 @@ def _no_plan_function(name: str, instead: str) -> Any:
             f"{name}: torch DCP's plan function builds torch's plan objects, which this library's save and load "
             f"never use; {instead}")
     refuse.__name__ = refuse.__qualname__ = name
+    refuse.__signature__ = inspect.signature(getattr(_torch_default, name))  # torch's call shape
     refuse.__doc__ = f"torch DCP's ``{name}``; refused here: {instead}."
     return refuse
 
