@@ -114,6 +114,7 @@ from ..engine.incremental import DEFAULT_REHASH_EVERY, IncrementalState
 from ..format import metadata as md
 from ..format.validation import step_dir_name
 from ..format.values import is_json_value
+from ..transfer.unchanged import UnchangedStats
 from .local_format import new_timeline
 from .local_tier import LocalTier
 from .ownership import Ownership
@@ -355,6 +356,13 @@ class CheckpointManager:
     def save_timings(self) -> list[SaveTiming]:
         """This process's last 100 saves: time the call blocked, time until committed."""
         return list(self._timings)
+
+    @property
+    def incremental_stats(self) -> UnchangedStats | None:
+        """This rank's checks in the last committed incremental save: bytes reused unread,
+        hashed, spot-checked and written, and the keys found changing behind torch's version
+        counter (see :mod:`.incremental`); None before one, or without ``incremental``."""
+        return self._inc.last if self._inc is not None else None
 
     @property
     def local_tier(self) -> LocalTier | None:

@@ -13,13 +13,15 @@ Caught (the counter moves, or the identity changes): in-place ops on the tensor 
 view or ``detach()`` of it (``add_``, ``copy_``, ``t[i] = x``, non-fused optimizers, including
 ``foreach``), ``load_state_dict`` (``copy_``), ``set_()`` and ``param.data = other`` (another
 storage), a tensor replaced by a new one (another storage, even at a reused address), and this
-library's own loads (the loader bumps the counter of every target it fills).
+library's own loads (:func:`mark_written`: they bump the counter of every target they fill,
+also where they read straight into its memory).
 
 Not caught (bytes change, the counter does not): writes through ``.data`` (``p.data.add_(...)``:
 ``.data`` has a counter of its own); torch's fused optimizers (``Adam``/``AdamW``/``SGD`` with
 ``fused=True`` update parameters and moments without bumping them, measured on torch 2.13);
 numpy views (``t.numpy()``), DLPack, ``ctypes``/``data_ptr()`` writes and custom kernels given
-raw pointers (e.g. bitsandbytes' 8-bit optimizers); memory shared with another process
+raw pointers (e.g. bitsandbytes' 8-bit optimizers); in-place collectives (``dist.broadcast``,
+``dist.all_reduce`` into a tensor: measured on gloo, torch 2.13); memory shared with another process
 (``share_memory_()``, ``torch.from_file``). Inference tensors have no counter and get no stamp.
 This is why a stamp is never trusted alone (see :mod:`..engine.incremental`).
 """
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VersionStamp", "stamp_of"]
+__all__ = ["VersionStamp", "stamp_of", "mark_written"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,3 +79,12 @@ def stamp_of(tensor: Any) -> VersionStamp | None:
     identity = (storage.data_ptr(), storage.nbytes(), tensor.storage_offset(), tensor.stride(),
                 tuple(tensor.shape), tensor.dtype, tensor.device)
     return VersionStamp(ref, identity, version)
+
+
+def mark_written(value: Any) -> None:
+    """Tell torch's version counter that ``value`` (a tensor, or a DTensor's local tensor) was
+    written: for writes into its memory that bypass torch (``preadv`` straight into a load
+    target), so no stamp taken before them still matches."""
+    t = getattr(value, "_local_tensor", value)
+    if isinstance(t, torch.Tensor) and t.device.type != "meta" and not t.is_inference():
+        torch.autograd.graph.increment_version(t)
