@@ -87,21 +87,18 @@ def sample_digest(value: Any) -> tuple[bytes, int] | None:
         elif t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             flat = tensor_bytes(t)  # no copy: pieces of the tensor's own memory
             piece = SAMPLE_PIECE_BYTES
-            views = [flat[s:s + piece] for s in np.linspace(0, flat.nbytes - piece, SAMPLE_PIECES)
-                     .astype(np.int64).tolist()]
+            views = [flat[s:s + piece] for s in _spread(flat.nbytes - piece)]
         elif t.device.type == "cpu" and t.dim() >= 2 and t.stride(-1) == 1 and not (t.is_conj() or t.is_neg()):
             views = _row_pieces(t.view(torch.uint8).numpy())  # a column band: copies only the pieces
         else:
             m = max(1, SAMPLE_PIECE_BYTES // size)  # elements per piece
             if t.is_contiguous() or t.dim() == 1:  # pieces of the flat (or only) dimension
                 flat = t.reshape(-1) if t.is_contiguous() else t
-                starts = np.linspace(0, n - m, SAMPLE_PIECES).astype(np.int64).tolist()
-                pieces = [flat.narrow(0, s, m) for s in starts]
+                pieces = [flat.narrow(0, s, m) for s in _spread(n - m)]
             else:  # a column band or a strided view: the head of evenly spread rows
                 per_row = max(1, n // t.shape[0])
                 k = max(1, min(t.shape[0], m // per_row))  # rows per piece
-                rows = np.linspace(0, t.shape[0] - k, SAMPLE_PIECES).astype(np.int64).tolist()
-                pieces = [_head(t.narrow(0, r, k), m) for r in dict.fromkeys(rows)]
+                pieces = [_head(t.narrow(0, r, k), m) for r in dict.fromkeys(_spread(t.shape[0] - k))]
             views = [tensor_bytes(torch.cat([p.reshape(-1) for p in pieces]))]  # one copy off a device
     except (RuntimeError, TypeError, NotImplementedError):
         return None
@@ -111,16 +108,21 @@ def sample_digest(value: Any) -> tuple[bytes, int] | None:
     return h.digest(), read
 
 
+def _spread(last: int) -> list[int]:
+    """SAMPLE_PIECES evenly spread starts from 0 to ``last``."""
+    return [i * last // (SAMPLE_PIECES - 1) for i in range(SAMPLE_PIECES)]
+
+
 def _row_pieces(a: np.ndarray) -> list[memoryview]:
     """Pieces of the bytes of a strided host array (rows whose last dimension is contiguous):
-    runs of whole rows at evenly spread places, or the head of a row larger than a piece."""
+    runs of whole rows at evenly spread places (gathered in one copy), or the head of a row
+    larger than a piece."""
     row = a[0].nbytes
     if row >= SAMPLE_PIECE_BYTES:
-        rows = np.linspace(0, a.shape[0] - 1, SAMPLE_PIECES).astype(np.int64).tolist()
-        return [memoryview(np.ravel(a[r])[:SAMPLE_PIECE_BYTES]) for r in dict.fromkeys(rows)]
-    k = SAMPLE_PIECE_BYTES // max(1, row)
-    rows = np.linspace(0, a.shape[0] - k, SAMPLE_PIECES).astype(np.int64).tolist()
-    return [memoryview(np.ascontiguousarray(a[r:r + k])).cast("B") for r in dict.fromkeys(rows)]
+        return [memoryview(np.ravel(a[r])[:SAMPLE_PIECE_BYTES]) for r in dict.fromkeys(_spread(a.shape[0] - 1))]
+    k = min(a.shape[0], SAMPLE_PIECE_BYTES // max(1, row))
+    rows = [r + j for r in dict.fromkeys(_spread(a.shape[0] - k)) for j in range(k)]
+    return [memoryview(a.take(rows, axis=0)).cast("B")]
 
 
 def _head(t: torch.Tensor, m: int) -> torch.Tensor:
