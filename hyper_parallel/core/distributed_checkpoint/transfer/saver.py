@@ -213,9 +213,11 @@ def _banded(values: list[torch.Tensor], pitch: int) -> torch.Tensor | None:
     return first.as_strided((len(values), *first.shape), (step // size, *first.stride()), first.storage_offset())
 
 
-def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list[int]) -> memoryview:
+def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list[int],
+                  hashers: list[ContentHash | None] | None = None) -> memoryview:
     """Copy a box's column bands into one aligned buffer as they lie in the file (band ``k``
-    at ``k * pitch``, zeros between), append each band's checksums to ``crcs``."""
+    at ``k * pitch``, zeros between), append each band's checksums to ``crcs`` (and feed band
+    ``k`` to ``hashers[k]`` where there is one: incremental saves)."""
     nbytes = items[0].nbytes
     span = pitch * (len(items) - 1) + nbytes
     buf = direct_io.POOL.get(span)
@@ -224,10 +226,12 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
         if k and pitch > nbytes:
             buf[k * pitch - (pitch - nbytes):k * pitch] = bytes(pitch - nbytes)
         sums = _Checksums(step)
+        hasher = hashers[k] if hashers else None
+        feed = sums.feed if hasher is None else lambda data, s=sums, h=hasher: (s.feed(data), h.feed(data))
         band = buf[k * pitch:k * pitch + nbytes]
-        if not copy_fed(band, bands[k], sums.feed):  # numpy cannot view it: torch copies, then we sum
+        if not copy_fed(band, bands[k], feed):  # numpy cannot view it: torch copies, then we sum
             copy_into(torch.frombuffer(band, dtype=torch.uint8).view(bands.dtype).view(bands.shape[1:]), bands[k])
-            sums.feed(band)
+            feed(band)
         crcs.extend(sums.finish())
     return buf
 
@@ -371,7 +375,7 @@ def write_plan(
             pos, i = layout.base, 0
             while i < len(witems):
                 witem, start = witems[i], layout.starts[i]
-                n = 1 if hashes else _band_run(plan, witems, items, layout.starts, i)
+                n = _band_run(plan, witems, items, layout.starts, i)
                 values = [planner.resolve_data(witem)]
                 # bands of a row-major tensor are strided: gather them in one copy (bands staged
                 # contiguously by an async save are written as they are, one by one)
@@ -382,7 +386,12 @@ def write_plan(
                     if bands is not None:  # every column band of a box, in one copy
                         if start > pos:
                             yield memoryview(bytes(start - pos))
-                        yield _gather_bands(bands, pitch, items[i:i + n], crcs)
+                        subs = [(w.key, w.sub) for w in witems[i:i + n]]
+                        hashers = [None if ks in known else ContentHash() for ks in subs] if hashes else None
+                        yield _gather_bands(bands, pitch, items[i:i + n], crcs, hashers)
+                        if hashes:
+                            digests.update((ks, known[ks] if h is None else h.digest())
+                                           for ks, h in zip(subs, hashers, strict=True))
                         pos, i = layout.starts[i + n - 1] + items[i + n - 1].nbytes, i + n
                         continue
                 for k in range(i, i + n):  # one by one, each resolved just before it is written

@@ -122,7 +122,7 @@ def _row_pieces(a: np.ndarray) -> list[memoryview]:
         return [memoryview(np.ravel(a[r])[:SAMPLE_PIECE_BYTES]) for r in dict.fromkeys(_spread(a.shape[0] - 1))]
     k = min(a.shape[0], SAMPLE_PIECE_BYTES // max(1, row))
     rows = [r + j for r in dict.fromkeys(_spread(a.shape[0] - k)) for j in range(k)]
-    return [memoryview(a.take(rows, axis=0)).cast("B")]
+    return [memoryview(np.ascontiguousarray(a[rows])).cast("B")]  # (take() would copy all of a first)
 
 
 def _head(t: torch.Tensor, m: int) -> torch.Tensor:
