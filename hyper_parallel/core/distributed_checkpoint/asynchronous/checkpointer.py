@@ -62,6 +62,7 @@ from ..planning.planner import SavePlanner
 from ..planning.standard_planner import StandardPlanner
 from ..planning.torch_planners import as_our_planner
 from ..state.flatten import FlatStateDict, flatten
+from ..state.version_stamp import stamp_of
 from . import buffers
 from .buffers import BufferPool, StagingBuffer, StagingStats, copy_value, tensor_spec
 from .process_hooks import install_exit_hooks, track
@@ -102,6 +103,7 @@ class _Job:
     signature: tuple = ()  # ((key, tensor spec), ...): the structure that picks the buffer
     bands: tuple = ()  # ((key, column bands), ...): host tensors staged as their bands (staged_bands)
     templates: dict[str, Any] = field(default_factory=dict)  # key -> source tensor (until staged)
+    stamps: dict[str, Any] | None = None  # incremental: key -> its source's version stamp, read before copying
     pinned: bool = False
     events: dict[torch.device, Any] = field(default_factory=dict)  # lazy: training-stream marks
     buffer: StagingBuffer | None = None
@@ -405,6 +407,10 @@ class AsyncCheckpointer:
                 job.bands = self._bands(job)
                 job.buffer = self._pool.acquire(job.signature, job.templates, job.pinned, job.bands)
                 sources = [(job.buffer.targets[key], _source(job.templates[key])) for key, _ in job.signature]
+                if job.save_kwargs.get("incremental") is not None:
+                    # what tells the incremental save that a source is unchanged is the source's
+                    # memory and version counter, not the staging buffer's (reused every save)
+                    job.stamps = {key: stamp_of(_source(job.templates[key])) for key, _ in job.signature}
                 if job.events:
                     self._copy_on_side_streams(job, sources)
                 else:
@@ -453,6 +459,7 @@ class AsyncCheckpointer:
         out = FlatStateDict.from_items(
             {key: (path, staged[key] if key in staged else job.values[key]) for key, path in job.paths.items()})
         out.bands = dict(job.buffer.banded) if job.buffer is not None else {}
+        out.stamps = job.stamps if job.stamps is not None else {}
         return out
 
     def _ensure_threads(self) -> None:

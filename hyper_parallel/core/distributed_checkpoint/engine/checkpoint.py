@@ -218,7 +218,7 @@ def save(
         remember_plan(planner, scope, fingerprint, mine, meta, where)
     if incremental is not None:
         done = mine_written[0]
-        incremental.committed(mine.entries, done.digests, done.known_reused, meta)
+        incremental.committed(mine.entries, done.digests, done.known_reused, meta, done.verdicts, done.stats)
     return meta
 
 

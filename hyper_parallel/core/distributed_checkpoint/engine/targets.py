@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
 from ..state.flatten import update_in_place
+from ..state.version_stamp import mark_written
 
 __all__ = ["check_keys", "materialize_meta", "asked_for", "check_all_asked_for", "apply_loaded"]
 
@@ -103,6 +104,9 @@ def apply_loaded(flat: Any, values: dict[str, Any], planner: Any, materialized: 
             update_in_place(leaf.value, value)  # the caller may hold it (a data position)
         elif leaf.set is not None:
             leaf.set(value)
+    for leaf in flat.leaves.values():  # filled in place, some straight from storage: torch must know
+        if id(leaf) in filled:
+            mark_written(leaf.value)
     missing = {(original(k) if original is not None else k) or k for k in getattr(planner, "missing_keys", ())}
     replaced = {id(leaf) for leaf in materialized}
     for key, leaf in flat.leaves.items():  # the tensors that replace meta targets, loaded in place

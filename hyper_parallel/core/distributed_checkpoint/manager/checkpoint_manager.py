@@ -74,9 +74,11 @@ skips touch nothing and never block, so errors surface at the next call that sav
 **Incremental checkpoints** (``incremental=True``): each rank remembers the content hash of
 every chunk it stored in the newest committed step; the next save writes only the chunks
 whose bytes changed and names the earlier step's file for the rest (see
-:mod:`.incremental`). Retention still deletes whole steps, except the files of a deleted
-step that a kept step names: those stay in its directory (without ``.metadata``, so it is
-not a step any more) until nothing names them.
+:mod:`.incremental`). A tensor that torch's version counter says is untouched is not hashed,
+only spot-checked, and hashed in full once every ``incremental_rehash_every`` saves.
+Retention still deletes whole steps, except the files of a deleted step that a kept step
+names: those stay in its directory (without ``.metadata``, so it is not a step any more)
+until nothing names them.
 
 **Local tier** (``local_dir=...``): every ``local_interval_steps`` each rank also saves its
 own shards to node-local storage and replicates them to peers on other nodes, and ``load``
@@ -108,10 +110,11 @@ from ..base.errors import CheckpointError, CommitError, CorruptCheckpointError, 
 from ..engine.checkpoint import load as _load
 from ..engine.checkpoint import save as _save
 from ..engine.commit import unreferenced_files
-from ..engine.incremental import IncrementalState
+from ..engine.incremental import DEFAULT_REHASH_EVERY, IncrementalState
 from ..format import metadata as md
 from ..format.validation import step_dir_name
 from ..format.values import is_json_value
+from ..transfer.unchanged import UnchangedStats
 from .local_format import new_timeline
 from .local_tier import LocalTier
 from .ownership import Ownership
@@ -169,7 +172,13 @@ class CheckpointManager:
             or ``background_nice=0``; the manager closes it when it closes.
         incremental: write only the chunks that changed since the previous committed step of
             this manager and reference the earlier files for the rest (the first save, and
-            the first after a restart or a failed save, writes everything).
+            the first after a restart or a failed save, writes everything). A tensor whose
+            memory and torch version counter did not move since is not hashed, only spot-checked
+            (~32 KiB read); see :mod:`.incremental` for what the counter misses and the checks.
+        incremental_rehash_every: every chunk reused unread is still hashed in full at least
+            once every this many saves (default 8; about 1/8 of the unchanged bytes per save),
+            which bounds how long a write the version counter misses (``p.data[i] = x``) can
+            go unseen. 1: hash every chunk at every save (never trust the counter).
         process_group: the ranks that save together (default: the whole world).
         timeout: bound on every cross-rank exchange and object-store call of a save or load:
             seconds > 0 or a positive timedelta (default None: 30 min).
@@ -223,6 +232,7 @@ class CheckpointManager:
         best_mode: str = "min",
         async_save: bool | AsyncCheckpointer = False,
         incremental: bool = False,
+        incremental_rehash_every: int = DEFAULT_REHASH_EVERY,
         process_group: Any = None,
         timeout: timedelta | float | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -274,7 +284,10 @@ class CheckpointManager:
             raise TypeError(f"async_save must be True, False or an AsyncCheckpointer, got {async_save!r}")
         self.async_save = bool(async_save)
         self.incremental = incremental
-        self._inc = IncrementalState() if incremental else None
+        self._inc = IncrementalState(rehash_every=incremental_rehash_every) if incremental else None
+        if not incremental and incremental_rehash_every != DEFAULT_REHASH_EVERY:
+            raise ValueError("incremental_rehash_every configures incremental saves, which are off: pass "
+                             "incremental=True too, or leave it at its default")
         self.process_group = process_group
         self.timeout = timeout
         self._root = self._root_for(directory, storage_options)
@@ -343,6 +356,13 @@ class CheckpointManager:
     def save_timings(self) -> list[SaveTiming]:
         """This process's last 100 saves: time the call blocked, time until committed."""
         return list(self._timings)
+
+    @property
+    def incremental_stats(self) -> UnchangedStats | None:
+        """This rank's checks in the last committed incremental save: bytes reused unread,
+        hashed, spot-checked and written, and the keys found changing behind torch's version
+        counter (see :mod:`.incremental`); None before one, or without ``incremental``."""
+        return self._inc.last if self._inc is not None else None
 
     @property
     def local_tier(self) -> LocalTier | None:

@@ -78,6 +78,7 @@ from ..format.safetensors import METADATA_KEY, PAD_PREFIX, encode_header, header
 from ..format.values import decode_value, encode_value, is_json_value, json_culprit
 from ..sharding.records import dtensor_box, layout_record
 from ..state.flatten import Flat
+from ..state.version_stamp import mark_written
 
 FORMAT_NAME = "hyper-parallel-local"
 FORMAT_VERSION = 1
@@ -451,6 +452,8 @@ def read_into(man: Manifest, entries: list[LocalEntry], targets: list[Any]) -> t
                 if not direct:
                     with torch.no_grad():
                         t.copy_(dest)
+                else:  # written behind torch's back: an incremental save must not take it as unchanged
+                    mark_written(t)
             elif e.kind == "ndarray":
                 try:
                     dtype = np.dtype(rec.get("dtype"))

@@ -11,7 +11,8 @@ Save protocol — the framework calls, on every rank, in this order:
    order), decide who writes what. Called on EVERY rank with the same input; it must be
    deterministic, because there is no scatter: each rank takes ``result[rank]``.
 3. ``resolve_data(item) -> torch.Tensor | bytes``: the data of one write item, when the saver
-   writes it.
+   writes it. Incremental saves also ask ``source_stamp(item)`` (optional; see
+   :mod:`..state.version_stamp`).
 
 Load protocol — on every rank, in this order:
 
@@ -37,6 +38,7 @@ import torch
 
 from ..base.box import Box
 from ..format.metadata import Metadata
+from ..state.version_stamp import VersionStamp
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,12 @@ class SavePlanner(abc.ABC):
 
     @abc.abstractmethod
     def resolve_data(self, item: WriteItem) -> torch.Tensor | bytes: ...
+
+    def source_stamp(self, item: WriteItem) -> VersionStamp | None:
+        """The version stamp of the tensor the caller holds whose bytes ``resolve_data(item)``
+        gives (an async save's snapshot: of the tensor it was copied from), or None (the
+        default): an incremental save then hashes the chunk to tell whether it changed."""
+        return None
 
 
 class LoadPlanner(abc.ABC):

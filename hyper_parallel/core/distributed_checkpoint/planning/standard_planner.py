@@ -39,6 +39,7 @@ from ..sharding.grid import parse_placement
 from ..sharding.records import dtensor_box, layout_record
 from ..state.flatten import renamed_path
 from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
+from ..state.version_stamp import VersionStamp, stamp_of
 from .global_plan import GlobalPlan
 from .leaves import (
     bytes_tensor,
@@ -136,6 +137,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
         self._held: dict[str, tuple[Box, Any]] = {}
+        self._stamps: dict[str, VersionStamp | None] = {}  # key -> its source tensor's stamp
+        self._given_stamps: dict[int, VersionStamp | None] | None = None  # a snapshot's, by staged tensor
         self._banded: dict[int, BandedSnapshot] = {}
         self._origin: dict[str, str] = {}
         self._origin_identity = True
@@ -252,6 +255,11 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         # an async save's snapshot of tensors staged as their column bands, by the meta tensor
         # standing for each (renaming keys keeps the values)
         self._banded = {id(b.logical): b for b in getattr(state_dict, "bands", {}).values()}
+        # an async save's snapshot: the stamps of the tensors it was copied from, by the staged
+        # tensor standing for each (its local tensor for a DTensor, as this planner holds it)
+        given = getattr(state_dict, "stamps", None)
+        self._given_stamps = None if given is None else {
+            id(_local(state_dict[k])): s for k, s in given.items() if k in state_dict}
         self._values = self._transform(state_dict)
         self.is_coordinator = is_coordinator
 
@@ -262,6 +270,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         items: list[WriteItem] = []
         objects: list[str] = []
         self._held = {}
+        self._stamps = {}
         for key, value in self._values.items():
             path = self._path(key)
             if isinstance(value, DTensor):
@@ -271,7 +280,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                 dtype = dtype_name(value.dtype)
                 entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value, group_rank))
                 if box is not None:
-                    self._hold(items, key, box, value._local_tensor)
+                    self._hold(items, key, box, value._local_tensor, stamped=True)
                 continue
             if isinstance(value, torch.Tensor):
                 check_chunk_info(key, value)
@@ -299,12 +308,23 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             shape = tuple(tensor.shape)
             entries[key] = EntrySpec(kind, path, dtype_name(tensor.dtype), shape)
             if tensor.numel():
-                self._hold(items, key, Box.full(shape), tensor)
+                self._hold(items, key, Box.full(shape), tensor, stamped=kind == "tensor")
         return SavePlan(entries, items, objects)
 
-    def _hold(self, items: list[WriteItem], key: str, box: Box, tensor: torch.Tensor) -> None:
+    def _hold(self, items: list[WriteItem], key: str, box: Box, tensor: torch.Tensor, stamped: bool = False) -> None:
         items.append(WriteItem(key, box, box.numel * tensor.element_size()))
         self._held[key] = (box, self._staged(tensor) or tensor)
+        if stamped:  # read now, before any byte is: a write after this makes the stamp older, never newer
+            given = self._given_stamps
+            self._stamps[key] = stamp_of(tensor) if given is None else given.get(id(tensor))
+
+    def source_stamp(self, item: WriteItem) -> VersionStamp | None:
+        """The stamp of the tensor (a DTensor's local tensor) the caller holds for ``item``'s
+        key; None for other values, and in a subclass that resolves write data its own way
+        (its bytes need not be that tensor's)."""
+        if type(self).resolve_data is not StandardPlanner.resolve_data:
+            return None
+        return self._stamps.get(item.key)
 
     def _staged(self, tensor: torch.Tensor) -> BandedSnapshot | None:
         """The column bands an async save staged for ``tensor`` (its meta stand-in), if any."""
@@ -569,6 +589,10 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             else:
                 out[key] = target if target is not None else tensor
         return out
+
+
+def _local(value: Any) -> Any:
+    return value._local_tensor if isinstance(value, DTensor) else value
 
 
 def _trace_origins(planner: StandardPlanner, before: dict[str, Any], after: dict[str, Any]) -> dict[str, str]:

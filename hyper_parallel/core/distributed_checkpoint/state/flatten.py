@@ -137,11 +137,14 @@ class FlatStateDict(dict):
 
     ``save`` accepts one directly (already flat: no Stateful calls, no re-flattening), which
     is how a staged snapshot keeps the exact keys of the state dict it was taken from.
-    ``bands`` holds a snapshot's tensors staged as column bands (:mod:`.staged_bands`).
+    ``bands`` holds a snapshot's tensors staged as column bands (:mod:`.staged_bands`);
+    ``stamps``, for a snapshot only, the version stamp of the tensor each key was copied from
+    (:mod:`.version_stamp`; None while not a snapshot: stamp the values themselves).
     """
 
     paths: dict[str, tuple[PathPart, ...]]
     bands: dict[str, Any] = {}  # noqa: RUF012 (read-only default; a snapshot sets its own)
+    stamps: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, flat: Flat) -> FlatStateDict:

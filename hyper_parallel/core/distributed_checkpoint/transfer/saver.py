@@ -52,6 +52,7 @@ from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..sharding.grid import Grid
 from .host_copy import copy_fed, copy_into
 from .streams import StreamFence
+from .unchanged import UnchangedStats, Verdict, examine
 
 
 @dataclass
@@ -61,7 +62,8 @@ class WriteResult:
     ``rows`` are ``(key, sub, box, file dir, file name)`` of chunks of table-stored keys (those
     whose spec has no store), written now (dir "") or reused from an earlier step's file;
     ``digests`` the content hash of every chunk written, when asked for (incremental saves
-    keep them; they are not sent to the coordinator).
+    keep them, with each chunk's ``verdicts`` and the ``stats`` of the checks; none of these
+    is sent to the coordinator).
     """
 
     files: list[md.FileRecord] = field(default_factory=list)
@@ -72,6 +74,8 @@ class WriteResult:
     # kept on the rank (incremental saves), not sent to the coordinator:
     digests: dict[tuple[str, int], tuple[bytes, Box, str]] = field(default_factory=dict)  # hash, box, file name
     known_reused: dict[tuple[str, int], Any] = field(default_factory=dict)
+    verdicts: dict[tuple[str, int], Verdict] = field(default_factory=dict)  # every chunk's check (see .unchanged)
+    stats: UnchangedStats | None = None
 
     def for_coordinator(self) -> WriteResult:
         return WriteResult(self.files, self.objects, self.rows, self.nbytes, self.reused)
@@ -209,9 +213,11 @@ def _banded(values: list[torch.Tensor], pitch: int) -> torch.Tensor | None:
     return first.as_strided((len(values), *first.shape), (step // size, *first.stride()), first.storage_offset())
 
 
-def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list[int]) -> memoryview:
+def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list[int],
+                  hashers: list[ContentHash | None] | None = None) -> memoryview:
     """Copy a box's column bands into one aligned buffer as they lie in the file (band ``k``
-    at ``k * pitch``, zeros between), append each band's checksums to ``crcs``."""
+    at ``k * pitch``, zeros between), append each band's checksums to ``crcs`` (and feed band
+    ``k`` to ``hashers[k]`` where there is one: incremental saves)."""
     nbytes = items[0].nbytes
     span = pitch * (len(items) - 1) + nbytes
     buf = direct_io.POOL.get(span)
@@ -220,10 +226,12 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
         if k and pitch > nbytes:
             buf[k * pitch - (pitch - nbytes):k * pitch] = bytes(pitch - nbytes)
         sums = _Checksums(step)
+        hasher = hashers[k] if hashers else None
+        feed = sums.feed if hasher is None else lambda data, s=sums, h=hasher: (s.feed(data), h.feed(data))
         band = buf[k * pitch:k * pitch + nbytes]
-        if not copy_fed(band, bands[k], sums.feed):  # numpy cannot view it: torch copies, then we sum
+        if not copy_fed(band, bands[k], feed):  # numpy cannot view it: torch copies, then we sum
             copy_into(torch.frombuffer(band, dtype=torch.uint8).view(bands.dtype).view(bands.shape[1:]), bands[k])
-            sums.feed(band)
+            feed(band)
         crcs.extend(sums.finish())
     return buf
 
@@ -271,10 +279,10 @@ def write_plan(
 ) -> WriteResult:
     """Write every item of ``plan`` (this rank's share of the global plan).
 
-    ``hashes``: store each chunk's content hash in its file's index and return it in
-    ``WriteResult.digests``. ``reuse`` (incremental saves, see :mod:`.incremental`): chunks
-    stored earlier, by (key, sub id); one whose bytes hash the same is not written but
-    returned in ``WriteResult.reused``.
+    ``hashes`` (incremental saves): store each chunk's content hash in its file's index and
+    return it in ``WriteResult.digests``; check every chunk against ``reuse``, the chunks
+    stored earlier by (key, sub id) (see :mod:`.unchanged`): one found unchanged is not
+    written but returned in ``WriteResult.reused``.
     """
     result = WriteResult()
     fence = StreamFence()  # device tensors are copied to the host on writer threads
@@ -282,15 +290,28 @@ def write_plan(
         result.objects[key] = planner.resolve_data(WriteItem(key, Box((), ()), 0))
     items, known = plan.items, {}
     tables = {k for k, spec in plan.entries.items() if spec.store is None and spec.kind != "object"}
-    if reuse:
+    if hashes:  # incremental: is each chunk the last step stored unchanged? (see .unchanged)
+        stats = result.stats = UnchangedStats()
+        stamp_of_item = getattr(planner, "source_stamp", None)
         same: dict[tuple[str, int], bool] = {}  # per (key, box): every sub-chunk unchanged
         for item in plan.items:
-            prior = reuse.get((item.key, item.sub))
-            digest = _digest_if_reusable(planner, item, prior, fence)
-            if digest is not None:
-                known[(item.key, item.sub)] = digest
+            ks = (item.key, item.sub)
+            prior = reuse.get(ks) if reuse else None
+            if prior is not None and prior.box != item.box:
+                prior = None
+            stamp = stamp_of_item(item) if stamp_of_item is not None else None
+            value = planner.resolve_data(item) if stamp is not None or prior is not None else None
+            if isinstance(value, torch.Tensor):
+                fence.before_copy(value)
+            verdict = examine(prior, stamp, value, lambda v=value: _full_digest(v), item.nbytes, stats)
+            value = None
+            result.verdicts[ks] = verdict
+            if verdict.behind_counter:
+                stats.behind_counter.add(item.key)
+            if verdict.digest is not None and not verdict.unread:
+                known[ks] = verdict.digest
             box = (item.key, item.sub // _tiles(plan, item.key))
-            same[box] = same.get(box, True) and digest is not None and digest == prior.digest
+            same[box] = same.get(box, True) and prior is not None and verdict.digest == prior.digest
         items = []
         for item in plan.items:
             if same[(item.key, item.sub // _tiles(plan, item.key))]:
@@ -301,6 +322,9 @@ def write_plan(
                     result.rows.append((item.key, item.sub, item.box, prior.file.dir, prior.file.name))
             else:
                 items.append(item)
+                stats.written_bytes += item.nbytes
+                if (item.key, item.sub) not in known:  # hashed as it is written
+                    stats.hashed_bytes += item.nbytes
     groups = _split_files(items, thread_count)
     direct = getattr(writer, "uses_direct_io", None) is True  # decided by prepare()
 
@@ -351,7 +375,7 @@ def write_plan(
             pos, i = layout.base, 0
             while i < len(witems):
                 witem, start = witems[i], layout.starts[i]
-                n = 1 if hashes else _band_run(plan, witems, items, layout.starts, i)
+                n = _band_run(plan, witems, items, layout.starts, i)
                 values = [planner.resolve_data(witem)]
                 # bands of a row-major tensor are strided: gather them in one copy (bands staged
                 # contiguously by an async save are written as they are, one by one)
@@ -362,7 +386,12 @@ def write_plan(
                     if bands is not None:  # every column band of a box, in one copy
                         if start > pos:
                             yield memoryview(bytes(start - pos))
-                        yield _gather_bands(bands, pitch, items[i:i + n], crcs)
+                        subs = [(w.key, w.sub) for w in witems[i:i + n]]
+                        hashers = [None if ks in known else ContentHash() for ks in subs] if hashes else None
+                        yield _gather_bands(bands, pitch, items[i:i + n], crcs, hashers)
+                        if hashes:
+                            digests.update((ks, known[ks] if h is None else h.digest())
+                                           for ks, h in zip(subs, hashers, strict=True))
                         pos, i = layout.starts[i + n - 1] + items[i + n - 1].nbytes, i + n
                         continue
                 for k in range(i, i + n):  # one by one, each resolved just before it is written
@@ -405,15 +434,11 @@ def _tiles(plan: SavePlan, key: str) -> int:
     return store.tiles if isinstance(store, md.GridStore) else 1
 
 
-def _digest_if_reusable(planner: SavePlanner, item: WriteItem, prior: Any, fence: StreamFence) -> bytes | None:
-    """The content hash of an item that may be reused (same box as before), else None."""
-    if prior is None or prior.box != item.box:
-        return None
-    value = planner.resolve_data(item)
+def _full_digest(value: Any) -> bytes | None:
+    """The content hash of a chunk's data, or None when it comes in slabs (hashing would
+    consume them)."""
     if not isinstance(value, (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)):
-        return None  # produced in slabs: hashing would consume them
-    if isinstance(value, torch.Tensor):
-        fence.before_copy(value)
+        return None
     hasher = ContentHash()
     for data in _pieces(value):
         hasher.feed(data)

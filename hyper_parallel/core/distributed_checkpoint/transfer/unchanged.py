@@ -1,0 +1,170 @@
+"""Whether a chunk is unchanged since the step that stored it, reading as little of it as can be.
+
+An incremental save (see :mod:`..engine.incremental`) asks this of every chunk it stored
+before. Three tests, cheapest first:
+
+1. the source tensor's :class:`~..state.version_stamp.VersionStamp` equals the one recorded
+   when the stored bytes were last known to be its bytes (same memory, no in-place op since).
+   The same memory written in place since is taken as changed, and written (hashed as it
+   streams out) without a separate check: what changes every step costs no check at all;
+2. a *spot check*: the hash of :data:`SAMPLE_PIECES` pieces of :data:`SAMPLE_PIECE_BYTES` at
+   fixed, evenly spread places of the chunk equals the one recorded with the stored bytes (the
+   whole chunk when it is at most :data:`SAMPLE_WHOLE_BYTES`). It costs ~32 KiB of reading and
+   catches the writes a version counter misses that touch the whole tensor (fused optimizers,
+   custom kernels, ``.data.copy_``);
+3. the full 128-bit content hash of the chunk, compared with the stored one.
+
+A chunk passing 1 and 2, and not due a full check (the caller's schedule), is reused unread;
+otherwise 3 decides. A chunk whose stamp was unchanged but whose hash was not is reported
+(``behind_counter``): its tensor is written behind torch's version counter, and the caller
+stops trusting that key's stamps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..format.data_file import ContentHash, tensor_bytes
+from ..state.version_stamp import VersionStamp
+
+SAMPLE_PIECES = 8
+SAMPLE_PIECE_BYTES = 4096
+SAMPLE_WHOLE_BYTES = 64 << 10  # chunks up to this size are spot-checked whole
+
+
+@dataclass
+class Verdict:
+    """What the check found for one chunk.
+
+    ``digest``: its content hash when it was hashed (or taken from the prior chunk when
+    reused unread), else None; ``unread``: reused on its stamp and spot check alone;
+    ``stamp``/``sample``: what to record for the next save; ``behind_counter``: its stamp
+    said unchanged, its hash said otherwise.
+    """
+
+    digest: bytes | None
+    stamp: VersionStamp | None
+    sample: bytes | None
+    unread: bool = False
+    behind_counter: bool = False
+
+
+@dataclass
+class UnchangedStats:
+    """What one save's checks cost and found (bytes of this rank's chunks).
+
+    ``unread_bytes``: chunks reused on their stamp and spot check, without reading them;
+    ``hashed_bytes``: bytes hashed in full (by the checks, and while writing);
+    ``sampled_bytes``: bytes the spot checks read; ``written_bytes``: chunk bytes written;
+    ``behind_counter``: keys found changed under an unchanged stamp.
+    """
+
+    unread_bytes: int = 0
+    unread_chunks: int = 0
+    hashed_bytes: int = 0
+    sampled_bytes: int = 0
+    written_bytes: int = 0
+    behind_counter: set[str] = field(default_factory=set)
+
+
+def sample_digest(value: Any) -> tuple[bytes, int] | None:
+    """The spot-check hash of a chunk's bytes and how many bytes it read, or None when the
+    value cannot be sampled (not a tensor, or one slicing refuses)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    t = value.detach()
+    n, size = t.numel(), t.element_size()
+    h = ContentHash()
+    read = 0
+    try:
+        if n * size <= SAMPLE_WHOLE_BYTES or t.dim() == 0:
+            views = [tensor_bytes(t)]
+        elif t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            flat = tensor_bytes(t)  # no copy: pieces of the tensor's own memory
+            piece = SAMPLE_PIECE_BYTES
+            views = [flat[s:s + piece] for s in _spread(flat.nbytes - piece)]
+        elif t.device.type == "cpu" and t.dim() >= 2 and t.stride(-1) == 1 and not (t.is_conj() or t.is_neg()):
+            views = _row_pieces(t.view(torch.uint8).numpy())  # a column band: copies only the pieces
+        else:
+            m = max(1, SAMPLE_PIECE_BYTES // size)  # elements per piece
+            if t.is_contiguous() or t.dim() == 1:  # pieces of the flat (or only) dimension
+                flat = t.reshape(-1) if t.is_contiguous() else t
+                pieces = [flat.narrow(0, s, m) for s in _spread(n - m)]
+            else:  # a column band or a strided view: the head of evenly spread rows
+                per_row = max(1, n // t.shape[0])
+                k = max(1, min(t.shape[0], m // per_row))  # rows per piece
+                pieces = [_head(t.narrow(0, r, k), m) for r in dict.fromkeys(_spread(t.shape[0] - k))]
+            views = [tensor_bytes(torch.cat([p.reshape(-1) for p in pieces]))]  # one copy off a device
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    for data in views:
+        h.feed(data)
+        read += data.nbytes
+    return h.digest(), read
+
+
+def _spread(last: int) -> list[int]:
+    """SAMPLE_PIECES evenly spread starts from 0 to ``last``."""
+    return [i * last // (SAMPLE_PIECES - 1) for i in range(SAMPLE_PIECES)]
+
+
+def _row_pieces(a: np.ndarray) -> list[memoryview]:
+    """Pieces of the bytes of a strided host array (rows whose last dimension is contiguous):
+    runs of whole rows at evenly spread places (gathered in one copy), or the head of a row
+    larger than a piece."""
+    row = a[0].nbytes
+    if row >= SAMPLE_PIECE_BYTES:
+        return [memoryview(np.ravel(a[r])[:SAMPLE_PIECE_BYTES]) for r in dict.fromkeys(_spread(a.shape[0] - 1))]
+    k = min(a.shape[0], SAMPLE_PIECE_BYTES // max(1, row))
+    rows = [r + j for r in dict.fromkeys(_spread(a.shape[0] - k)) for j in range(k)]
+    return [memoryview(np.ascontiguousarray(a[rows])).cast("B")]  # (take() would copy all of a first)
+
+
+def _head(t: torch.Tensor, m: int) -> torch.Tensor:
+    """A leading part of ``t`` (a view) with at most ``m`` elements, or one element."""
+    while t.dim() > 0 and t.numel() > m:
+        inner = t.numel() // max(1, t.shape[0])
+        if inner <= m:
+            return t.narrow(0, 0, m // inner)
+        t = t.select(0, 0)
+    return t
+
+
+def examine(prior: Any, stamp: VersionStamp | None, value: Any, full_digest: Callable[[], bytes | None],
+            nbytes: int, stats: UnchangedStats) -> Verdict:
+    """Check one chunk against ``prior``, what the last step stored for it (None: nothing, or
+    another box). ``prior`` has ``digest``, ``stamp``, ``sample`` and ``trust`` (whether its
+    stamp may stand for a full check at this save); ``value`` is the chunk's data and
+    ``full_digest`` hashes all of it (None when it cannot)."""
+    if prior is None:  # written, and hashed as it is; its spot check recorded for the next save
+        return Verdict(None, stamp, _sample(value, stats) if stamp is not None else None)
+    if stamp is not None and stamp.written_since(prior.stamp):
+        # the same memory, written in place since: written again without hashing it twice (a
+        # tensor that changes every step never pays for a check); no spot check recorded, so
+        # once it stops changing its first save hashes it in full before trusting its stamp
+        return Verdict(None, stamp, None)
+    same_stamp = stamp is not None and stamp.same_as(prior.stamp)
+    sample = _sample(value, stats) if same_stamp else None
+    if same_stamp and prior.trust and sample is not None and sample == prior.sample:
+        stats.unread_bytes += nbytes
+        stats.unread_chunks += 1
+        return Verdict(prior.digest, stamp, sample, unread=True)
+    # due a full check, or another tensor (a fresh copy of unchanged bytes is still reused)
+    digest = full_digest()
+    if digest is None:
+        return Verdict(None, stamp, sample)
+    stats.hashed_bytes += nbytes
+    return Verdict(digest, stamp, sample, behind_counter=same_stamp and digest != prior.digest)
+
+
+def _sample(value: Any, stats: UnchangedStats) -> bytes | None:
+    sampled = sample_digest(value)
+    if sampled is None:
+        return None
+    stats.sampled_bytes += sampled[1]
+    return sampled[0]
