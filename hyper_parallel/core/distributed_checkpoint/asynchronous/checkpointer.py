@@ -20,6 +20,12 @@ One async save, on every rank of the group, in this order:
    dedicated group: the same planning, dedup, writing, and commit (``.metadata`` written
    last). Saves run one after another, in call order, on every rank.
 
+Under a memory budget (``max_host_bytes``) steps 4 and 5 overlap: the snapshot holds meta
+stand-ins, and once the writer has planned, a stager copies the tensors piece by piece into
+a ring of ``max_host_bytes`` that the writer empties (:mod:`.streamed_staging`). The snapshot
+is complete when the last piece is copied; ``staging="eager"`` returns then, ``"lazy"`` at
+once (``wait_staged``/the optimizer hook wait for it).
+
 Exit and fork: see :mod:`.process_hooks`. ``dist.destroy_process_group()`` also destroys the
 dedicated group, failing a save still in flight (uncommitted): call ``wait()`` (or
 ``result()``) before it. The public functions (``async_save``, ...) are in :mod:`.api`.
@@ -50,7 +56,7 @@ from ..backends.fsspec import start_io_thread
 from ..backends.locations import is_url, local_path
 from ..backends.protocol import StorageWriter
 from ..base.coordination import as_timeout, group_timeout, is_broken, new_gloo_group
-from ..base.errors import LostContactError
+from ..base.errors import LostContactError, UnsupportedValueError
 from ..base.priority import BACKGROUND_NICE, lower_this_thread
 from ..engine import in_flight
 from ..engine.checkpoint import save
@@ -61,9 +67,10 @@ from ..planning.planner import SavePlanner
 from ..planning.standard_planner import StandardPlanner
 from ..state.flatten import FlatStateDict, flatten
 from . import buffers
-from .buffers import BufferPool, StagingBuffer, StagingStats, copy_value, tensor_spec
+from .buffers import BufferPool, StagingBuffer, StagingRing, StagingStats, copy_value, tensor_spec, wrap_dtensor
 from .process_hooks import install_exit_hooks, track
 from .response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
+from .streamed_staging import MIN_HOST_BYTES, BudgetStream
 
 __all__ = ["AsyncCheckpointer", "PathLike"]
 
@@ -105,6 +112,8 @@ class _Job:
     buffer: StagingBuffer | None = None
     error: BaseException | None = None
     place: str | None = None  # where it saves (:func:`place_of`)
+    stream: BudgetStream | None = None  # under a memory budget: the tensors, copied as they are written
+    whole_bytes: int = 0  # under a memory budget: bytes of numpy arrays copied whole at the call
 
 
 class AsyncCheckpointer:
@@ -134,6 +143,26 @@ class AsyncCheckpointer:
             ``staging="lazy"`` saves, whose copies run in the background anyway; True: also
             for eager saves, worth it where the training loop and the save compete for
             few cores; False: never.
+        max_host_bytes: a bound on the host (pinned, with accelerator tensors) memory that
+            snapshots take, whatever the state's size; None (default): a whole snapshot per
+            save. With a bound, a save copies its tensors piece by piece into one reused ring
+            of this many bytes while the writer writes the pieces and the ring takes the next
+            ones (numpy arrays in the state are copied whole at the call and count against
+            it). A state larger than the bound cannot be snapshotted before anything is
+            written, so the snapshot is complete only once all but the last ``max_host_bytes``
+            have been written: ``staging="eager"`` returns then (its blocking time is about
+            the time to write the state minus the bound; nothing is read from the tensors
+            afterwards, so they may change at once, as without a bound); ``staging="lazy"``
+            returns at once and ``response.wait_staged()`` or :func:`~.api.register_optimizer_hook`
+            wait for that point, so forward and backward run meanwhile. A state within the
+            bound is copied whole ahead of the writes (the call returns after the save's
+            planning exchange and the copies). At least ``16 MiB * thread_count`` (a storage
+            writer keeps up to 8 MiB of parts before it writes them, and the ring must hold
+            those and the next piece); tensors larger than the ring are cut into row slabs.
+            ``response.peak_staged_bytes`` and ``stats.peak_staged_bytes`` report what was
+            held. Needs the :class:`StandardPlanner`'s data handling (a subclass that holds or
+            resolves data its own way is refused); ``stage_bands`` does not apply (the ring's
+            pieces are the bands). An incremental save (the manager's) writes every chunk.
 
     Example::
 
@@ -147,13 +176,21 @@ class AsyncCheckpointer:
 
     def __init__(self, max_in_flight: int = 1, exit_timeout_s: float = 600.0, max_cached_structures: int = 2,
                  wait_timeout_s: float = 3600.0, background_nice: int = BACKGROUND_NICE,
-                 stage_bands: bool | None = None):
+                 stage_bands: bool | None = None, max_host_bytes: int | None = None):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if not 0 <= background_nice <= 19:
             raise ValueError(f"background_nice must be within 0..19, got {background_nice}")
         if stage_bands not in (None, True, False):
             raise ValueError(f"stage_bands must be None, True or False, got {stage_bands!r}")
+        if max_host_bytes is not None:
+            if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int):
+                raise TypeError(f"max_host_bytes must be an int (bytes) or None, got {max_host_bytes!r}")
+            if max_host_bytes < MIN_HOST_BYTES:
+                raise ValueError(f"max_host_bytes must be at least {MIN_HOST_BYTES} ({MIN_HOST_BYTES >> 20} MiB "
+                                 f"per writer thread), got {max_host_bytes}")
+        self.max_host_bytes = max_host_bytes
+        self._ring: StagingRing | None = None
         self.background_nice = background_nice
         self.stage_bands = stage_bands
         self.max_in_flight = max_in_flight
@@ -223,6 +260,8 @@ class AsyncCheckpointer:
             # the writer would start fsspec's process-wide I/O thread at its own niceness
             start_io_thread()
 
+        if self.max_host_bytes is not None:
+            self._check_budget_args(thread_count, planner)
         self._make_room()
         distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
         mesh_scoped = False
@@ -252,11 +291,16 @@ class AsyncCheckpointer:
         with self._lock:
             self._in_flight.append(job)
         in_flight.started(id(job), job.place, response._finished, self.wait_timeout_s)
-        if staging == "eager" or job.error is not None:
-            self._stage(job)
+        if job.stream is not None and job.error is None:  # copied while the writer writes
+            self._write_queue.put(job)
+            if staging == "eager":
+                response._staged.wait()  # every tensor read: all but the last max_host_bytes written
         else:
-            self._stage_queue.put(job)
-        self._write_queue.put(job)
+            if staging == "eager" or job.error is not None:
+                self._stage(job)
+            else:
+                self._stage_queue.put(job)
+            self._write_queue.put(job)
         response.blocking_s = time.perf_counter() - started
         return response
 
@@ -317,6 +361,10 @@ class AsyncCheckpointer:
     def _free(self) -> None:
         """Free the staging buffers, the threads and the dedicated groups (no save in flight)."""
         self._pool.clear()
+        if self._ring is not None:
+            with self._lock:
+                self.stats.held_bytes -= self._ring.capacity
+            self._ring = None
         self._stop_threads()
         for world, group in self._groups.values():
             if world is dist.group.WORLD:
@@ -370,6 +418,18 @@ class AsyncCheckpointer:
         self._groups[(ranks, timeout)] = (world, group)
         return group
 
+    def _check_budget_args(self, thread_count: int, planner: SavePlanner | None) -> None:
+        """Under a memory budget: refuse, now, what the streamed snapshot cannot serve."""
+        if self.max_host_bytes < MIN_HOST_BYTES * max(1, thread_count):
+            raise ValueError(f"max_host_bytes={self.max_host_bytes} is too small for thread_count={thread_count}: "
+                             f"each writer thread needs {MIN_HOST_BYTES >> 20} MiB of it; pass thread_count="
+                             f"{max(1, self.max_host_bytes // MIN_HOST_BYTES)} or raise max_host_bytes")
+        if planner is not None and not (hasattr(planner, "can_stream") and planner.can_stream()):
+            raise UnsupportedValueError(
+                f"max_host_bytes: the planner {type(planner).__name__} holds or resolves write data its own way, "
+                "so it cannot be handed a snapshot that is copied while it is written; use StandardPlanner (or a "
+                "subclass that only renames keys with transform_key), or an AsyncCheckpointer without max_host_bytes")
+
     def _prepare(self, job: _Job, state_dict: dict[str, Any]) -> None:
         """Flatten, copy plain values, and find the structure of the tensors (no tensor copies)."""
         flat = flatten(state_dict)
@@ -386,8 +446,43 @@ class AsyncCheckpointer:
                 devices.add(tensor.device)
         job.paths = {key: leaf.path for key, leaf in flat.leaves.items()}
         job.signature, job.templates, job.pinned = tuple(signature), templates, bool(devices)
-        if job.response.staging == "lazy":
+        if job.response.staging == "lazy" or self.max_host_bytes is not None:
             job.events = {d: _record_event(d) for d in devices if d.type == "cuda"}
+        if self.max_host_bytes is not None:
+            self._prepare_stream(job)
+
+    def _prepare_stream(self, job: _Job) -> None:
+        """Under a memory budget: meta stand-ins for the tensors, streamed from the live ones;
+        numpy arrays copied whole now (they count against the budget)."""
+        arrays = {key: t for key, t in job.templates.items() if isinstance(t, np.ndarray)}
+        job.whole_bytes = sum(a.nbytes for a in arrays.values())
+        limit = self.max_host_bytes - job.whole_bytes
+        files = max(1, job.save_kwargs.get("thread_count") or 1)
+        if limit < MIN_HOST_BYTES * files:
+            raise UnsupportedValueError(
+                f"max_host_bytes={self.max_host_bytes}: the state's numpy arrays ({sorted(arrays)[:5]}) take "
+                f"{job.whole_bytes} bytes of it, copied whole, and leave {limit} for the tensors, less than the "
+                f"{MIN_HOST_BYTES * files} needed; raise max_host_bytes or keep large arrays as tensors")
+        ring = self._ring
+        if ring is None or (job.pinned and not ring.pinned):
+            ring = self._ring = StagingRing(self.max_host_bytes, job.pinned)
+            with self._lock:
+                self.stats.allocations += 1
+                self.stats.allocated_bytes += ring.capacity
+                self.stats.held_bytes += ring.capacity
+        stream = BudgetStream(ring, limit, lambda: self._streamed(job), self.background_nice, job.events)
+        for key, value in job.templates.items():
+            if key in arrays:
+                job.values[key] = copy_value(value)
+            else:
+                logical = stream.add(_source(value))
+                job.values[key] = wrap_dtensor(logical, value) if isinstance(value, DTensor) else logical
+        job.stream, job.signature, job.templates = stream, (), {}
+
+    def _streamed(self, job: _Job) -> None:
+        """The streamed snapshot is complete (or failed): the live tensors are not read again."""
+        job.response.staging_s = time.perf_counter() - job.started
+        job.response._staged.set()
 
     def _stage(self, job: _Job) -> None:
         """Copy the job's tensors into a staging buffer (caller's thread for eager)."""
@@ -396,6 +491,7 @@ class AsyncCheckpointer:
             if job.error is None and job.signature:
                 job.bands = self._bands(job)
                 job.buffer = self._pool.acquire(job.signature, job.templates, job.pinned, job.bands)
+                self._peak(job, job.buffer.nbytes)
                 sources = [(job.buffer.targets[key], _source(job.templates[key])) for key, _ in job.signature]
                 if job.events:
                     self._copy_on_side_streams(job, sources)
@@ -445,7 +541,13 @@ class AsyncCheckpointer:
         out = FlatStateDict.from_items(
             {key: (path, staged[key] if key in staged else job.values[key]) for key, path in job.paths.items()})
         out.bands = dict(job.buffer.banded) if job.buffer is not None else {}
+        out.stream = job.stream
         return out
+
+    def _peak(self, job: _Job, nbytes: int) -> None:
+        job.response.peak_staged_bytes = nbytes
+        with self._lock:
+            self.stats.peak_staged_bytes = max(self.stats.peak_staged_bytes, nbytes)
 
     def _ensure_threads(self) -> None:
         """Start the writer and stager threads (again after close(), or in a forked child)."""
@@ -470,6 +572,7 @@ class AsyncCheckpointer:
         in_flight.forget_all()
         self._groups.clear()
         self._streams.clear()
+        self._ring = None
         self._threads_pid = None
         self._stop = lambda: None
 
@@ -481,10 +584,13 @@ class AsyncCheckpointer:
             self._stop()
 
     def _write(self, job: _Job) -> None:
-        job.response._staged.wait()
+        if job.stream is None:
+            job.response._staged.wait()
         meta, error = None, None
         try:
             in_flight.wait_for_earlier_saves(id(job))  # another checkpointer's, to the same place
+            if job.stream is not None:
+                job.stream.begin()
             meta = save(self._staged_state_dict(job), process_group=job.group, **job.save_kwargs)
         except BaseException as exc:  # every failure belongs to the response, never to the thread
             error = exc
@@ -497,6 +603,10 @@ class AsyncCheckpointer:
             if job.buffer is not None:
                 self._pool.release(job.buffer)
                 job.buffer = None
+            if job.stream is not None:
+                job.stream.close()  # before the response resolves: a waiter sees it staged
+                self._peak(job, job.stream.ring.peak + job.whole_bytes)
+                job.stream = None
             job.paths, job.values = {}, {}
         response = job.response
         with self._lock:

@@ -137,11 +137,13 @@ class FlatStateDict(dict):
 
     ``save`` accepts one directly (already flat: no Stateful calls, no re-flattening), which
     is how a staged snapshot keeps the exact keys of the state dict it was taken from.
-    ``bands`` holds a snapshot's tensors staged as column bands (:mod:`.staged_bands`).
+    ``bands`` holds a snapshot's tensors staged as column bands (:mod:`.staged_bands`);
+    ``stream`` a snapshot whose tensors are copied as they are written (:mod:`.streamed_snapshot`).
     """
 
     paths: dict[str, tuple[PathPart, ...]]
     bands: dict[str, Any] = {}  # noqa: RUF012 (read-only default; a snapshot sets its own)
+    stream: Any = None
 
     @classmethod
     def of(cls, flat: Flat) -> FlatStateDict:
