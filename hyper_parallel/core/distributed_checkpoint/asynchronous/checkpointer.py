@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import queue
 import threading
@@ -70,7 +71,7 @@ from . import buffers
 from .buffers import BufferPool, StagingBuffer, StagingRing, StagingStats, copy_value, tensor_spec, wrap_dtensor
 from .process_hooks import install_exit_hooks, track
 from .response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
-from .streamed_staging import MIN_HOST_BYTES, BudgetStream
+from .streamed_staging import MIN_HOST_BYTES, MIN_RING_BYTES, BudgetStream, forget_locals
 
 __all__ = ["AsyncCheckpointer", "PathLike"]
 
@@ -458,11 +459,11 @@ class AsyncCheckpointer:
         job.whole_bytes = sum(a.nbytes for a in arrays.values())
         limit = self.max_host_bytes - job.whole_bytes
         files = max(1, job.save_kwargs.get("thread_count") or 1)
-        if limit < MIN_HOST_BYTES * files:
+        if limit < MIN_RING_BYTES * files:
             raise UnsupportedValueError(
                 f"max_host_bytes={self.max_host_bytes}: the state's numpy arrays ({sorted(arrays)[:5]}) take "
                 f"{job.whole_bytes} bytes of it, copied whole, and leave {limit} for the tensors, less than the "
-                f"{MIN_HOST_BYTES * files} needed; raise max_host_bytes or keep large arrays as tensors")
+                f"{MIN_RING_BYTES * files} needed; raise max_host_bytes or keep large arrays as tensors")
         ring = self._ring
         if ring is None or (job.pinned and not ring.pinned):
             ring = self._ring = StagingRing(self.max_host_bytes, job.pinned)
@@ -478,6 +479,26 @@ class AsyncCheckpointer:
                 logical = stream.add(_source(value))
                 job.values[key] = wrap_dtensor(logical, value) if isinstance(value, DTensor) else logical
         job.stream, job.signature, job.templates = stream, (), {}
+
+    def _ring_for(self, stream: BudgetStream) -> None:
+        """Give ``stream`` a ring with no piece of an earlier save in it. After a failed save,
+        its error (or a storage writer) may still refer to pieces: then a new ring is used and
+        the old one is freed once those references go (staging memory exceeds the budget till then)."""
+        ring = stream.ring
+        if ring.in_use:
+            gc.collect()  # references in cycles (tracebacks, closures)
+        if not ring.in_use:
+            return
+        warnings.warn(f"async save: {ring.in_use} bytes of an earlier save's staging pieces are still referred to "
+                      "(by a failed save's error or a storage writer); this save uses a new staging ring, so staging "
+                      "memory exceeds max_host_bytes until they are freed", stacklevel=1)
+        fresh = StagingRing(ring.capacity, ring.pinned)
+        with self._lock:
+            self.stats.allocations += 1
+            self.stats.allocated_bytes += fresh.capacity
+            if self._ring is ring:
+                self._ring = fresh  # the old one is no longer held by us
+        stream.ring = fresh
 
     def _streamed(self, job: _Job) -> None:
         """The streamed snapshot is complete (or failed): the live tensors are not read again."""
@@ -590,6 +611,7 @@ class AsyncCheckpointer:
         try:
             in_flight.wait_for_earlier_saves(id(job))  # another checkpointer's, to the same place
             if job.stream is not None:
+                self._ring_for(job.stream)
                 job.stream.begin()
             meta = save(self._staged_state_dict(job), process_group=job.group, **job.save_kwargs)
         except BaseException as exc:  # every failure belongs to the response, never to the thread
@@ -604,6 +626,7 @@ class AsyncCheckpointer:
                 self._pool.release(job.buffer)
                 job.buffer = None
             if job.stream is not None:
+                forget_locals(error)  # the pieces the writer held when it failed go back to the ring
                 job.stream.close()  # before the response resolves: a waiter sees it staged
                 self._peak(job, job.stream.ring.peak + job.whole_bytes)
                 job.stream = None

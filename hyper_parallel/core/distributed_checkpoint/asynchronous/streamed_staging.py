@@ -10,7 +10,7 @@ caller may change its tensors again, once the last piece is copied: then at most
 bytes are still unwritten. A tensor larger than the ring is cut into row slabs (and a row
 larger than a piece into parts of rows), so any budget above the minimum works.
 
-Why the minimum (:data:`MIN_HOST_BYTES` per data file a rank writes): a storage writer may
+Why the minimum (:data:`MIN_RING_BYTES` per data file a rank writes): a storage writer may
 keep some parts before it writes them (the O_DIRECT writer gathers 8 MiB per system call),
 and those pieces come back only once it has more; the ring must hold them and the next piece.
 A writer that keeps more raises a clear error after ``stall_s`` instead of hanging.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import threading
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,17 +39,23 @@ from . import buffers
 from .buffers import StagingRing
 from .response import AsyncStagingError
 
-__all__ = ["BudgetStream", "MIN_HOST_BYTES", "piece_bytes_for", "slabs"]
+__all__ = ["BudgetStream", "forget_locals", "MIN_HOST_BYTES", "MIN_RING_BYTES", "piece_bytes_for", "slabs"]
 
-MIN_HOST_BYTES = 16 << 20  # per data file written at once (see the module docstring)
+MIN_RING_BYTES = 13 << 20  # per data file written at once (piece_bytes_for)
+MIN_HOST_BYTES = 16 << 20  # the least max_host_bytes per data file: the ring's least, and room for small numpy arrays
 MAX_PIECE_BYTES = 16 << 20  # larger pieces overlap copying and writing less, and gain nothing
-STALL_S = 300.0  # no piece written back for this long while the ring is full: an error
+STALL_S = 120.0  # no piece written back for this long while the ring is full: an error
 
 
 def piece_bytes_for(limit: int, files: int) -> int:
-    """The largest piece a ring of ``limit`` bytes takes when ``files`` are written at once:
-    each writer may keep up to 8 MiB plus two pieces, and the stager needs one more."""
-    return max(TENSOR_ALIGN, min(MAX_PIECE_BYTES, limit // (8 * max(1, files))))
+    """The largest piece a ring of ``limit`` bytes takes when ``files`` are written at once.
+
+    Each file's writer may keep up to 8 MiB of parts plus two pieces (one it is still reading,
+    one partly gathered) until it is given more; a ring frees memory oldest first, so its free
+    bytes may lie in two runs (after the head, before the tail) and one piece's room can be
+    lost at the end: with pieces of 1/16 of the ring per file, 13 MiB per file always leaves
+    a run for the next piece (8 MiB + 2/16 + 3/16 of it < 13 MiB)."""
+    return max(TENSOR_ALIGN, min(MAX_PIECE_BYTES, limit // (16 * max(1, files))))
 
 
 def slabs(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
@@ -114,7 +121,8 @@ class BudgetStream(SnapshotStream):
         self._nice = nice
         self._events = events or {}  # CUDA: training-stream marks the copies wait for
         self._tensors: dict[int, StreamedTensor] = {}
-        self._regions: dict[tuple, deque[_Region]] = {}
+        self._regions: dict[tuple, deque[_Region]] = {}  # not yet read, by (tensor, index)
+        self._all: list[_Region] = []
         self._cond = threading.Condition()
         self._expected = False
         self._closed = False
@@ -153,6 +161,7 @@ class BudgetStream(SnapshotStream):
                 for r in mine:
                     self._regions.setdefault(_region_key(r.tensor, r.index), deque()).append(r)
                 order_by_file.append(mine)
+                self._all.extend(mine)
         self.piece_bytes = piece_bytes_for(self.limit, len(files))
         order = _interleaved(order_by_file)
         if not order:
@@ -266,6 +275,8 @@ class BudgetStream(SnapshotStream):
         with self._cond:
             self._closed = True
             self._regions.clear()
+            for region in self._all:  # pieces copied ahead for a save that failed go back to the ring
+                region.pieces.clear()
             self._cond.notify_all()
         self.ring.stop(CheckpointError("the save ended before the snapshot was copied"))
         if self._thread is not None:
@@ -273,6 +284,17 @@ class BudgetStream(SnapshotStream):
         for tensor in self._tensors.values():
             tensor.source = None
         self._staged()
+
+
+def forget_locals(error: BaseException | None) -> None:
+    """Clear the local variables of the finished frames in ``error``'s tracebacks (and its
+    causes'): a failed save's error, kept by its response, must not keep staged pieces (parts
+    the writer was holding when it failed) from going back to the ring."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _interleaved(files: list[list[_Region]]) -> list[_Region]:
