@@ -345,3 +345,26 @@ def rank_budgeted_saves(rank: int, ws: int, root: str) -> list[int]:
 def test_two_ranks_with_dtensor_shards_save_under_a_quarter_budget_bit_exact(tmp_path):
     peaks = run_ranks(rank_budgeted_saves, 2, str(tmp_path), timeout_s=300)
     assert all(0 < p <= BUDGET for rank in peaks for p in rank), peaks
+
+
+def test_the_checkpoint_manager_saves_incrementally_through_a_budgeted_checkpointer(tmp_path):
+    """CheckpointManager(async_save=AsyncCheckpointer(max_host_bytes=...)): every save bounded,
+    each step loads as it was at its save (an incremental save of a streamed snapshot writes
+    every chunk: its hashes are taken as it is written)."""
+    from hyper_parallel.core.distributed_checkpoint import CheckpointManager
+
+    ckpt = AsyncCheckpointer(max_host_bytes=BUDGET)
+    sd = {"frozen": make_tensor((4096, 2048)), "w": make_tensor((2048, 2048), seed=1), "step": 0}
+    with CheckpointManager(str(tmp_path / "run"), async_save=ckpt, incremental=True, keep_latest=2) as mgr:
+        saved = {}
+        for step in (1, 2):
+            sd["step"] = step
+            saved[step] = _clone(sd)
+            mgr.save(step, sd)
+            sd["w"].add_(1)  # right after the call
+        mgr.wait()
+        assert ckpt.stats.peak_staged_bytes <= BUDGET
+        for step in (1, 2):
+            target = {"frozen": torch.zeros(4096, 2048), "w": torch.zeros(2048, 2048), "step": 0}
+            assert mgr.load(target, step=step) == step
+            assert_same(target, saved[step])

@@ -220,6 +220,8 @@ class BudgetStream(SnapshotStream):
                 self.error = exc
                 self._cond.notify_all()
         finally:
+            for tensor in self._tensors.values():  # never read again: the caller may free them
+                tensor.source = None
             self._staged()
 
     def _copy_now(self, tensor: StreamedTensor, index: tuple[slice, ...]) -> Iterator[np.ndarray]:
