@@ -17,9 +17,18 @@ lazy blocking <= 5% of the sync save. Every async measurement starts with nothin
 buffers, the dedicated gloo group and cached plans exist, as they do from the second
 checkpoint of a training run on.
 
+``--budget`` measures memory instead: each way of saving runs in fresh rank processes
+(``AsyncCheckpointer(max_host_bytes=...)`` at ``--budget-fraction`` of a rank's state,
+eager and lazy, beside the unbounded async save, a sync save and torch DCP's async_save),
+and reports per rank the peak extra RSS over two saves (the kernel's ``VmHWM``, reset through
+``/proc/self/clear_refs`` once the state is built, minus ``VmRSS`` then), the blocking time
+and the total time of the second save; one run. Target: the budgeted saves' peak extra RSS
+<= budget + 10%.
+
 Usage::
 
     python benchmarks/bench_async.py --size-mb 256 --world-size 2 --reps 5
+    python benchmarks/bench_async.py --budget --size-mb 2048 --world-size 2 --out benchmarks/results/async_budget.md
 """
 
 from __future__ import annotations
@@ -185,6 +194,69 @@ def bench_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict:
     return {"times": times, "local_bytes": nbytes, "allocations": stats.allocations}
 
 
+BUDGET_SCENARIOS = [
+    ("sync", "sync save (no staging: the writer's own memory)"),
+    ("unbounded", "async eager, no bound"),
+    ("budget_eager", "async eager, max_host_bytes"),
+    ("budget_lazy", "async lazy, max_host_bytes (blocking = call + wait_staged)"),
+    ("torch", "torch DCP async_save"),
+]
+
+
+def _proc_status(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def budget_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict:
+    """One scenario (``args.scenario``) in fresh processes: two saves, peak extra RSS over both."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as tdcp
+
+    from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer, save
+
+    warnings.filterwarnings("ignore")
+    sd = build_state(ws, args.size_mb, args.tensors)
+    nbytes = local_bytes(sd)
+    budget = int(nbytes * args.budget_fraction)
+    kind = args.scenario
+    ckpt = AsyncCheckpointer(max_host_bytes=budget if kind.startswith("budget") else None)
+    dist.barrier()
+    base = _proc_status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS now
+        f.write("5")
+    out = {"local_bytes": nbytes, "budget": budget}
+    for i in range(2):  # the first allocates what the way of saving keeps; the second is timed
+        path = os.path.join(root, f"{kind}-{i}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        if kind == "sync":
+            save(sd, path)
+            t1 = t2 = time.perf_counter()
+        elif kind == "torch":
+            fut = tdcp.async_save(sd, checkpoint_id=path)
+            t1 = time.perf_counter()
+            (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
+            t2 = time.perf_counter()
+        else:
+            resp = ckpt.save(sd, path, staging="lazy" if kind == "budget_lazy" else "eager")
+            resp.wait_staged()  # lazy: what an optimizer step right after the call would wait
+            t1 = time.perf_counter()
+            resp.result()
+            t2 = time.perf_counter()
+            out["peak_staged"] = resp.peak_staged_bytes
+            if kind == "budget_lazy":
+                out["call_s"] = resp.blocking_s
+        out.update(blocking_s=t1 - t0, total_s=t2 - t0)
+    out["peak_extra"] = _proc_status("VmHWM") - base
+    ckpt.close()
+    return out
+
+
 def _worker(rank: int, ws: int, init_file: str, args: argparse.Namespace, root: str, q) -> None:
     import torch
     import torch.distributed as dist
@@ -194,7 +266,7 @@ def _worker(rank: int, ws: int, init_file: str, args: argparse.Namespace, root: 
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ws,
                                 timeout=timedelta(seconds=300))
-        q.put((rank, "ok", bench_rank(rank, ws, args, root)))
+        q.put((rank, "ok", (budget_rank if args.budget else bench_rank)(rank, ws, args, root)))
         dist.destroy_process_group()
     except BaseException:
         q.put((rank, "err", traceback.format_exc()))
@@ -235,7 +307,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: temp dir)")
     parser.add_argument("--verbose", action="store_true", help="also print every repetition")
+    parser.add_argument("--budget", action="store_true", help="measure peak extra RSS under max_host_bytes")
+    parser.add_argument("--budget-fraction", type=float, default=0.25, help="max_host_bytes / a rank's state")
+    parser.add_argument("--out", default=None, help="--budget: also write the table (markdown) here")
     args = parser.parse_args()
+    if args.budget:
+        budget_main(args)
+        return
 
     ranks = run(args)
     # per repetition, the slowest rank decides how long training paused; then the median
@@ -259,6 +337,55 @@ def main() -> None:
     for name, value, limit in targets:
         verdict = "met" if value <= limit else "NOT met"
         print(f"  {name:<50} {value * 1e3:8.2f} ms vs {limit * 1e3:8.2f} ms: {verdict}")
+
+
+def budget_main(args: argparse.Namespace) -> None:
+    MiB = 1 << 20
+    started = time.perf_counter()
+    load = os.getloadavg()
+    rows = {}
+    for kind, _ in BUDGET_SCENARIOS:  # each in fresh processes: RSS is a process's
+        args.scenario = kind
+        rows[kind] = run(args)
+    ranks = rows["budget_eager"]
+    local, budget = ranks[0]["local_bytes"], ranks[0]["budget"]
+    lines = [
+        f"# Async saves under a host-memory budget ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"State: {args.size_mb:g} MiB over {args.world_size} gloo ranks ({local / MiB:.1f} MiB per rank, "
+        f"{args.tensors} Shard(0) tensors of 1024 columns); max_host_bytes = {budget / MiB:.1f} MiB per rank "
+        f"({args.budget_fraction:g} of a rank's state); one run, two saves per way of saving, each way in "
+        f"fresh processes; {args.threads} torch thread(s) per rank; load average before {load[0]:.2f}.",
+        "Peak extra RSS: the most the rank's resident memory rose above its level with the state built "
+        "(kernel VmHWM after a reset through /proc/self/clear_refs), over both saves; times: the second save, "
+        "slowest rank.",
+        "",
+        f"Command: `python benchmarks/bench_async.py --budget --size-mb {args.size_mb:g} --world-size "
+        f"{args.world_size} --tensors {args.tensors} --budget-fraction {args.budget_fraction:g}`",
+        "",
+        "| way of saving | peak extra RSS per rank (MiB) | peak staged (MiB) | blocking (ms) | total (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, label in BUDGET_SCENARIOS:
+        r = rows[kind]
+        rss = " / ".join(f"{x['peak_extra'] / MiB:.1f}" for x in r)
+        staged = " / ".join(f"{x['peak_staged'] / MiB:.1f}" for x in r) if "peak_staged" in r[0] else "-"
+        blocking = max(x["blocking_s"] for x in r) * 1e3
+        extra = f" (call {max(x['call_s'] for x in r) * 1e3:.1f})" if "call_s" in r[0] else ""
+        total = max(x["total_s"] for x in r) * 1e3
+        lines.append(f"| {label} | {rss} | {staged} | {blocking:.1f}{extra} | {total:.1f} |")
+    lines += ["", "Targets:"]
+    for kind in ("budget_eager", "budget_lazy"):
+        worst = max(x["peak_extra"] for x in rows[kind])
+        limit = 1.1 * budget
+        lines.append(f"- {kind}: peak extra RSS {worst / MiB:.1f} MiB <= budget + 10% ({limit / MiB:.1f} MiB): "
+                     f"{'met' if worst <= limit else 'NOT met'}")
+    lines.append(f"\n(wall time {time.perf_counter() - started:.0f} s)")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

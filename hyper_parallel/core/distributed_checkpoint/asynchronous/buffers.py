@@ -6,6 +6,10 @@ column bands, on :data:`DIRECT_IO_ALIGN` boundaries), one copy per tensor. A lat
 the same structure reuses the buffer (:class:`BufferPool`); :class:`StagingStats` counts
 allocations. Buffers are pinned when the tensors live on an accelerator.
 
+Under a memory budget (``AsyncCheckpointer(max_host_bytes=...)``) a snapshot is not copied
+whole: :class:`StagingRing` is one fixed allocation handed out in pieces and reused as the
+saver writes them (:mod:`.streamed_staging` decides what goes in).
+
 Used by the async checkpointer (:mod:`.checkpointer`) and by the checkpoint manager's local
 tier. This module copies; it does not decide when (no threads, no saves).
 """
@@ -14,8 +18,10 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import warnings
-from collections import OrderedDict
+import weakref
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -24,12 +30,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..base.alignment import DIRECT_IO_ALIGN, TENSOR_ALIGN
+from ..base.errors import CheckpointError
 from ..format.data_file import ALIGNED_PAYLOAD_MIN
 from ..planning.staged_bands import BandedSnapshot
 from ..sharding.grid import band_columns
 
-__all__ = ["StagingStats", "StagingBuffer", "BufferPool",
-           "tensor_spec", "copy_value", "copy_into"]
+__all__ = ["StagingStats", "StagingBuffer", "BufferPool", "StagingRing",
+           "tensor_spec", "copy_value", "copy_into", "wrap_dtensor"]
 
 # Large tensors start on O_DIRECT block boundaries (and the buffer on one), as the data file
 # places them, so the background write hands their memory to O_DIRECT as it is, with no copy
@@ -41,14 +48,18 @@ class StagingStats:
     """Counters of a checkpointer's staging buffers.
 
     ``allocations``: staging buffers allocated so far (one per new structure, or per extra save
-    in flight); ``allocated_bytes``: their total size; ``reuses``: snapshots taken into an
-    existing buffer; ``held_bytes``: bytes of the buffers held now (in use or cached).
+    in flight, or the ring of a memory budget); ``allocated_bytes``: their total size;
+    ``reuses``: snapshots taken into an existing buffer; ``held_bytes``: bytes of the buffers
+    held now (in use or cached); ``peak_staged_bytes``: the most bytes of snapshot data one
+    save held at once (a whole snapshot's buffer; under a budget, the ring's pieces in use at
+    their peak plus numpy arrays copied whole).
     """
 
     allocations: int = 0
     allocated_bytes: int = 0
     reuses: int = 0
     held_bytes: int = 0
+    peak_staged_bytes: int = 0
 
 
 
@@ -113,7 +124,7 @@ class StagingBuffer:
                 logical = torch.empty(shape, dtype=dtype, device="meta")
                 self.targets[key] = _Bands(views, cols)
                 self.banded[key] = BandedSnapshot(logical, views, cols)
-                self.staged[key] = _wrap_dtensor(logical, templates[key]) if kind == "dtensor" else logical
+                self.staged[key] = wrap_dtensor(logical, templates[key]) if kind == "dtensor" else logical
                 continue
             (off, n), = parts
             raw = self.flat[off:off + n]
@@ -123,7 +134,7 @@ class StagingBuffer:
                 continue
             view = raw.view(dtype).view(shape)
             self.targets[key] = view
-            self.staged[key] = _wrap_dtensor(view, templates[key]) if kind == "dtensor" else view
+            self.staged[key] = wrap_dtensor(view, templates[key]) if kind == "dtensor" else view
 
 
 def _part_bytes(spec: tuple, cols: list[tuple[int, int]] | None) -> list[int]:
@@ -158,7 +169,7 @@ def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
-def _wrap_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+def wrap_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor over the staged local shard with ``like``'s mesh, placements, shape, stride."""
     mesh = like.device_mesh
     if mesh.device_type == local.device.type:
@@ -237,3 +248,103 @@ class BufferPool:
                 self.stats.held_bytes -= sum(b.nbytes for b in buffers)
             self._free.clear()
 
+
+
+class StagingRing:
+    """``capacity`` bytes of host memory (pinned if asked), handed out in pieces and reused.
+
+    Pieces are taken in order at the head of a ring and come back in any order; the oldest
+    one's memory is taken again first. :meth:`take` blocks while no room is left. A piece is
+    a numpy ``uint8`` array; it comes back when nothing refers to it any more: every view,
+    memoryview or slice made from it keeps its base alive, and a finalizer on that base gives
+    the memory back. So a storage writer that keeps a part queued keeps it intact, and no
+    piece is ever overwritten while a reference to it exists.
+    """
+
+    def __init__(self, capacity: int, pinned: bool):
+        self.capacity = capacity
+        self.flat = _allocate(capacity, pinned)
+        self.pinned = self.flat.is_pinned() if capacity else pinned
+        self._bytes = memoryview(self.flat.numpy())
+        self._cond = threading.Condition(threading.RLock())  # finalizers may run in any thread, inside it too
+        self._live: deque[list] = deque()  # [start, end, given back] of each piece, in the order taken
+        self._head = 0  # where the next piece goes
+        self.limit = capacity  # this save's share (start())
+        self.in_use = 0  # bytes of the pieces not given back
+        self.peak = 0
+        self._stop: BaseException | None = None
+        self._moved = time.monotonic()  # when a piece last came back
+
+    def start(self, limit: int) -> None:
+        """Begin a save that may hold at most ``limit`` (<= capacity) bytes of pieces at once."""
+        with self._cond:
+            self.limit = min(limit, self.capacity)
+            self.peak = self.in_use
+            self._stop = None
+
+    def stop(self, error: BaseException) -> None:
+        """Make every :meth:`take` (waiting now or later, until :meth:`start`) raise ``error``."""
+        with self._cond:
+            self._stop = error
+            self._cond.notify_all()
+
+    def take(self, nbytes: int, align: int, stall_s: float | None = None) -> tuple[torch.Tensor, np.ndarray]:
+        """A piece of ``nbytes`` bytes starting on an ``align`` boundary, as ``(tensor, array)``
+        over the same memory: copy into the tensor, hand out the array (whose life decides when
+        the memory is reused; the tensor must be dropped first).
+
+        Raises:
+            CheckpointError: no piece came back for ``stall_s`` seconds while this one waited
+                (a storage writer that holds every part until the end), or as :meth:`stop` says.
+        """
+        if nbytes > self.limit:
+            raise ValueError(f"a staging piece of {nbytes} bytes cannot fit the ring's {self.limit}")
+        with self._cond:
+            waited_from = time.monotonic()
+            while True:
+                if self._stop is not None:
+                    raise self._stop
+                pos = self._place(nbytes, align)
+                if pos is not None:
+                    break
+                if stall_s is not None and time.monotonic() - max(self._moved, waited_from) > stall_s:
+                    raise CheckpointError(
+                        f"async save: the {self.limit}-byte staging memory (max_host_bytes) is full and "
+                        f"no staged piece was written for {stall_s:.0f}s: the storage writer holds "
+                        f"{self.in_use} bytes of parts without writing them. Raise max_host_bytes, or use a "
+                        "writer that writes parts as it gets them")
+                self._cond.wait(None if stall_s is None else min(1.0, stall_s))
+            piece = [pos, pos + nbytes, False]
+            self._live.append(piece)
+            self._head = pos + nbytes
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+        array = np.frombuffer(self._bytes[pos:pos + nbytes], dtype=np.uint8)
+        base = array.base  # a memoryview made for this array: every view of it refers to it
+        if base is None or base is self._bytes or isinstance(base, np.ndarray):
+            self._give_back(piece)
+            raise RuntimeError("numpy did not give the staging piece a base of its own; cannot track its use")
+        weakref.finalize(base, self._give_back, piece)
+        return self.flat[pos:pos + nbytes], array
+
+    def _place(self, nbytes: int, align: int) -> int | None:
+        """Where a piece of ``nbytes`` fits now, or None."""
+        if not self._live:
+            self._head = 0
+            return 0
+        tail = self._live[0][0]
+        pos = -(-self._head // align) * align
+        if self._head > tail:  # in use: [tail, head); room after head, else from 0 up to tail
+            if pos + nbytes <= self.limit:
+                return pos
+            return 0 if nbytes <= tail else None
+        return pos if pos + nbytes <= tail else None  # wrapped: in use [tail, end) and [0, head)
+
+    def _give_back(self, piece: list) -> None:
+        with self._cond:
+            piece[2] = True
+            self.in_use -= piece[1] - piece[0]
+            while self._live and self._live[0][2]:
+                self._live.popleft()
+            self._moved = time.monotonic()
+            self._cond.notify_all()

@@ -20,6 +20,12 @@ One async save, on every rank of the group, in this order:
    dedicated group: the same planning, dedup, writing, and commit (``.metadata`` written
    last). Saves run one after another, in call order, on every rank.
 
+Under a memory budget (``max_host_bytes``) steps 4 and 5 overlap: the snapshot holds meta
+stand-ins, and once the writer has planned, a stager copies the tensors piece by piece into
+a ring of ``max_host_bytes`` that the writer empties (:mod:`.streamed_staging`). The snapshot
+is complete when the last piece is copied; ``staging="eager"`` returns then, ``"lazy"`` at
+once (``wait_staged``/the optimizer hook wait for it).
+
 Exit and fork: see :mod:`.process_hooks`. ``dist.destroy_process_group()`` also destroys the
 dedicated group, failing a save still in flight (uncommitted): call ``wait()`` (or
 ``result()``) before it. The public functions (``async_save``, ...) are in :mod:`.api`.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import queue
 import threading
@@ -51,7 +58,7 @@ from ..backends.locations import is_url, local_path
 from ..backends.protocol import StorageWriter
 from ..backends.torch_storage import as_our_writer
 from ..base.coordination import as_timeout, group_timeout, is_broken, new_gloo_group
-from ..base.errors import LostContactError
+from ..base.errors import LostContactError, UnsupportedValueError
 from ..base.priority import BACKGROUND_NICE, lower_this_thread
 from ..engine import in_flight
 from ..engine.checkpoint import save
@@ -64,9 +71,10 @@ from ..planning.torch_planners import as_our_planner
 from ..state.flatten import FlatStateDict, flatten
 from ..state.version_stamp import stamp_of
 from . import buffers
-from .buffers import BufferPool, StagingBuffer, StagingStats, copy_value, tensor_spec
+from .buffers import BufferPool, StagingBuffer, StagingRing, StagingStats, copy_value, tensor_spec, wrap_dtensor
 from .process_hooks import install_exit_hooks, track
 from .response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
+from .streamed_staging import MIN_HOST_BYTES, MIN_RING_BYTES, BudgetStream, forget_locals
 
 __all__ = ["AsyncCheckpointer", "PathLike"]
 
@@ -110,6 +118,8 @@ class _Job:
     error: BaseException | None = None
     place: str | None = None  # where it saves (:func:`place_of`)
     pin_memory: bool = True  # pin staging buffers of accelerator tensors
+    stream: BudgetStream | None = None  # under a memory budget: the tensors, copied as they are written
+    whole_bytes: int = 0  # under a memory budget: bytes of numpy arrays copied whole at the call
 
 
 class AsyncCheckpointer:
@@ -139,6 +149,26 @@ class AsyncCheckpointer:
             ``staging="lazy"`` saves, whose copies run in the background anyway; True: also
             for eager saves, worth it where the training loop and the save compete for
             few cores; False: never.
+        max_host_bytes: a bound on the host (pinned, with accelerator tensors) memory that
+            snapshots take, whatever the state's size; None (default): a whole snapshot per
+            save. With a bound, a save copies its tensors piece by piece into one reused ring
+            of this many bytes while the writer writes the pieces and the ring takes the next
+            ones (numpy arrays in the state are copied whole at the call and count against
+            it). A state larger than the bound cannot be snapshotted before anything is
+            written, so the snapshot is complete only once all but the last ``max_host_bytes``
+            have been written: ``staging="eager"`` returns then (its blocking time is about
+            the time to write the state minus the bound; nothing is read from the tensors
+            afterwards, so they may change at once, as without a bound); ``staging="lazy"``
+            returns at once and ``response.wait_staged()`` or :func:`~.api.register_optimizer_hook`
+            wait for that point, so forward and backward run meanwhile. A state within the
+            bound is copied whole ahead of the writes (the call returns after the save's
+            planning exchange and the copies). At least ``16 MiB * thread_count`` (a storage
+            writer keeps up to 8 MiB of parts before it writes them, and the ring must hold
+            those and the next piece); tensors larger than the ring are cut into row slabs.
+            ``response.peak_staged_bytes`` and ``stats.peak_staged_bytes`` report what was
+            held. Needs the :class:`StandardPlanner`'s data handling (a subclass that holds or
+            resolves data its own way is refused); ``stage_bands`` does not apply (the ring's
+            pieces are the bands). An incremental save (the manager's) writes every chunk.
 
     Example::
 
@@ -152,13 +182,21 @@ class AsyncCheckpointer:
 
     def __init__(self, max_in_flight: int = 1, exit_timeout_s: float = 600.0, max_cached_structures: int = 2,
                  wait_timeout_s: float = 3600.0, background_nice: int = BACKGROUND_NICE,
-                 stage_bands: bool | None = None):
+                 stage_bands: bool | None = None, max_host_bytes: int | None = None):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         if not 0 <= background_nice <= 19:
             raise ValueError(f"background_nice must be within 0..19, got {background_nice}")
         if stage_bands not in (None, True, False):
             raise ValueError(f"stage_bands must be None, True or False, got {stage_bands!r}")
+        if max_host_bytes is not None:
+            if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int):
+                raise TypeError(f"max_host_bytes must be an int (bytes) or None, got {max_host_bytes!r}")
+            if max_host_bytes < MIN_HOST_BYTES:
+                raise ValueError(f"max_host_bytes must be at least {MIN_HOST_BYTES} ({MIN_HOST_BYTES >> 20} MiB "
+                                 f"per writer thread), got {max_host_bytes}")
+        self.max_host_bytes = max_host_bytes
+        self._ring: StagingRing | None = None
         self.background_nice = background_nice
         self.stage_bands = stage_bands
         self.max_in_flight = max_in_flight
@@ -232,6 +270,8 @@ class AsyncCheckpointer:
             # the writer would start fsspec's process-wide I/O thread at its own niceness
             start_io_thread()
 
+        if self.max_host_bytes is not None:
+            self._check_budget_args(thread_count, planner)
         self._make_room()
         distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
         mesh_scoped = False
@@ -262,11 +302,16 @@ class AsyncCheckpointer:
         with self._lock:
             self._in_flight.append(job)
         in_flight.started(id(job), job.place, response._finished, self.wait_timeout_s)
-        if staging == "eager" or job.error is not None:
-            self._stage(job)
+        if job.stream is not None and job.error is None:  # copied while the writer writes
+            self._write_queue.put(job)
+            if staging == "eager":
+                response._staged.wait()  # every tensor read: all but the last max_host_bytes written
         else:
-            self._stage_queue.put(job)
-        self._write_queue.put(job)
+            if staging == "eager" or job.error is not None:
+                self._stage(job)
+            else:
+                self._stage_queue.put(job)
+            self._write_queue.put(job)
         response.blocking_s = time.perf_counter() - started
         return response
 
@@ -327,6 +372,10 @@ class AsyncCheckpointer:
     def _free(self) -> None:
         """Free the staging buffers, the threads and the dedicated groups (no save in flight)."""
         self._pool.clear()
+        if self._ring is not None:
+            with self._lock:
+                self.stats.held_bytes -= self._ring.capacity
+            self._ring = None
         self._stop_threads()
         for world, group in self._groups.values():
             if world is dist.group.WORLD:
@@ -380,6 +429,18 @@ class AsyncCheckpointer:
         self._groups[(ranks, timeout)] = (world, group)
         return group
 
+    def _check_budget_args(self, thread_count: int, planner: SavePlanner | None) -> None:
+        """Under a memory budget: refuse, now, what the streamed snapshot cannot serve."""
+        if self.max_host_bytes < MIN_HOST_BYTES * max(1, thread_count):
+            raise ValueError(f"max_host_bytes={self.max_host_bytes} is too small for thread_count={thread_count}: "
+                             f"each writer thread needs {MIN_HOST_BYTES >> 20} MiB of it; pass thread_count="
+                             f"{max(1, self.max_host_bytes // MIN_HOST_BYTES)} or raise max_host_bytes")
+        if planner is not None and not (hasattr(planner, "can_stream") and planner.can_stream()):
+            raise UnsupportedValueError(
+                f"max_host_bytes: the planner {type(planner).__name__} holds or resolves write data its own way, "
+                "so it cannot be handed a snapshot that is copied while it is written; use StandardPlanner (or a "
+                "subclass that only renames keys with transform_key), or an AsyncCheckpointer without max_host_bytes")
+
     def _prepare(self, job: _Job, state_dict: dict[str, Any]) -> None:
         """Flatten, copy plain values, and find the structure of the tensors (no tensor copies)."""
         flat = flatten(state_dict)
@@ -396,8 +457,63 @@ class AsyncCheckpointer:
                 devices.add(tensor.device)
         job.paths = {key: leaf.path for key, leaf in flat.leaves.items()}
         job.signature, job.templates, job.pinned = tuple(signature), templates, bool(devices) and job.pin_memory
-        if job.response.staging == "lazy":
+        if job.response.staging == "lazy" or self.max_host_bytes is not None:
             job.events = {d: _record_event(d) for d in devices if d.type == "cuda"}
+        if self.max_host_bytes is not None:
+            self._prepare_stream(job)
+
+    def _prepare_stream(self, job: _Job) -> None:
+        """Under a memory budget: meta stand-ins for the tensors, streamed from the live ones;
+        numpy arrays copied whole now (they count against the budget)."""
+        arrays = {key: t for key, t in job.templates.items() if isinstance(t, np.ndarray)}
+        job.whole_bytes = sum(a.nbytes for a in arrays.values())
+        limit = self.max_host_bytes - job.whole_bytes
+        files = max(1, job.save_kwargs.get("thread_count") or 1)
+        if limit < MIN_RING_BYTES * files:
+            raise UnsupportedValueError(
+                f"max_host_bytes={self.max_host_bytes}: the state's numpy arrays ({sorted(arrays)[:5]}) take "
+                f"{job.whole_bytes} bytes of it, copied whole, and leave {limit} for the tensors, less than the "
+                f"{MIN_RING_BYTES * files} needed; raise max_host_bytes or keep large arrays as tensors")
+        ring = self._ring
+        if ring is None or (job.pinned and not ring.pinned):
+            ring = self._ring = StagingRing(self.max_host_bytes, job.pinned)
+            with self._lock:
+                self.stats.allocations += 1
+                self.stats.allocated_bytes += ring.capacity
+                self.stats.held_bytes += ring.capacity
+        stream = BudgetStream(ring, limit, lambda: self._streamed(job), self.background_nice, job.events)
+        for key, value in job.templates.items():
+            if key in arrays:
+                job.values[key] = copy_value(value)
+            else:
+                logical = stream.add(_source(value))
+                job.values[key] = wrap_dtensor(logical, value) if isinstance(value, DTensor) else logical
+        job.stream, job.signature, job.templates = stream, (), {}
+
+    def _ring_for(self, stream: BudgetStream) -> None:
+        """Give ``stream`` a ring with no piece of an earlier save in it. After a failed save,
+        its error (or a storage writer) may still refer to pieces: then a new ring is used and
+        the old one is freed once those references go (staging memory exceeds the budget till then)."""
+        ring = stream.ring
+        if ring.in_use:
+            gc.collect()  # references in cycles (tracebacks, closures)
+        if not ring.in_use:
+            return
+        warnings.warn(f"async save: {ring.in_use} bytes of an earlier save's staging pieces are still referred to "
+                      "(by a failed save's error or a storage writer); this save uses a new staging ring, so staging "
+                      "memory exceeds max_host_bytes until they are freed", stacklevel=1)
+        fresh = StagingRing(ring.capacity, ring.pinned)
+        with self._lock:
+            self.stats.allocations += 1
+            self.stats.allocated_bytes += fresh.capacity
+            if self._ring is ring:
+                self._ring = fresh  # the old one is no longer held by us
+        stream.ring = fresh
+
+    def _streamed(self, job: _Job) -> None:
+        """The streamed snapshot is complete (or failed): the live tensors are not read again."""
+        job.response.staging_s = time.perf_counter() - job.started
+        job.response._staged.set()
 
     def _stage(self, job: _Job) -> None:
         """Copy the job's tensors into a staging buffer (caller's thread for eager)."""
@@ -406,6 +522,7 @@ class AsyncCheckpointer:
             if job.error is None and job.signature:
                 job.bands = self._bands(job)
                 job.buffer = self._pool.acquire(job.signature, job.templates, job.pinned, job.bands)
+                self._peak(job, job.buffer.nbytes)
                 sources = [(job.buffer.targets[key], _source(job.templates[key])) for key, _ in job.signature]
                 if job.save_kwargs.get("incremental") is not None:
                     # what tells the incremental save that a source is unchanged is the source's
@@ -460,7 +577,13 @@ class AsyncCheckpointer:
             {key: (path, staged[key] if key in staged else job.values[key]) for key, path in job.paths.items()})
         out.bands = dict(job.buffer.banded) if job.buffer is not None else {}
         out.stamps = job.stamps if job.stamps is not None else {}
+        out.stream = job.stream
         return out
+
+    def _peak(self, job: _Job, nbytes: int) -> None:
+        job.response.peak_staged_bytes = nbytes
+        with self._lock:
+            self.stats.peak_staged_bytes = max(self.stats.peak_staged_bytes, nbytes)
 
     def _ensure_threads(self) -> None:
         """Start the writer and stager threads (again after close(), or in a forked child)."""
@@ -485,6 +608,7 @@ class AsyncCheckpointer:
         in_flight.forget_all()
         self._groups.clear()
         self._streams.clear()
+        self._ring = None
         self._threads_pid = None
         self._stop = lambda: None
 
@@ -496,10 +620,14 @@ class AsyncCheckpointer:
             self._stop()
 
     def _write(self, job: _Job) -> None:
-        job.response._staged.wait()
+        if job.stream is None:
+            job.response._staged.wait()
         meta, error = None, None
         try:
             in_flight.wait_for_earlier_saves(id(job))  # another checkpointer's, to the same place
+            if job.stream is not None:
+                self._ring_for(job.stream)
+                job.stream.begin()
             meta = save(self._staged_state_dict(job), process_group=job.group, **job.save_kwargs)
         except BaseException as exc:  # every failure belongs to the response, never to the thread
             error = exc
@@ -512,6 +640,11 @@ class AsyncCheckpointer:
             if job.buffer is not None:
                 self._pool.release(job.buffer)
                 job.buffer = None
+            if job.stream is not None:
+                forget_locals(error)  # the pieces the writer held when it failed go back to the ring
+                job.stream.close()  # before the response resolves: a waiter sees it staged
+                self._peak(job, job.stream.ring.peak + job.whole_bytes)
+                job.stream = None
             job.paths, job.values = {}, {}
         response = job.response
         with self._lock:

@@ -50,8 +50,14 @@ class AsyncSaveResponse:
     ``exception()``, ``add_done_callback(fn)``, ``cancel()`` (False: a save once started runs
     to its end), ``running()``, ``cancelled()``.
         blocking_s: seconds the ``async_save`` call took.
-        staging_s: seconds the snapshot copies took (set once staged).
+        staging_s: seconds the snapshot copies took (set once staged); under a memory budget
+            (``max_host_bytes``), seconds from the call until the snapshot was complete (the
+            copies overlap the writes), which is what a ``wait_staged()`` right after a lazy
+            call waits.
         total_s: seconds from the call to the end of the save (set once done).
+        peak_staged_bytes: the most bytes of snapshot data the save held at once (its whole
+            staging buffer; under a memory budget, the ring's pieces in use at their peak
+            plus numpy arrays copied whole); set when staged, or (budget) when done.
     """
 
     def __init__(self, checkpoint_id: str | None, staging: str, callback: Callable | None,
@@ -65,6 +71,7 @@ class AsyncSaveResponse:
         self.blocking_s = 0.0
         self.staging_s: float | None = None
         self.total_s: float | None = None
+        self.peak_staged_bytes: int | None = None
         self._callback = callback
         self._staged = threading.Event()
         self._finished = threading.Event()

@@ -10,8 +10,13 @@ Save protocol — the framework calls, on every rank, in this order:
 2. ``create_global_save_plan(plans) -> list[SavePlan]``: given every rank's local plan (in rank
    order), decide who writes what. Called on EVERY rank with the same input; it must be
    deterministic, because there is no scatter: each rank takes ``result[rank]``.
-3. ``resolve_data(item) -> torch.Tensor | bytes``: the data of one write item, when the saver
-   writes it. Incremental saves also ask ``source_stamp(item)`` (optional; see
+3. ``prepare_writes(files)`` (optional; the default does nothing): the items this rank writes,
+   per data file, in the order the saver resolves them, before it resolves any; a planner
+   whose data is produced on demand (a streamed snapshot, :mod:`.streamed_snapshot`) can
+   produce ahead in that order.
+4. ``resolve_data(item) -> torch.Tensor | bytes``: the data of one write item, when the saver
+   writes it (or an iterable of row slabs: tensors or host byte arrays, row-major, in order).
+   Incremental saves also ask ``source_stamp(item)`` (optional; see
    :mod:`..state.version_stamp`).
 
 Load protocol — on every rank, in this order:
@@ -113,6 +118,10 @@ class SavePlanner(abc.ABC):
 
     @abc.abstractmethod
     def create_global_save_plan(self, plans: list[SavePlan]) -> list[SavePlan]: ...
+
+    def prepare_writes(self, files: list[list[WriteItem]]) -> None:  # noqa: B027 (optional; default: nothing)
+        """The items this rank writes, per data file, in the order they will be resolved
+        (called once, before the first ``resolve_data`` of the writes). Optional."""
 
     @abc.abstractmethod
     def resolve_data(self, item: WriteItem) -> torch.Tensor | bytes: ...

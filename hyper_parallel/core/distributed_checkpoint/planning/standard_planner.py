@@ -57,6 +57,7 @@ from .leaves import (
 from .plan_cache import PLAN_CACHE, CachedSaveResult, PlanCache
 from .planner import EntrySpec, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
 from .staged_bands import BandedSnapshot
+from .streamed_snapshot import StreamedTensor
 
 __all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner"]
 
@@ -140,6 +141,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._stamps: dict[str, VersionStamp | None] = {}  # key -> its source tensor's stamp
         self._given_stamps: dict[int, VersionStamp | None] | None = None  # a snapshot's, by staged tensor
         self._banded: dict[int, BandedSnapshot] = {}
+        self._stream: Any = None  # a streamed snapshot's SnapshotStream (set_up_save)
         self._origin: dict[str, str] = {}
         self._origin_identity = True
 
@@ -260,6 +262,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         given = getattr(state_dict, "stamps", None)
         self._given_stamps = None if given is None else {
             id(_local(state_dict[k])): s for k, s in given.items() if k in state_dict}
+        # an async save under a memory budget: tensors whose bytes are copied as they are written
+        self._stream = getattr(state_dict, "stream", None)
         self._values = self._transform(state_dict)
         self.is_coordinator = is_coordinator
 
@@ -274,8 +278,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         for key, value in self._values.items():
             path = self._path(key)
             if isinstance(value, DTensor):
-                if self._staged(value._local_tensor) is None:
-                    check_saveable(key, value._local_tensor)
+                self._check_saveable(key, value._local_tensor)
                 box = dtensor_box(value, key)
                 dtype = dtype_name(value.dtype)
                 entries[key] = EntrySpec("tensor", path, dtype, tuple(value.shape), layout_record(value, group_rank))
@@ -303,8 +306,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                     "saved with pickle; convert it to tensors/plain values (e.g. int(x) for a numpy "
                     "scalar), or pass allow_pickle=True to save (and again to load) if you trust the checkpoint"
                 )
-            if self._staged(tensor) is None:  # a staged one stands for checked bands
-                check_saveable(key, tensor)
+            self._check_saveable(key, tensor)
             shape = tuple(tensor.shape)
             entries[key] = EntrySpec(kind, path, dtype_name(tensor.dtype), shape)
             if tensor.numel():
@@ -326,10 +328,23 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             return None
         return self._stamps.get(item.key)
 
-    def _staged(self, tensor: torch.Tensor) -> BandedSnapshot | None:
-        """The column bands an async save staged for ``tensor`` (its meta stand-in), if any."""
+    def _staged(self, tensor: torch.Tensor) -> BandedSnapshot | StreamedTensor | None:
+        """What an async save staged for ``tensor`` (its meta stand-in), if anything: its
+        column bands, or the streamed tensor whose bytes are copied as they are written."""
+        if self._stream is not None and tensor.device.type == "meta":
+            streamed = self._stream.tensor_for(tensor)
+            if streamed is not None:
+                return streamed
         banded = self._banded.get(id(tensor)) if self._banded else None
         return banded if banded is not None and banded.logical is tensor else None
+
+    def _check_saveable(self, key: str, tensor: torch.Tensor) -> None:
+        staged = self._staged(tensor)
+        if staged is None:
+            check_saveable(key, tensor)
+        elif isinstance(staged, StreamedTensor):  # the live tensor it is read from
+            check_saveable(key, staged.source)
+        # staged bands stand for a tensor checked when it was staged
 
     def structure_digest(self, plan: SavePlan) -> str:
         """Equal for ranks whose local plans have the same entries (the boxes follow from them)."""
@@ -395,8 +410,33 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         except Exception:  # the save itself reports what it cannot take
             return 1
 
+    def can_stream(self) -> bool:
+        """Whether an async save under a memory budget can hand this planner a streamed
+        snapshot (:mod:`.streamed_snapshot`): not a subclass that transforms values, holds or
+        resolves write data its own way (it would meet meta stand-ins instead of data)."""
+        cls = type(self)
+        return all(getattr(cls, name) is getattr(StandardPlanner, name)
+                   for name in ("set_up_save", "transform_state_dict", "create_local_save_plan", "resolve_data",
+                                "prepare_writes"))
+
+    def prepare_writes(self, files: list[list[WriteItem]]) -> None:
+        """Tell a streamed snapshot the regions it is about to be asked for, in order."""
+        if self._stream is None:
+            return
+        order = []
+        for items in files:
+            regions = []
+            for item in items:
+                box, value = self._held[item.key]
+                if isinstance(value, StreamedTensor):
+                    regions.append((value, item.box.relative_to(box)))
+            order.append(regions)
+        self._stream.expect(order)
+
     def resolve_data(self, item: WriteItem) -> torch.Tensor | Any:
         box, value = self._held[item.key]
+        if isinstance(value, StreamedTensor):
+            return value.region(item.box.relative_to(box))
         if isinstance(value, BandedSnapshot):
             return value.region(item.box.relative_to(box))
         if item.box == box or not isinstance(value, torch.Tensor):

@@ -140,11 +140,13 @@ class FlatStateDict(dict):
     ``bands`` holds a snapshot's tensors staged as column bands (:mod:`.staged_bands`);
     ``stamps``, for a snapshot only, the version stamp of the tensor each key was copied from
     (:mod:`.version_stamp`; None while not a snapshot: stamp the values themselves).
+    ``stream`` a snapshot whose tensors are copied as they are written (:mod:`.streamed_snapshot`).
     """
 
     paths: dict[str, tuple[PathPart, ...]]
     bands: dict[str, Any] = {}  # noqa: RUF012 (read-only default; a snapshot sets its own)
     stamps: dict[str, Any] | None = None
+    stream: Any = None
 
     @classmethod
     def of(cls, flat: Flat) -> FlatStateDict:

@@ -326,6 +326,9 @@ def write_plan(
                 if (item.key, item.sub) not in known:  # hashed as it is written
                     stats.hashed_bytes += item.nbytes
     groups = _split_files(items, thread_count)
+    prepare = getattr(planner, "prepare_writes", None)  # optional (SavePlanner's protocol)
+    if prepare is not None:
+        prepare(groups)
     direct = getattr(writer, "uses_direct_io", None) is True  # decided by prepare()
 
     def write_group(index: int, witems: list[WriteItem]) -> tuple[md.FileRecord, dict, int]:
