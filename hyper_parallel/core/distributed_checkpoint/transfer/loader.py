@@ -47,11 +47,17 @@ from .streams import StreamFence
 
 DEFAULT_BUFFER_BYTES = 96 << 20  # scratch memory per file being read (runs in flight included)
 READ_SLICE = 32 << 20  # bytes per read call; what a scratch run holds at most (the pool's largest buffer)
+FUSED_BYTES = 1 << 20  # checked, then copied out, at a time (fits a core's L2 cache: see _apply)
 DIRECT_READ_MIN = 1 << 20  # whole chunks at least this large are read straight into their destination
 GAP_BYTES = 64 << 10  # ranges of one file closer than this are read in one call, the gap dropped
 RUN_MIN, RUNS_MIN = 2 << 20, 8  # a file is read in at least 8 runs, each of at least 2 MiB when it can be
 PREFETCH = 2  # scratch runs of a file read ahead through the page cache, by one thread (0: none)
 PREFETCH_DIRECT = (2, 2)  # with O_DIRECT (no kernel read-ahead): bytes of runs ahead (in largest runs), threads
+# With O_DIRECT, runs this small on average (the column bands of a Shard(1) load, hundreds of
+# small tensors) are bound by each request's latency, not by bandwidth: more threads keep more
+# of them in flight, in the same bytes ahead. A 436-tensor Shard(0)->Shard(1) load of 0.5 GiB
+# per rank: 0.72-1.04 s with 2 threads, 0.42-0.49 s with 4.
+SMALL_RUN, SMALL_RUN_THREADS = 4 << 20, 4
 DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their bytes go through the page cache
 # Files from which a load needs little data (one tensor of a checkpoint split over thousands
 # of ranks; the scattered 0-d optimizer steps of a model) are bound by per-read latency and
@@ -134,21 +140,37 @@ def _segments(item: ReadItem, dest_view: torch.Tensor, cap: int, verify: bool) -
 
 
 def _apply(seg: _Segment, data: memoryview, verify: bool) -> None:
-    """Verify a segment's blocks (``data`` holds its bytes) and copy the needed part out."""
+    """Verify a segment's blocks (``data`` holds its bytes) and copy the needed part out.
+
+    Verified and copied in one pass: a piece of whole checksum blocks of about ``FUSED_BYTES``
+    is checked and then at once copied out while the checksum has left it in the cache, so
+    the copy does not read the segment from memory a second time (a 256 MiB column-band
+    load: 0.34 CPU s/GiB checking the whole segment first, 0.22-0.28 fused). No byte is
+    copied before the block holding it has passed its check.
+    """
     item, chunk = seg.item, seg.item.chunk
     row_bytes = chunk.length // chunk.rows
-    if verify:
-        _check_blocks(item, data, seg.block, row_bytes, chunk.file)
     typed = _typed(data, seg.dest.dtype)
     if not chunk.sizes:
+        if verify:
+            _check_blocks(item, data, seg.block, row_bytes, chunk.file)
         seg.dest.copy_(typed.reshape(()))
         return
     block = typed.view((seg.row_hi - seg.row_lo, *chunk.sizes[1:]))
     inner = seg.inner
     lo, hi = max(seg.row_lo, inner.offsets[0]), min(seg.row_hi, inner.offsets[0] + inner.sizes[0])
     cols = tuple(slice(o, o + n) for o, n in zip(inner.offsets[1:], inner.sizes[1:], strict=True))
-    copy_into(seg.dest[lo - inner.offsets[0]:hi - inner.offsets[0]],
-              block[(slice(lo - seg.row_lo, hi - seg.row_lo), *cols)])
+    rows = seg.row_hi - seg.row_lo
+    step = chunk.block_rows * max(1, FUSED_BYTES // max(1, _block_bytes(chunk))) if verify else rows
+    for r0 in range(seg.row_lo, seg.row_hi, step):
+        r1 = min(seg.row_hi, r0 + step)
+        if verify:
+            _check_blocks(item, data[(r0 - seg.row_lo) * row_bytes:(r1 - seg.row_lo) * row_bytes],
+                          seg.block + (r0 - seg.row_lo) // chunk.block_rows, row_bytes, chunk.file)
+        a, b = max(r0, lo), min(r1, hi)
+        if a < b:
+            copy_into(seg.dest[a - inner.offsets[0]:b - inner.offsets[0]],
+                      block[(slice(a - seg.row_lo, b - seg.row_lo), *cols)])
 
 
 def _typed(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -264,6 +286,8 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
     ops = _plan_file(items, dests, cap, verify, align)
     file = items[0].chunk.file
     runs = [op for op in ops if op[0] == "run"]
+    if align and runs and sum(s[-1].hi - s[0].lo for _, s in runs) < SMALL_RUN * len(runs):
+        threads = SMALL_RUN_THREADS
     ahead: deque = deque()  # (future, bytes)
     pool = (ThreadPoolExecutor(threads, thread_name_prefix="dcp-prefetch") if len(runs) > 1 and depth
             else None)
