@@ -22,7 +22,13 @@ One invocation, one state dict, one storage directory, one world size:
 6. Planning + metadata time and size for simulated ranks x tensors (fake process group;
    ``benchmarks/bench_scale.py`` has issue 12's full set).
 
-Results: markdown on stdout and in ``<out>/latest.md``, JSON in ``<out>/latest.json``, a
+Every save and load is measured in CPU seconds per GiB (all threads of all ranks) beside
+its wall time, for ours, torch DCP and the raw limit; saves and the same-layout and
+Shard(0)->Shard(1) loads have a paired raw limit (the same bytes written with ``write`` +
+``fsync``, or the same files read with ``readinto``, in the same repetitions).
+
+Results: markdown on stdout and in ``<out>/latest.md`` (the CPU table alone in
+``<out>/cpu_per_gib.md``), JSON in ``<out>/latest.json``, a
 chart in ``<out>/latest.png`` (needs matplotlib, a dev extra), and each target of issues 13
 and 12 (and release 1) printed as met / not met with the measured ratio.
 
@@ -341,6 +347,8 @@ def finish(doc: dict, out: str, baseline_path: str | None, profile: bool) -> int
     md = report.markdown(doc)
     with open(os.path.join(out, "latest.md"), "w") as f:
         f.write(md)
+    with open(os.path.join(out, "cpu_per_gib.md"), "w") as f:  # the headline measure, on its own
+        f.write(report.cpu_markdown(doc))
     write_json(os.path.join(out, "latest.json"), doc)
     print(md)
     print(report.targets_text(doc))

@@ -298,6 +298,30 @@ class _Rank:
                     off += got
         return {}
 
+    def raw_write(self, tensors: Any, path: str) -> dict:
+        """The paired write limit: this rank's local tensors (the bytes its save writes;
+        DTensors' local pieces, anything else skipped) written front to back into one file
+        of ``path`` with plain ``write`` calls of ``io_chunk`` bytes, then fsync: what a save
+        costs at the least, in the same repetitions as the saves (this disk's speed drifts
+        over a run)."""
+        os.makedirs(path, exist_ok=True)
+        chunk = self.cfg["io_chunk"]
+        fd = os.open(os.path.join(path, f"raw-r{self.rank:05d}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for value in tensors:
+                local = getattr(value, "_local_tensor", value)
+                if not isinstance(local, self.torch.Tensor) or not local.numel():
+                    continue
+                data = memoryview(local.detach().contiguous().reshape(-1).view(self.torch.uint8).numpy())
+                for off in range(0, data.nbytes, chunk):
+                    view = data[off:off + chunk]
+                    while view.nbytes:
+                        view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return {}
+
     def torch_load(self, sd: dict, path: str, **kw: Any) -> dict:
         import torch.distributed.checkpoint as dcp
 
@@ -481,12 +505,17 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
                 path = os.path.join(b.dir, f"warmup-{lib}-{i}")
                 fn(sd, path)
                 b.rmtree(path)
+        # raw: the paired write limit (the same bytes written plainly, in the same repetitions)
+        savers = {"ours": b.ours_save, "torch": b.torch_save, "raw": lambda s, p: b.raw_write(s.values(), p)}
         for rep in range(reps):
-            for lib in b.order(rep, ["ours", "torch"]):
+            for lib in b.order(rep, list(savers)):
                 path = os.path.join(b.dir, f"save-{lib}-{rep}")
-                fn = b.ours_save if lib == "ours" else b.torch_save
+                fn = savers[lib]
                 b.sync_disk()
                 b.record("sync_save", lib, b.timed(lambda fn=fn, path=path: fn(sd, path)), total)
+                if lib == "raw":
+                    b.rmtree(path)
+                    continue
                 if lib in kept:
                     b.rmtree(kept[lib])
                 kept[lib] = path
@@ -737,7 +766,10 @@ def _model_case(b: _Rank, cfg: dict) -> dict:
         t_a = time.monotonic()
         state = dm.state_dict_of(model, opt)
         t_b = time.monotonic()
-        (b.ours_save if lib == "ours" else b.torch_save)(state, path)
+        if lib == "raw":  # the paired limit: the same local bytes written plainly
+            b.raw_write(_leaves(state), path)
+        else:
+            (b.ours_save if lib == "ours" else b.torch_save)(state, path)
         return {"call_s": time.monotonic() - t_b, "state_dict_s": t_b - t_a}
 
     def load_with(lib: str, path: str) -> dict:
@@ -761,15 +793,22 @@ def _model_case(b: _Rank, cfg: dict) -> dict:
             save_with(lib, path)
             b.rmtree(path)
     for rep in range(cfg["reps"]):
-        for lib in b.order(rep, ["ours", "torch"]):
+        for lib in b.order(rep, ["ours", "torch", "raw"]):
             path = os.path.join(b.dir, f"model-save-{lib}-{rep}")
             b.sync_disk()
             b.record("model_save", lib, b.timed(lambda lib=lib, path=path: save_with(lib, path)), total)
+            if lib == "raw":
+                b.rmtree(path)
+                continue
             if lib in kept:
                 b.rmtree(kept[lib])
             kept[lib] = path
+    b.raw_prepare(kept["ours"])
     for rep in range(cfg["reps"]):
-        for lib in b.order(rep, ["ours", "torch"]):
+        for lib in b.order(rep, ["ours", "torch", "raw"]):
+            if lib == "raw":  # the paired limit: readinto of our checkpoint's files
+                b.record("model_load", lib, b.timed(lambda: b.raw_read(kept["ours"]), cold=[kept["ours"]]), total)
+                continue
             if rep == 0:
                 scramble()
             rec = b.timed(lambda lib=lib: load_with(lib, kept[lib]), cold=[kept[lib]])

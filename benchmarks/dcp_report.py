@@ -92,6 +92,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+# what the paired limit (variant "raw", measured in the same repetitions) does, by limit
+PAIRED = {"write_fsync": "write + fsync of the same bytes, same reps",
+          "read_cold": "readinto of the same files, same reps"}
 DIRECT = {"write_fsync": "write_direct", "read_cold": "read_direct"}  # buffered limit -> its O_DIRECT twin
 
 
@@ -150,7 +153,7 @@ def build_results(merged: dict, total: int, ws: int, local_bytes: list[int], mod
             entry["call_ours_vs_torch"] = _ratio(calls.get("torch", {}).get("median"),
                                                  calls.get("ours", {}).get("median"))
             entry["correct"] = {v: all(r.get("correct", True) for r in reps) for v, reps in data.items()
-                                if v != "_error"}
+                                if v not in ("_error", "raw")}
             res["model"][key] = entry
     return res
 
@@ -205,13 +208,19 @@ def _throughput(title: str, data: dict, total: int, limit: float | None, limit_k
     if nov is not None:
         entry["ours_noverify_vs_torch"] = _ratio(nov, theirs)
         entry["ours_noverify_vs_limit"] = _ratio(nov, limit)
-    # the paired limit: plain reads of the same files, in the same repetitions (loads)
+    # the paired limit: plain writes of the same bytes (saves) or plain reads of the same
+    # files (loads), in the same repetitions
     raw = entry["variants"].get("raw", {}).get("GiBps", {}).get("median")
     if raw is not None:
         entry["paired_limit_GiBps"] = raw
         entry["ours_vs_paired"] = _ratio(ours, raw)  # (torch reads files of its own: no pair)
         if nov is not None:
             entry["ours_noverify_vs_paired"] = _ratio(nov, raw)
+        raw_cpu = entry["variants"]["raw"]["cpu_s_per_GiB"]["median"]
+        for v in ("ours", "ours_noverify", "torch"):
+            cpu = entry["variants"].get(v, {}).get("cpu_s_per_GiB", {}).get("median")
+            if cpu is not None:
+                entry[f"{v}_cpu_vs_paired"] = _ratio(cpu, raw_cpu)
     return entry
 
 
@@ -270,7 +279,7 @@ def _async(data: dict, limits: dict, sync_save: dict, local_bytes: list[int]) ->
 def targets(res: dict, baseline: dict | None = None) -> list[dict]:
     """Each target: met (True/False), or None when it could not be measured.
 
-    ``issue`` says whose target it is: ``13`` (I/O engine), ``12`` (scale), ``"r1"`` (the
+    ``issue`` says whose target it is: ``33`` (CPU per GiB), ``13`` (I/O engine), ``12`` (scale), ``"r1"`` (the
     release-1 targets this benchmark was first written for). ``baseline`` is a previous
     run's JSON (``benchmarks/results/baseline_v1.json``) for targets relative to today.
     """
@@ -362,6 +371,26 @@ def targets(res: dict, baseline: dict | None = None) -> list[dict]:
     add("async blocking <= 1.2x one memcpy into reused memory", a.get("blocking_vs_memcpy"), "<=", 1.2,
         "blocking/memcpy", f"; ours blocks {_f(ob, 's', 3)}, memcpy of "
         f"{human_bytes(a.get('local_bytes_per_rank') or 0)}/rank {_f(a.get('memcpy_reused_s'), 's', 3)}")
+
+    # ---- issue 33: CPU per GiB against the paired limit (the same bytes written or read
+    #      plainly in the same repetitions), on the 26-tensor and the many-tensor state dicts
+    issue[0] = 33
+    for label, r in sets:
+        for key, word, raw in (("sync_save", "save", "write+fsync"), ("load_same", "same-layout load", "readinto"),
+                               ("load_reshard_s0_s1", "Shard(0)->Shard(1) load", "readinto")):
+            s = r["scenarios"][key]
+            oc = med(s, "ours", "cpu_s_per_GiB")
+            rc = med(s, "raw", "cpu_s_per_GiB")
+            add(f"[{label}] {word} CPU/GiB <= 1.3x raw {raw}'s", s.get("ours_cpu_vs_paired"), "<=", 1.3,
+                "ours/raw CPU", f"; ours {_f(oc, 's/GiB')}, raw {_f(rc, 's/GiB')}, torch DCP "
+                f"{_f(med(s, 'torch', 'cpu_s_per_GiB'), 's/GiB')}")
+            add(f"[{label}] {word} wall >= 0.95x the paired limit", s.get("ours_vs_paired"), ">=", 0.95,
+                "ours/raw GiB/s", f"; ours {_f(med(s, 'ours'))}, raw {_f(s.get('paired_limit_GiBps'))} GiB/s")
+    for key, word in (("model_save", "save"), ("model_load", "load")):
+        e = m.get(key) or {}
+        add(f"FSDP2 + AdamW model {word} >= 0.95x the paired limit", e.get("ours_vs_paired"), ">=", 0.95,
+            "ours/raw GiB/s", f"; CPU s/GiB: ours {_f(med(e, 'ours', 'cpu_s_per_GiB'))}, torch DCP "
+            f"{_f(med(e, 'torch', 'cpu_s_per_GiB'))}, raw {_f(med(e, 'raw', 'cpu_s_per_GiB'))}")
 
     # ---- issue 12: planning (bench_scale.py has the full set)
     issue[0] = 12
@@ -457,6 +486,10 @@ def markdown(doc: dict) -> str:
         L.append("")
         L.extend(_save_load_table(many, ("sync_save", "load_same", "load_reshard_s0_s1")))
         L.append("")
+    L.append("## CPU per GiB (all threads of all ranks) beside wall time")
+    L.append("")
+    L.extend(cpu_table(res, cfg.get("tensors")))
+    L.append("")
     L.append("Bytes read per load (all ranks, first repetition): needed = bytes of the targets; "
              "ours = the reader's `bytes_read`; syscall = `rchar` of the ranks (torch's reads show here); "
              "storage = `read_bytes` fetched from the device.")
@@ -662,7 +695,8 @@ def markdown(doc: dict) -> str:
     return "\n".join(L) + "\n"
 
 
-ISSUES = ((13, "Issue 13: I/O engine"), (12, "Issue 12: planning at scale (full set: bench_scale.py)"),
+ISSUES = ((33, "Issue 33: CPU per GiB, against the paired limits"), (13, "Issue 13: I/O engine"),
+          (12, "Issue 12: planning at scale (full set: bench_scale.py)"),
           ("r1", "Release 1"))
 
 
@@ -674,6 +708,65 @@ def targets_text(doc: dict) -> str:
             lines.append(f" {title}")
         lines += [target_line(t) for t in group]
     return "\n".join(lines)
+
+
+def cpu_table(res: dict, tensors: int | None = None) -> list[str]:
+    """Per scenario, wall seconds and CPU seconds per GiB (all threads of all ranks: each
+    rank's ``getrusage`` around the call, summed) of ours, torch DCP and the raw limit.
+
+    The raw limit is the paired one (the same bytes written, or the same files read, plainly
+    in the same repetitions) where the scenario has it, else the limit measured at the start
+    on fresh files (marked *)."""
+    L = ["| state | scenario | ours s | ours CPU s/GiB | torch DCP s | torch CPU s/GiB | raw limit s | "
+         "raw CPU s/GiB | ours / raw CPU | ours / raw GiB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    sets = [(f"{tensors or res.get('tensors', '?')} tensors", res)]
+    if res.get("many"):
+        sets.append((f"{res['many'].get('tensors', '?')} tensors", res["many"]))
+    if res.get("model"):
+        sets.append(("FSDP2 + AdamW", {"scenarios": {k: v for k, v in res["model"].items() if k != "bytes"},
+                                       "limits": res.get("limits", {})}))
+    for label, r in sets:
+        for e in r["scenarios"].values():
+            if not isinstance(e, dict) or "variants" not in e or "limit" not in e or not e["variants"]:
+                continue
+            v = e["variants"]
+            raw, mark = v.get("raw"), ""
+            if raw is None:
+                raw, mark = r.get("limits", {}).get(e["limit"]) or {}, "*"
+            oc, rc = (v.get("ours") or {}).get("cpu_s_per_GiB", {}), raw.get("cpu_s_per_GiB", {})
+            ratio = _ratio(oc.get("median"), rc.get("median"))
+            speed = e.get("ours_vs_paired") if not mark else e.get("ours_vs_limit")
+            ours, theirs = v.get("ours") or {}, v.get("torch") or {}
+            L.append(f"| {label} | {e['title']} | {_cell(ours.get('seconds'), 3)} | {_med(ours)} | "
+                     f"{_cell(theirs.get('seconds'), 3)} | {_med(theirs)}"
+                     f" | {_cell(raw.get('seconds'), 3)}{mark} | {_med(raw)}{mark} | {_x(ratio)} | {_x(speed)} |")
+            if "ours_noverify" in v:
+                nv = v["ours_noverify"]
+                L.append(f"| {label} | ↳ ours with verify=False | {_cell(nv.get('seconds'), 3)} | {_med(nv)} | | | | | "
+                         f"{_x(e.get('ours_noverify_cpu_vs_paired'))} | {_x(e.get('ours_noverify_vs_paired'))} |")
+    return L
+
+
+def cpu_markdown(doc: dict) -> str:
+    """``cpu_per_gib.md``: the CPU-per-GiB table of a run, with its command and machine."""
+    cfg, mach = doc["config"], doc["machine"]
+    L = [f"# CPU per GiB — {doc['started']}", "", f"`{doc['command']}`", "",
+         f"- state: {human_bytes(cfg['size_bytes'])} global, {cfg['world_size']} ranks on gloo, {cfg['reps']} "
+         f"repetitions (median, min–max); saves fsync; loads cold",
+         f"- machine: {mach['nproc']} cores, {mach['kernel']}, {mach.get('fs', '?')}; hyper_parallel {mach['git']}; "
+         f"load average at start {mach.get('loadavg_start')}, at end {mach.get('loadavg_end')}",
+         "- CPU = user + system seconds of every thread of every rank (each rank's `getrusage(RUSAGE_SELF)` "
+         "around the call, summed over ranks) per GiB of the global state. raw = the same bytes written "
+         "(`write` + `fsync`, one file per rank) or the same files read (`readinto`) plainly, in the same "
+         "repetitions; * = the limit measured at the start on fresh files instead.", ""]
+    L += cpu_table(doc["results"], cfg.get("tensors"))
+    group = [t for t in doc.get("targets", []) if t.get("issue") == 33]
+    if group:
+        L += ["", "Targets (issue 33):", ""]
+        for t in group:
+            mark = {True: "**met**", False: "**NOT met**", None: "n/a"}[t["met"]]
+            L.append(f"- {mark} — {t['target']}: {t['detail']}")
+    return "\n".join(L) + "\n"
 
 
 def _yes(ok: bool | None) -> str:
@@ -698,7 +791,8 @@ def _save_load_table(res: dict, keys: tuple[str, ...]) -> list[str]:
                      f"{_med(v['ours_noverify'])} |")
         if "raw" in v:
             nov = f" (verify=False {_x(e.get('ours_noverify_vs_paired'))})" if "ours_noverify_vs_paired" in e else ""
-            L.append(f"| ↳ ours vs the paired limit: readinto of the same files, same reps | | | | "
+            what = PAIRED.get(e["limit"], "the same bytes, same reps")
+            L.append(f"| ↳ ours vs the paired limit: {what} | | | | "
                      f"{_cell(v['raw'].get('GiBps'))} | {_x(e.get('ours_vs_paired'))}{nov} | | "
                      f"{_med(v['raw'])} (raw) |")
         if e.get("error"):
@@ -834,5 +928,6 @@ def profile_summary(path: str, top: int = 25) -> dict | None:
             "raw": path}
 
 
-__all__ = ["merge_ranks", "build_results", "targets", "markdown", "chart", "planning_fit", "profile_summary",
+__all__ = ["merge_ranks", "build_results", "targets", "markdown", "cpu_markdown", "cpu_table", "chart", "planning_fit",
+           "profile_summary",
            "targets_text", "MiB"]

@@ -37,6 +37,19 @@ def test_quick_benchmark_reports_every_scenario(tmp_path):
         entry = res["scenarios"][name]
         assert entry["paired_limit_GiBps"] > 0 and entry["ours_vs_paired"] > 0, entry
         assert "ours vs the paired limit" in (out / "latest.md").read_text()
+    # issue 33: CPU per GiB beside wall time, for ours, torch DCP and the paired raw limit
+    save = res["scenarios"]["sync_save"]
+    assert save["paired_limit_GiBps"] > 0 and save["ours_vs_paired"] > 0, save
+    for name in ("sync_save", "load_same", "load_reshard_s0_s1"):
+        for lib in ("ours", "torch", "raw"):
+            cpu = res["scenarios"][name]["variants"][lib]["cpu_s_per_GiB"]["median"]
+            assert cpu > 0 and math.isfinite(cpu), (name, lib, cpu)
+        assert res["scenarios"][name]["ours_cpu_vs_paired"] > 0
+    cpu_md = (out / "cpu_per_gib.md").read_text()
+    assert cpu_md.startswith("# CPU per GiB") and "| 436 tensors | sync save (fsync) |" in cpu_md, cpu_md
+    assert "FSDP2 + AdamW save" in cpu_md and "raw CPU s/GiB" in (out / "latest.md").read_text()
+    issue33 = [t for t in doc["targets"] if t["issue"] == 33]
+    assert len(issue33) == 14 and all(t["met"] is not None for t in issue33), issue33
     assert set(res["scenarios"]["reference"]["variants"]) == {
         "torch_save", "safetensors_save", "torch_load", "safetensors_load"}
     async_ = res["scenarios"]["async_save"]

@@ -77,3 +77,40 @@ def test_which_tensors_the_saver_copies_first():
     assert not saver._copy_first(aligned, direct=True)  # written from its own memory
     assert not saver._copy_first(torch.randn(100), direct=True)  # small: the writer gathers it
     assert not saver._copy_first(torch.tensor(1.0), direct=True)
+
+
+def _strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """The values of ``t`` in memory that is not contiguous (every other element)."""
+    if t.dim() == 0:
+        return t.clone()
+    room = torch.empty(t.numel() * 2, dtype=t.dtype)[::2]
+    room.copy_(t.reshape(-1))
+    return room.view(t.shape) if t.dim() == 1 else room.as_strided(t.shape, [2 * s for s in t.stride()])
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_small_chunks_written_whole_are_the_bytes_of_the_copied_path(tmp_path, direct_io, monkeypatch):
+    # small contiguous chunks go out as one view with one checksum; strided twins of the same
+    # values go through the saver's copies: the data files must be the same bytes
+    from hyper_parallel.core.distributed_checkpoint.engine import checkpoint
+
+    g = torch.Generator().manual_seed(5)
+    sd = {"scalar": torch.tensor(2.5), "bias": torch.randn(4096, generator=g),
+          "norm_bf16": torch.randn(8, 384, generator=g).to(torch.bfloat16),
+          "rows": torch.randn(100, 1024, generator=g)[:99],  # 396 KiB: an aligned payload
+          "ints": torch.arange(1000, dtype=torch.int64).reshape(10, 100)}
+    twins = {k: _strided_copy(v) for k, v in sd.items()}
+    assert all(not v.is_contiguous() for k, v in twins.items() if k != "scalar")
+    fixed = checkpoint.uuid.UUID(int=7)
+    monkeypatch.setattr(checkpoint.uuid, "uuid4", lambda: fixed)  # one save id, so names and headers match
+    for name, state in (("whole", sd), ("copied", twins)):
+        save(state, storage_writer=_direct_writer(tmp_path / name, direct_io))
+        report = verify_checkpoint(tmp_path / name)
+        assert report.ok, report.problems
+    data = sorted(p.name for p in (tmp_path / "whole").iterdir() if p.name.endswith(".safetensors"))
+    assert data == sorted(p.name for p in (tmp_path / "copied").iterdir() if p.name.endswith(".safetensors"))
+    for name in data:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "copied" / name).read_bytes(), name
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    load(target, str(tmp_path / "whole"))
+    assert all(torch.equal(target[k], v) for k, v in sd.items())

@@ -340,8 +340,11 @@ def write_plan(
         index_blob: list[bytes] = []
 
         def write_one(witem: WriteItem, item: Item, value: Any) -> Iterator[memoryview]:
+            if (item.nbytes <= BLOCK_BYTES and not hashes and isinstance(value, torch.Tensor)
+                    and value.device.type == "cpu" and value.is_contiguous() and not _copy_first(value, direct)):
+                value = tensor_bytes(value)  # one block, written as it is: one checksum call, no per-chunk state
             if type(value) is memoryview and item.nbytes <= BLOCK_BYTES and not hashes:
-                # the offline tools' small chunks (byte ranges of cached tensors): one block
+                # small chunks (and the offline tools' byte ranges of cached tensors): one block
                 if value.nbytes != item.nbytes:
                     raise ValueError(f"{item.key!r}: planned {item.nbytes} bytes, found {value.nbytes}")
                 if item.nbytes:
@@ -416,11 +419,14 @@ def write_plan(
                                crc32c.crc32c(memoryview(index_blob[0])[:layout.index_length]), layout.size)
         return record, digests, written
 
-    if len(groups) > 1:
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="dcp-write") as pool:
-            outs = list(pool.map(lambda a: write_group(*a), enumerate(groups)))
-    else:
-        outs = [write_group(i, g) for i, g in enumerate(groups)]
+    # The per-chunk records, views and slices of a save hold no cycles; a collection of the
+    # whole process's objects, triggered by them, cost ~6% of a 436-tensor save.
+    with paused_gc():
+        if len(groups) > 1:
+            with ThreadPoolExecutor(len(groups), thread_name_prefix="dcp-write") as pool:
+                outs = list(pool.map(lambda a: write_group(*a), enumerate(groups)))
+        else:
+            outs = [write_group(i, g) for i, g in enumerate(groups)]
     for (record, digests, written), witems in zip(outs, groups, strict=True):
         result.files.append(record)
         result.nbytes += written
