@@ -8,6 +8,27 @@ on-disk format.
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
 
+# torch's submodules are attributes of the package after `import torch.distributed.checkpoint as
+# dcp` (code writes `dcp.staging.DefaultStager`); the faces of the same names are ours.
+from . import (  # noqa: F401
+    api,
+    default_planner,
+    filesystem,
+    hf_storage,
+    logger,
+    logging_handlers,
+    metadata,
+    optimizer,
+    planner,
+    planner_helpers,
+    quantized_hf_storage,
+    staging,
+    state_dict_loader,
+    state_dict_saver,
+    stateful,
+    storage,
+    utils,
+)
 from .asynchronous.api import async_save, default_checkpointer, register_optimizer_hook
 from .asynchronous.buffers import StagingStats
 from .asynchronous.checkpointer import AsyncCheckpointer

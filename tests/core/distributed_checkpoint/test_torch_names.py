@@ -13,6 +13,8 @@ import enum
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 import types
 
 import pytest
@@ -249,3 +251,17 @@ def test_the_signature_rule_catches_a_renamed_a_missing_and_a_required_parameter
     assert signature_problems(other_default, torch_style) == ["'no_dist' defaults to False in torch, True in ours"]
     assert signature_problems(more_options, torch_style) == []
     assert signature_problems(torch_style, more_options)  # fewer options is a problem the other way round
+
+
+def test_torch_submodules_are_attributes_after_a_plain_import() -> None:
+    """`import torch.distributed.checkpoint as dcp` makes `dcp.staging`, `dcp.state_dict_saver`...
+    attributes; the same must hold for ours after one plain import (a fresh interpreter, so no
+    other test's imports help)."""
+    code = (
+        "import pkgutil, torch.distributed.checkpoint as t\n"
+        "import hyper_parallel.core.distributed_checkpoint as o\n"
+        "subs = [m.name for m in pkgutil.iter_modules(t.__path__) if not m.name.startswith('_')]\n"
+        "print(sorted(s for s in subs if hasattr(t, s) and not hasattr(o, s)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", f"torch's submodules missing as attributes of ours: {out.stdout}"
