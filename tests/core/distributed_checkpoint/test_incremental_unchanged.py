@@ -254,3 +254,87 @@ def test_dtensor_local_shards_are_stamped_on_two_ranks(tmp_path):
         # bytes rounded up to a chunk) and reads none of the rest
         assert u2 == local_frozen // 2 and u3 == local_frozen // 2, per_rank
         assert w2 == w3 == 32 * 32 * 4 and h2 == local_frozen // 2 + w2, per_rank
+
+
+def test_reusable_carries_every_field_of_a_known_chunk_and_sets_only_trust():
+    """reusable() rebuilds each KnownChunk field by field (for speed): a field added to the
+    class and not carried over would silently reset to its default at every save."""
+    import dataclasses
+
+    from hyper_parallel.core.distributed_checkpoint.base.box import Box
+    from hyper_parallel.core.distributed_checkpoint.engine.incremental import KnownChunk, spec_of
+    from hyper_parallel.core.distributed_checkpoint.format import metadata as md
+
+    entry = md.Entry("w", "tensor", ("w",), "float32", (4, 4), store=md.GridStore(tiles=1))
+    t = torch.zeros(4, 4)
+    chunk = KnownChunk(digest=b"d" * 16, file=md.FileRecord("f.data", "step_00000001", 3, 1, 2, 3, 4),
+                       box=Box((0, 0), (4, 4)), spec=spec_of(entry), stamp=stamp_of(t), sample=b"s" * 16,
+                       hashed_at=1, skipped=True)
+    inc = IncrementalState(rehash_every=8)
+    inc.known = {("w", i): chunk for i in range(16)}  # the rotating re-hash takes the first 2
+    inc.saves = 1
+    out = inc.reusable({"w": entry})
+    assert sorted(ks for ks, c in out.items() if not c.trust) == [("w", 0), ("w", 1)]
+    for f in dataclasses.fields(KnownChunk):
+        if f.name != "trust":
+            assert all(getattr(c, f.name) is getattr(chunk, f.name) for c in out.values()), f.name
+
+
+def data_files(path: str) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.startswith("data-"))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunks_found_changed_only_by_hashing_are_written_after_the_others_into_files_of_their_own(tmp_path, threads):
+    """The saver writes what the cheap checks find changed while it hashes the undecided
+    chunks; those the hashes find changed go into a second round of files."""
+    steps, sd = Steps(tmp_path), state()
+    sd["fresh"] = make_tensor((256, 64), seed=4)
+    sd["copy"] = make_tensor((256, 64), seed=5)
+
+    def step() -> str:
+        steps.step += 1
+        steps.inc.begin(step_dir_name(steps.step))
+        path = os.path.join(steps.root, step_dir_name(steps.step))
+        save(sd, path, incremental=steps.inc, no_dist=True, thread_count=threads)
+        return path
+
+    first = step()
+    assert len(data_files(first)) <= threads
+    for seed in (6, 7):
+        sd["lora"].add_(1.0)  # in place: written at once, unhashed
+        sd["fresh"] = make_tensor((256, 64), seed=seed)  # new memory, new bytes: hashed, then written
+        sd["copy"] = sd["copy"].clone()  # new memory, the same bytes: hashed, reused
+        path = step()
+        st = steps.inc.last
+        assert st.written_bytes == (64 * 16 + 256 * 64) * 4, st
+        assert st.hashed_bytes >= 2 * 256 * 64 * 4 + 64 * 16 * 4, st  # fresh, copy, and lora as written
+        # one file of what the checks found changed (lora), then one of what the hashes did (fresh)
+        assert [f.split("-")[2] for f in data_files(path)] == ["0", "1"], data_files(path)
+        assert_loads(path, sd)
+    assert not steps.inc.untracked
+    sd["exp_avg"].mul_(0.5)  # nothing left to hash: one round again
+    path = step()
+    assert len(data_files(path)) <= threads
+    assert_loads(path, sd)
+
+
+def test_a_failed_save_removes_the_second_round_of_data_files_too(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import FileSystemWriter
+
+    class FailingCommit(FileSystemWriter):
+        def commit(self, metadata, name=".metadata"):  # after both rounds of data files are written
+            assert sorted(f.split("-")[2] for f in data_files(self.path)) == ["0", "1"]
+            raise OSError(28, "No space left on device (injected)")
+
+    inc, sd = IncrementalState(), state()
+    inc.begin(step_dir_name(1))
+    save(sd, os.path.join(tmp_path, step_dir_name(1)), incremental=inc, no_dist=True)
+    sd["lora"].add_(1.0)
+    sd["exp_avg"] = make_tensor((64, 16), seed=8)
+    inc.begin(step_dir_name(2))
+    path = os.path.join(tmp_path, step_dir_name(2))
+    with pytest.raises(Exception, match="injected"):
+        save(sd, storage_writer=FailingCommit(path), incremental=inc, no_dist=True)
+    assert data_files(path) == [], "a failed save left data files behind"
+    assert not os.path.exists(os.path.join(path, ".metadata"))

@@ -189,7 +189,7 @@ def save(
         warn_divergent_plain([s.plain for s in summaries], coord)
     save_id = summaries[coord.coordinator_rank].save_id
     fingerprint, mine, used = agree_on_plan(coord, planner, local[0], summaries, scope, cached)
-    own_files = data_file_names(coord.rank, save_id, thread_count)
+    own_files = data_file_names(coord.rank, save_id, thread_count, hashes=incremental is not None)
     what = f"save to {where or 'storage'}"
     mine_written: list[Any] = []
 

@@ -38,7 +38,6 @@ same after a restart (a new manager starts with an empty state).
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,7 +143,10 @@ class IncrementalState:
                     due.add(ks)
                     spent += same[ks].nbytes
         trusted = {ks for _, ks in stamped} - due
-        return {ks: dataclasses.replace(c, trust=ks in trusted) for ks, c in same.items()}
+        # (built directly: dataclasses.replace costs ~10x more, and a step checks every chunk)
+        return {ks: KnownChunk(digest=c.digest, file=c.file, box=c.box, spec=c.spec, stamp=c.stamp,
+                               sample=c.sample, hashed_at=c.hashed_at, skipped=c.skipped, trust=ks in trusted)
+                for ks, c in same.items()}
 
     def committed(self, entries: dict[str, Any], written: dict[tuple[str, int], tuple[bytes, Box, str]],
                   reused: dict[tuple[str, int], KnownChunk], meta: md.Metadata,

@@ -121,7 +121,9 @@ class SavePlanner(abc.ABC):
 
     def prepare_writes(self, files: list[list[WriteItem]]) -> None:  # noqa: B027 (optional; default: nothing)
         """The items this rank writes, per data file, in the order they will be resolved
-        (called once, before the first ``resolve_data`` of the writes). Optional."""
+        (called before the first ``resolve_data`` of the writes; an incremental save calls it
+        a second time for the files of the chunks it found changed only by hashing them,
+        written after the first files). Optional."""
 
     @abc.abstractmethod
     def resolve_data(self, item: WriteItem) -> torch.Tensor | bytes: ...

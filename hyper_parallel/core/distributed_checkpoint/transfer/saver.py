@@ -50,9 +50,10 @@ from ..format.data_file import (
 from ..format.validation import check_shape
 from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..sharding.grid import Grid
+from .chunk_checks import ChunkChecks
 from .host_copy import copy_fed, copy_into
 from .streams import StreamFence
-from .unchanged import UnchangedStats, Verdict, examine
+from .unchanged import UnchangedStats, Verdict
 
 
 @dataclass
@@ -101,9 +102,11 @@ def data_file_name(rank: int, index: int, save_id: str) -> str:
     return f"data-r{rank:05d}-{index}-{save_id}.safetensors"
 
 
-def data_file_names(rank: int, save_id: str, count: int) -> list[str]:
-    """The names ``write_plan`` may use for a rank (to clean up after a failed save)."""
-    return [data_file_name(rank, i, save_id) for i in range(max(1, count))]
+def data_file_names(rank: int, save_id: str, thread_count: int, hashes: bool = False) -> list[str]:
+    """The names ``write_plan(..., thread_count, hashes)`` may use for a rank (to clean up after
+    a failed save): a file per thread, and with ``hashes`` as many again for the chunks that an
+    incremental save finds changed only by hashing them."""
+    return [data_file_name(rank, i, save_id) for i in range(max(1, thread_count) * (2 if hashes else 1))]
 
 
 SLICE_BYTES = 8 << 20  # bytes handed to storage at a time (checksummed just before)
@@ -288,43 +291,11 @@ def write_plan(
     fence = StreamFence()  # device tensors are copied to the host on writer threads
     for key in plan.objects:
         result.objects[key] = planner.resolve_data(WriteItem(key, Box((), ()), 0))
-    items, known = plan.items, {}
+    known: dict[tuple[str, int], bytes] = {}  # chunks hashed by the checks (not hashed again when written)
     tables = {k for k, spec in plan.entries.items() if spec.store is None and spec.kind != "object"}
-    if hashes:  # incremental: is each chunk the last step stored unchanged? (see .unchanged)
-        stats = result.stats = UnchangedStats()
-        stamp_of_item = getattr(planner, "source_stamp", None)
-        same: dict[tuple[str, int], bool] = {}  # per (key, box): every sub-chunk unchanged
-        for item in plan.items:
-            ks = (item.key, item.sub)
-            prior = reuse.get(ks) if reuse else None
-            if prior is not None and prior.box != item.box:
-                prior = None
-            stamp = stamp_of_item(item) if stamp_of_item is not None else None
-            value = planner.resolve_data(item) if stamp is not None or prior is not None else None
-            if isinstance(value, torch.Tensor):
-                fence.before_copy(value)
-            verdict = examine(prior, stamp, value, lambda v=value: _full_digest(v), item.nbytes, stats)
-            value = None
-            result.verdicts[ks] = verdict
-            if verdict.behind_counter:
-                stats.behind_counter.add(item.key)
-            if verdict.digest is not None and not verdict.unread:
-                known[ks] = verdict.digest
-            box = (item.key, item.sub // _tiles(plan, item.key))
-            same[box] = same.get(box, True) and prior is not None and verdict.digest == prior.digest
-        items = []
-        for item in plan.items:
-            if same[(item.key, item.sub // _tiles(plan, item.key))]:
-                prior = reuse[(item.key, item.sub)]
-                result.reused.append((item.key, item.sub, prior.file))
-                result.known_reused[(item.key, item.sub)] = prior
-                if item.key in tables:
-                    result.rows.append((item.key, item.sub, item.box, prior.file.dir, prior.file.name))
-            else:
-                items.append(item)
-                stats.written_bytes += item.nbytes
-                if (item.key, item.sub) not in known:  # hashed as it is written
-                    stats.hashed_bytes += item.nbytes
+    checks = ChunkChecks(plan, reuse, lambda key: _tiles(plan, key), tables) if hashes else None
+    # incremental: what the cheap checks find changed is written first, while the rest is hashed
+    items = checks.triage(planner, fence) if checks is not None else plan.items
     groups = _split_files(items, thread_count)
     prepare = getattr(planner, "prepare_writes", None)  # optional (SavePlanner's protocol)
     if prepare is not None:
@@ -419,14 +390,30 @@ def write_plan(
                                crc32c.crc32c(memoryview(index_blob[0])[:layout.index_length]), layout.size)
         return record, digests, written
 
+    def write_round(round_groups: list[list[WriteItem]], first: int) -> list[tuple[md.FileRecord, dict, int]]:
+        if len(round_groups) > 1:
+            with ThreadPoolExecutor(len(round_groups), thread_name_prefix="dcp-write") as pool:
+                return list(pool.map(lambda a: write_group(*a), enumerate(round_groups, first)))
+        return [write_group(i, g) for i, g in enumerate(round_groups, first)]
+
     # The per-chunk records, views and slices of a save hold no cycles; a collection of the
     # whole process's objects, triggered by them, cost ~6% of a 436-tensor save.
     with paused_gc():
-        if len(groups) > 1:
-            with ThreadPoolExecutor(len(groups), thread_name_prefix="dcp-write") as pool:
-                outs = list(pool.map(lambda a: write_group(*a), enumerate(groups)))
+        if checks is not None and checks.pending and groups:  # hash the undecided chunks meanwhile
+            with ThreadPoolExecutor(1, thread_name_prefix="dcp-write") as background:
+                running = background.submit(write_round, groups, 0)
+                later, hashed = checks.hash_pending(_full_digest)
+                outs = running.result()
         else:
-            outs = [write_group(i, g) for i, g in enumerate(groups)]
+            outs = write_round(groups, 0)
+            later, hashed = checks.hash_pending(_full_digest) if checks is not None else ([], {})
+        if later:  # chunks the hashes found changed: into files of their own
+            known.update(hashed)
+            more = _split_files(later, thread_count)
+            if prepare is not None:
+                prepare(more)
+            outs += write_round(more, len(groups))
+            groups += more
     for (record, digests, written), witems in zip(outs, groups, strict=True):
         result.files.append(record)
         result.nbytes += written
@@ -435,6 +422,11 @@ def write_plan(
             result.digests.update({ks: (d, boxes[ks], record.name) for ks, d in digests.items()})
         if tables:
             result.rows.extend((w.key, w.sub, w.box, "", record.name) for w in witems if w.key in tables)
+    if checks is not None:
+        checks.finish({ks: d for ks, (d, _, _) in result.digests.items()})
+        result.stats, result.verdicts = checks.stats, checks.verdicts
+        result.reused, result.known_reused = checks.reused, checks.known_reused
+        result.rows.extend(checks.rows)
     return result
 
 

@@ -18,10 +18,14 @@ A chunk passing 1 and 2, and not due a full check (the caller's schedule), is re
 otherwise 3 decides. A chunk whose stamp was unchanged but whose hash was not is reported
 (``behind_counter``): its tensor is written behind torch's version counter, and the caller
 stops trusting that key's stamps.
+
+Tests 1 and 2 are :func:`triage` and test 3 is :func:`settle`, so that a saver can triage
+every chunk, start writing those already known changed, and hash the pending ones meanwhile.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,8 +125,16 @@ def _row_pieces(a: np.ndarray) -> list[memoryview]:
     if row >= SAMPLE_PIECE_BYTES:
         return [memoryview(np.ravel(a[r])[:SAMPLE_PIECE_BYTES]) for r in dict.fromkeys(_spread(a.shape[0] - 1))]
     k = min(a.shape[0], SAMPLE_PIECE_BYTES // max(1, row))
-    rows = [r + j for r in dict.fromkeys(_spread(a.shape[0] - k)) for j in range(k)]
-    return [memoryview(np.ascontiguousarray(a[rows])).cast("B")]  # (take() would copy all of a first)
+    return [memoryview(a[_sample_rows(a.shape[0], k)]).cast("B")]  # one gathering copy of the rows
+
+
+@functools.lru_cache(maxsize=1024)
+def _sample_rows(rows: int, k: int) -> np.ndarray:
+    """The rows :func:`_row_pieces` reads of ``rows``: runs of ``k`` at evenly spread places (a
+    step checks every chunk, and chunks of one shape share the index)."""
+    idx = np.array([r + j for r in dict.fromkeys(_spread(rows - k)) for j in range(k)], dtype=np.intp)
+    idx.flags.writeable = False
+    return idx
 
 
 def _head(t: torch.Tensor, m: int) -> torch.Tensor:
@@ -135,12 +147,24 @@ def _head(t: torch.Tensor, m: int) -> torch.Tensor:
     return t
 
 
-def examine(prior: Any, stamp: VersionStamp | None, value: Any, full_digest: Callable[[], bytes | None],
-            nbytes: int, stats: UnchangedStats) -> Verdict:
-    """Check one chunk against ``prior``, what the last step stored for it (None: nothing, or
-    another box). ``prior`` has ``digest``, ``stamp``, ``sample`` and ``trust`` (whether its
-    stamp may stand for a full check at this save); ``value`` is the chunk's data and
-    ``full_digest`` hashes all of it (None when it cannot)."""
+@dataclass
+class Pending:
+    """A chunk :func:`triage` could not decide without the full hash of its bytes."""
+
+    prior: Any
+    stamp: VersionStamp | None
+    sample: bytes | None
+    same_stamp: bool
+    nbytes: int
+
+
+def triage(prior: Any, stamp: VersionStamp | None, value: Any, nbytes: int,
+           stats: UnchangedStats) -> Verdict | Pending:
+    """Tests 1 and 2 for one chunk against ``prior``, what the last step stored for it (None:
+    nothing, or another box): a :class:`Verdict` where they decide, else a :class:`Pending`
+    that :func:`settle` finishes with the chunk's full hash. ``prior`` has ``digest``,
+    ``stamp``, ``sample`` and ``trust`` (whether its stamp may stand for a full check at this
+    save); ``value`` is the chunk's data."""
     if prior is None:  # written, and hashed as it is; its spot check recorded for the next save
         return Verdict(None, stamp, _sample(value, stats) if stamp is not None else None)
     if stamp is not None and stamp.written_since(prior.stamp):
@@ -155,11 +179,27 @@ def examine(prior: Any, stamp: VersionStamp | None, value: Any, full_digest: Cal
         stats.unread_chunks += 1
         return Verdict(prior.digest, stamp, sample, unread=True)
     # due a full check, or another tensor (a fresh copy of unchanged bytes is still reused)
-    digest = full_digest()
+    return Pending(prior, stamp, sample, same_stamp, nbytes)
+
+
+def settle(pending: Pending, digest: bytes | None, stats: UnchangedStats, count: bool = True) -> Verdict:
+    """Test 3: the verdict on a pending chunk given the full hash of its bytes (None: it could
+    not be hashed, so it is written). ``count``: add its bytes to ``stats.hashed_bytes``
+    (False when the hash was taken while writing it, which the caller counts)."""
     if digest is None:
-        return Verdict(None, stamp, sample)
-    stats.hashed_bytes += nbytes
-    return Verdict(digest, stamp, sample, behind_counter=same_stamp and digest != prior.digest)
+        return Verdict(None, pending.stamp, pending.sample)
+    if count:
+        stats.hashed_bytes += pending.nbytes
+    return Verdict(digest, pending.stamp, pending.sample,
+                   behind_counter=pending.same_stamp and digest != pending.prior.digest)
+
+
+def examine(prior: Any, stamp: VersionStamp | None, value: Any, full_digest: Callable[[], bytes | None],
+            nbytes: int, stats: UnchangedStats) -> Verdict:
+    """:func:`triage` and, where it cannot decide, :func:`settle` with ``full_digest()`` (the
+    hash of all of ``value``, None when it cannot be hashed)."""
+    got = triage(prior, stamp, value, nbytes, stats)
+    return got if isinstance(got, Verdict) else settle(got, full_digest(), stats)
 
 
 def _sample(value: Any, stats: UnchangedStats) -> bytes | None:

@@ -1,0 +1,141 @@
+"""Which chunks of a rank's save plan an incremental save writes, and which it reuses.
+
+Every chunk the last step stored is checked (:mod:`.unchanged`). The checks run in two
+passes, so that the writes overlap the hashing:
+
+1. :meth:`ChunkChecks.triage` runs the cheap tests (version stamp, spot check) on every
+   chunk. It returns the chunks to write at once: every chunk of a box (a saved box's column
+   bands are reused or written together) that nothing was stored for, or that a cheap test
+   already found changed;
+2. while those are written, :meth:`ChunkChecks.hash_pending` hashes in full the chunks the
+   cheap tests left undecided (the rotating re-hash, tensors replaced by copies), except
+   those whose box is being written anyway. It returns the chunks of the boxes the hashes
+   found changed, which are written next, into a file of their own;
+3. :meth:`ChunkChecks.finish` settles the undecided chunks that were written in the first
+   pass, using the hash taken as they were written, and lists what is reused.
+
+Before this split, every chunk was checked before the first byte was written; an
+incremental step then cost its checks plus its writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..base.box import Box
+from ..format import metadata as md
+from ..planning.planner import SavePlan, SavePlanner, WriteItem
+from .streams import StreamFence
+from .unchanged import Pending, UnchangedStats, Verdict, settle, triage
+
+ChunkKey = tuple[str, int]  # (key, sub id)
+
+# values whose bytes can be hashed without consuming them (slab iterables cannot)
+_HASHABLE = (torch.Tensor, np.ndarray, bytes, bytearray, memoryview)
+
+
+class ChunkChecks:
+    """One incremental save's checks of a rank's plan against ``reuse``, the chunks stored
+    earlier by (key, sub id). ``tiles(key)``: the column bands per box of ``key``;
+    ``tables``: the keys stored as tables (their reused chunks are listed in ``rows``).
+
+    Outputs: ``verdicts`` (every chunk's), ``stats``, and for the chunks reused ``reused``
+    ``(key, sub, earlier file)``, ``known_reused`` (the prior record of each) and ``rows``.
+    """
+
+    def __init__(self, plan: SavePlan, reuse: dict[ChunkKey, Any] | None, tiles: Callable[[str], int],
+                 tables: set[str]):
+        self.plan, self.reuse, self.tiles, self.tables = plan, reuse or {}, tiles, tables
+        self.stats = UnchangedStats()
+        self.verdicts: dict[ChunkKey, Verdict] = {}
+        self.reused: list[tuple[str, int, md.FileRecord]] = []
+        self.known_reused: dict[ChunkKey, Any] = {}
+        self.rows: list[tuple[str, int, Box, str, str]] = []
+        self._pending: dict[ChunkKey, tuple[Pending, Any]] = {}
+        self._changed: set[tuple[str, int]] = set()  # boxes written
+
+    def _box(self, key: str, sub: int) -> tuple[str, int]:
+        return key, sub // self.tiles(key)
+
+    def _record(self, ks: ChunkKey, verdict: Verdict) -> None:
+        self.verdicts[ks] = verdict
+        if verdict.behind_counter:
+            self.stats.behind_counter.add(ks[0])
+
+    def _written(self, items: list[WriteItem], hashed: dict[ChunkKey, bytes]) -> None:
+        for item in items:
+            self.stats.written_bytes += item.nbytes
+            if (item.key, item.sub) not in hashed:  # hashed as it is written
+                self.stats.hashed_bytes += item.nbytes
+
+    def triage(self, planner: SavePlanner, fence: StreamFence) -> list[WriteItem]:
+        """Pass 1: the cheap tests on every chunk; the chunks to write at once."""
+        stamp_of_item = getattr(planner, "source_stamp", None)
+        for item in self.plan.items:
+            ks = (item.key, item.sub)
+            prior = self.reuse.get(ks)
+            if prior is not None and prior.box != item.box:
+                prior = None
+            stamp = stamp_of_item(item) if stamp_of_item is not None else None
+            value = planner.resolve_data(item) if stamp is not None or prior is not None else None
+            if isinstance(value, torch.Tensor):
+                fence.before_copy(value)
+            got = triage(prior, stamp, value, item.nbytes, self.stats)
+            if isinstance(got, Pending):
+                if isinstance(value, _HASHABLE):
+                    self._pending[ks] = (got, value)  # a view of the caller's data, held until hashed
+                    continue
+                got = settle(got, None, self.stats)  # cannot be hashed: written
+            self._record(ks, got)
+            if prior is None or got.digest != prior.digest:
+                self._changed.add(self._box(*ks))
+        first = [item for item in self.plan.items if self._box(item.key, item.sub) in self._changed]
+        self._written(first, {})
+        return first
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`hash_pending` has chunks to hash."""
+        return any(self._box(*ks) not in self._changed for ks in self._pending)
+
+    def hash_pending(self, digest: Callable[[Any], bytes | None]) -> tuple[list[WriteItem], dict[ChunkKey, bytes]]:
+        """Pass 2: hash the undecided chunks of boxes not written yet (``digest(value)``: the
+        full hash of a chunk's bytes); the chunks of the boxes found changed, to write now,
+        and the hashes taken (the writer need not take them again)."""
+        hashed: dict[ChunkKey, bytes] = {}
+        found: set[tuple[str, int]] = set()
+        for ks in list(self._pending):
+            box = self._box(*ks)
+            if box in self._changed:
+                continue  # written in pass 1: settled by finish() with the hash taken while writing
+            p, value = self._pending.pop(ks)
+            verdict = settle(p, digest(value), self.stats)
+            value = None
+            self._record(ks, verdict)
+            if verdict.digest is not None:
+                hashed[ks] = verdict.digest
+            if verdict.digest is None or verdict.digest != p.prior.digest:
+                found.add(box)
+        self._changed |= found
+        later = [item for item in self.plan.items if self._box(item.key, item.sub) in found]
+        self._written(later, hashed)
+        return later, hashed
+
+    def finish(self, written: dict[ChunkKey, bytes]) -> None:
+        """Pass 3, after the writes: settle the undecided chunks written in pass 1 with
+        ``written``, the hashes taken as they were written; list the chunks reused."""
+        for ks, (p, _) in self._pending.items():
+            self._record(ks, settle(p, written.get(ks), self.stats, count=False))
+        self._pending.clear()
+        for item in self.plan.items:
+            if self._box(item.key, item.sub) in self._changed:
+                continue
+            prior = self.reuse[(item.key, item.sub)]
+            self.reused.append((item.key, item.sub, prior.file))
+            self.known_reused[(item.key, item.sub)] = prior
+            if item.key in self.tables:
+                self.rows.append((item.key, item.sub, item.box, prior.file.dir, prior.file.name))
