@@ -138,3 +138,26 @@ def test_warm_benchmark_checks_values_and_prints_both_libraries(tmp_path):
     assert "| save |" in proc.stdout and "| load |" in proc.stdout, proc.stdout
     assert "values correct: ours True, torch DCP True" in proc.stdout, proc.stdout
     assert os.listdir(tmp_path) == [], "the benchmark left its checkpoints behind"
+
+
+def test_gpu_staging_benchmark_runs_on_the_cpu_and_reports_every_way(tmp_path):
+    """scripts/gpu_check.sh runs this benchmark on CUDA; here its CPU smoke run (the values
+    of the last save of each way are loaded back and compared inside it)."""
+    out = tmp_path / "gpu_staging.md"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_gpu_staging.py"), "--device", "cpu",
+           "--size-mb", "16", "--tensors", "4", "--reps", "2", "--compute-n", "64", "--compute-iters", "2",
+           "--dir", str(tmp_path), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    report = out.read_text()
+    for row in ("| ours eager |", "| ours, max_host_bytes=", "| torch DCP async_save |", "D2H into pageable"):
+        assert row in report, (row, report)
+    assert "staging buffers reused across saves (1 allocation): met" in report, report
+    missing = subprocess.run([*cmd[:2], "--device", "cuda"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if not torch_has_cuda():
+        assert missing.returncode == 2 and "no cuda device here" in missing.stderr
+
+
+def torch_has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
