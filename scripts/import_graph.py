@@ -38,7 +38,7 @@ LAYERS: list[dict[str, list[str]]] = [
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "fsspec", "resolve", "torch_storage"],
      "planning": ["planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot", "leaves", "global_plan",
                   "standard_planner", "chunk_reads", "torch_planners"]},
-    {"transfer": ["host_copy", "streams", "unchanged", "chunk_checks", "saver", "plan_writer", "loader",
+    {"transfer": ["host_copy", "streams", "unchanged", "chunk_checks", "saver", "row_exchange", "plan_writer", "loader",
                   "shared_reads"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "commit", "streaming_writer",
                 "scope", "targets", "plan_exchange", "rank_local_save", "checkpoint"]},

@@ -285,6 +285,40 @@ def test_failed_save_keeps_the_previous_checkpoint_and_leaves_no_debris(tmp_path
     assert all(torch.equal(bits(got[k]), bits(v)) for k, v in _small().items())
 
 
+def _regroup_failure_on_ranks(rank: int, ws: int, d: str) -> None:
+    """Rank 1 cannot produce its part of a Shard(1) tensor while the ranks regroup rows: every
+    rank fails (none waits for the missing part), naming rank 1's error, and no file is left."""
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {"col": make_dtensor(make_tensor((64, 48), seed=7), mesh, [Shard(1)]),
+          "row": make_dtensor(make_tensor((64, 48), seed=8), mesh, [Shard(0)])}
+    out = os.path.join(d, "hf")
+    save(sd, storage_writer=HuggingFaceStorageWriter(out, enable_consolidation=True))  # regrouped: fine
+    got = load_file(os.path.join(out, "model-00001-of-00001.safetensors"))
+    assert torch.equal(got["col"], make_tensor((64, 48), seed=7))
+    assert torch.equal(got["row"], make_tensor((64, 48), seed=8))
+
+    def fail(key):
+        if key == "col" and rank == 1:
+            raise OSError("rank 1 lost its shard")
+
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 lost its shard"):
+        save(sd, storage_writer=HuggingFaceStorageWriter(out + "-2", enable_consolidation=True), planner=_Spy(fail))
+    assert time.monotonic() - t0 < 60, "a rank waited for the part that never came"
+    torch.distributed.barrier()  # every rank has removed its files
+    left = os.listdir(out + "-2") if os.path.isdir(out + "-2") else []
+    assert not [n for n in left if "safetensors" in n], left
+
+
+def test_a_rank_failing_while_rows_are_regrouped_fails_every_rank_and_leaves_no_file(tmp_path):
+    run_ranks(_regroup_failure_on_ranks, 2, str(tmp_path), timeout_s=240)
+
+
 def test_saving_over_an_export_replaces_it_whole(tmp_path):
     out = str(tmp_path / "hf")
     save(_small(), storage_writer=HuggingFaceStorageWriter(out, {"a": 1, "b": 3}), no_dist=True)

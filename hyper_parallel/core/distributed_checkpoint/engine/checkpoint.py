@@ -40,7 +40,7 @@ from ..transfer.plan_writer import PlanWriter
 from ..transfer.saver import build_metadata, data_file_names, write_plan
 from ..transfer.shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
 from . import in_flight
-from .commit import commit_and_agree, write_and_report
+from .commit import commit_and_agree, remove_own_files, write_and_report
 from .incremental import IncrementalState
 from .metadata_reader import metadata_bytes, own_metadata_bytes
 from .plan_exchange import (
@@ -205,6 +205,12 @@ def save(
         return result.for_coordinator()
 
     try:
+        if isinstance(writer, PlanWriter):  # its collective part first (every rank, or none, fails)
+            try:
+                writer.write_together(coord, mine, planner, save_id, thread_count)
+            except BaseException:
+                remove_own_files(writer, own_files)
+                raise
         results = write_and_report(coord, writer, "save (writing data)", write, own_files, what, save_id)
         meta = commit_and_agree(
             coord, writer, "save (commit)",

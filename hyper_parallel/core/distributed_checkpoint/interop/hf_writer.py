@@ -9,9 +9,14 @@ torch's name and arguments (``torch.distributed.checkpoint.HuggingFaceStorageWri
   header depends only on the global shapes and dtypes, which every rank knows from the global
   plan, so every rank computes the same layout and writes each box it holds straight to its
   place in the final file: one write per contiguous run (one for a ``Shard(0)`` box; its whole
-  4 KiB blocks with O_DIRECT on local block filesystems), or, for a box of many short runs (a
-  ``Shard(1)`` box has one per row) on a filesystem of this node, one strided copy into a shared
-  mapping of the file. Each byte is written once, by one rank. The path must be one directory
+  4 KiB blocks with O_DIRECT on local block filesystems). A box of many short runs (a
+  ``Shard(1)`` box has one per row, and the ranks' rows share disk blocks) is first regrouped
+  over the process group into whole rows (:mod:`..transfer.row_exchange`, in
+  :meth:`~HuggingFaceStorageWriter.write_together`): each rank then writes the rows it owns
+  of such a tensor as one run. A 2-rank ``Shard(1)`` save of 1 GiB went from 1.94-2.32x our own
+  save's time to 1.50-1.93x. Where nothing is regrouped (one process), such a box is one strided
+  copy into a shared mapping of the file on a filesystem of this node. Each byte is written
+  once, by one rank. The path must be one directory
   that every rank sees (a shared filesystem for ranks on several nodes). (torch's writer
   writes shards to ``<path>/sharded`` first, then rank 0 reads them all back and writes the
   files; here there is no ``sharded`` directory.)
@@ -63,6 +68,7 @@ from ..backends.locations import checkpoint_path, is_url, local_path
 from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.atomic_file import sync_directory
 from ..base.box import Box
+from ..base.coordination import Coordinator
 from ..base.dtypes import safetensors_dtype
 from ..base.errors import CheckpointError, StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
@@ -71,6 +77,7 @@ from ..format.safetensors import contiguous_header, encode_header
 from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..planning.standard_planner import StandardPlanner
 from ..transfer.plan_writer import PlanWriter
+from ..transfer.row_exchange import regroup_rows
 from ..transfer.saver import WriteResult
 from .hf_export import swap_in_export, temporary_name
 
@@ -174,6 +181,8 @@ class HuggingFaceStorageWriter(PlanWriter):
         self._index: dict[str, Any] | None = None
         self._temps: set[str] = set()  # files this rank created in this save (removed if it fails)
         self._tag = ""
+        self._save = ""  # the save the state above belongs to
+        self._regrouped: set[str] = set()  # keys written by write_together in this save
         self._direct = self._node_local = False  # decided in prepare()
 
     @staticmethod
@@ -214,11 +223,62 @@ class HuggingFaceStorageWriter(PlanWriter):
 
     # ------------------------------------------------------------------ writing
 
+    def _begin(self, save_id: str) -> None:
+        if self._save != save_id:
+            self._save, self._tag, self._pending, self._index = save_id, save_id[:8], [], None
+            self._temps, self._regrouped = set(), set()
+
+    def write_together(self, coord: Coordinator, plan: SavePlan, planner: SavePlanner, save_id: str,
+                       thread_count: int) -> None:
+        """Consolidated, on several ranks: the tensors whose boxes split a trailing dim (a
+        ``Shard(1)`` box has one short run per row, whose disk blocks the ranks share) are
+        regrouped into whole rows over the group (:mod:`..transfer.row_exchange`), and each
+        rank writes the rows it owns as one run, with O_DIRECT where the filesystem takes it."""
+        self._begin(save_id)
+        if not self.consolidates or not coord.distributed or coord.world_size < 2:
+            return
+        try:
+            files = self._file_of_keys(plan.entries)
+        except CheckpointError:  # the same on every rank: write_plan raises it, on every rank
+            return
+        layouts = _consolidated_layouts(plan.entries, files, self._count())
+        boxes = _boxes_by_key(plan.items)
+        shapes = {k: tuple(e.shape or ()) for k, e in plan.entries.items() if len(e.shape or ()) >= 2}
+        dtypes = {k: md.torch_dtype(plan.entries[k].dtype) for k in shapes}
+        resolved: dict[str, dict[Box, torch.Tensor]] = {}
+        fds: dict[int, _PlacedWrites] = {}
+
+        def value(key: str, box: Box) -> torch.Tensor:
+            if key not in resolved:
+                resolved[key] = dict(_resolved(planner, key, boxes[key], plan.entries[key]))
+            return resolved[key][box]
+
+        def row_offset(key: str, row: int) -> int:
+            return layouts[files[key]].starts[key] + row * math.prod(shapes[key][1:]) * dtypes[key].itemsize
+
+        def write(key: str, row: int, data: memoryview) -> None:
+            i = files[key]
+            if i not in fds:
+                fds[i] = _PlacedWrites(self._temporary(layouts[i].name), self._direct)
+                os.ftruncate(fds[i].fd, layouts[i].size)  # its final size (every rank alike: nothing is cut)
+            fds[i].write(data, row_offset(key, row))
+            resolved.pop(key, None)
+
+        try:
+            held = {key: _held_boxes(items) for key, items in boxes.items() if key in shapes}
+            self._regrouped = set(regroup_rows(coord, shapes, dtypes, held, value, write, row_offset))
+            if self.sync_files:
+                for f in fds.values():
+                    os.fsync(f.fd)
+        finally:
+            for f in fds.values():
+                f.close()
+
     def write_plan(self, plan: SavePlan, planner: SavePlanner, rank: int, save_id: str,
                    thread_count: int) -> WriteResult:
         files = self._file_of_keys(plan.entries)
-        self._tag, self._pending, self._index, self._temps = save_id[:8], [], None, set()
-        boxes = _boxes_by_key(plan.items)
+        self._begin(save_id)
+        boxes = {k: v for k, v in _boxes_by_key(plan.items).items() if k not in self._regrouped}
         if self.consolidates:
             self._write_consolidated(plan, planner, boxes, files, max(thread_count, self.thread_count_consolidation))
         else:
@@ -398,25 +458,37 @@ def _consolidated_layouts(entries: dict[str, EntrySpec], files: dict[str, int], 
     return out
 
 
+def _union(items: list[WriteItem]) -> Box | None:
+    """The one box ``items`` make together (the column bands of a box), or None."""
+    if len(items) <= 1:
+        return None
+    ndim = items[0].box.ndim
+    lo = tuple(min(w.box.offsets[d] for w in items) for d in range(ndim))
+    hi = tuple(max(w.box.ends[d] for w in items) for d in range(ndim))
+    union = Box(lo, tuple(h - o for o, h in zip(lo, hi, strict=True)))
+    return union if union.numel == sum(w.box.numel for w in items) else None
+
+
+def _held_boxes(items: list[WriteItem]) -> list[Box]:
+    """The boxes :func:`_resolved` gives for ``items``."""
+    union = _union(items)
+    return [union] if union is not None else [w.box for w in items]
+
+
 def _resolved(planner: SavePlanner, key: str, items: list[WriteItem],
               spec: EntrySpec) -> list[tuple[Box, torch.Tensor]]:
     """This rank's data of ``key`` as (box, tensor) pairs: its write items' boxes put back
     together into one box where they make one (the column bands of a box), so the box is
     written in as few runs as it has; else one pair per item."""
-    if len(items) > 1:
-        ndim = items[0].box.ndim
-        lo = tuple(min(w.box.offsets[d] for w in items) for d in range(ndim))
-        hi = tuple(max(w.box.ends[d] for w in items) for d in range(ndim))
-        union = Box(lo, tuple(h - o for o, h in zip(lo, hi, strict=True)))
-        if union.numel == sum(w.box.numel for w in items):
-            nbytes = union.numel * md.itemsize(spec.dtype)
-            if type(planner).resolve_data is StandardPlanner.resolve_data:  # hands out any region of what it holds
-                return [(union, _tensor(key, planner.resolve_data(WriteItem(key, union, nbytes, items[0].sub)),
-                                        union))]
-            whole = torch.empty(union.sizes, dtype=md.torch_dtype(spec.dtype))
-            for w in items:
-                whole[w.box.relative_to(union)] = _tensor(key, planner.resolve_data(w), w.box)
-            return [(union, whole)]
+    union = _union(items)
+    if union is not None:
+        nbytes = union.numel * md.itemsize(spec.dtype)
+        if type(planner).resolve_data is StandardPlanner.resolve_data:  # hands out any region of what it holds
+            return [(union, _tensor(key, planner.resolve_data(WriteItem(key, union, nbytes, items[0].sub)), union))]
+        whole = torch.empty(union.sizes, dtype=md.torch_dtype(spec.dtype))
+        for w in items:
+            whole[w.box.relative_to(union)] = _tensor(key, planner.resolve_data(w), w.box)
+        return [(union, whole)]
     return [(w.box, _tensor(key, planner.resolve_data(w), w.box)) for w in items]
 
 

@@ -3,7 +3,8 @@
 ``save`` hands such a writer the plan instead of streaming this library's data files through
 ``write_file``: the writer decides where each chunk's bytes go (a foreign format, such as Hugging
 Face safetensors, whose files are laid out by tensor, not by chunk). The rest of the protocol is
-unchanged: ``set_up`` -> ``prepare`` -> ``write_plan`` (every rank, once) -> ``flush`` ->
+unchanged: ``set_up`` -> ``prepare`` -> ``write_together`` (every rank at once, over the
+group; optional) -> ``write_plan`` (every rank, once) -> ``flush`` ->
 ``read_committed`` -> ``commit`` (the coordinator puts the result in place, atomically) ->
 ``remove`` (a rank whose save did not commit: its own new files).
 
@@ -17,6 +18,7 @@ import abc
 from collections.abc import Iterable
 
 from ..backends.protocol import Buffer, StorageWriter
+from ..base.coordination import Coordinator
 from ..base.errors import UnsupportedValueError
 from ..planning.planner import SavePlan, SavePlanner
 from .saver import WriteResult
@@ -36,6 +38,13 @@ class PlanWriter(StorageWriter):
         from ``planner.resolve_data``. Called once per save on every rank, possibly with no
         items. Files need not be visible to readers before ``commit``. Returns what goes to
         the coordinator (the files written, if the metadata is to name them)."""
+
+    def write_together(self, coord: Coordinator, plan: SavePlan, planner: SavePlanner, save_id: str,
+                       thread_count: int) -> None:  # noqa: B027 (optional; default: nothing)
+        """The part of the write that ranks do together over ``coord``'s group, before
+        :meth:`write_plan`: called on every rank at once, with the same arguments as
+        :meth:`write_plan`. It must fail on every rank or on none (``coord.exchange`` does
+        that), and never leave a rank waiting. Default: nothing."""
 
     def write_file(self, name: str, parts: Iterable[Buffer]) -> int:
         raise UnsupportedValueError(
