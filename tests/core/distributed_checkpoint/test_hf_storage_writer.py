@@ -390,3 +390,40 @@ def test_torchs_arguments_and_module_name():
     assert (w.path, w.consolidated_output_path) == ("/tmp/y", "/tmp/y")
     w = HuggingFaceStorageWriter("/tmp/x", enable_consolidation=True, consolidated_output_path="/tmp/out")
     assert w.output_dir == "/tmp/out"
+
+
+def test_placed_writes_queue_bounce_buffers_and_keep_every_byte_in_place(tmp_path, monkeypatch):
+    """Runs from unaligned memory are copied into bounce buffers that a thread of the file
+    writes while the next one is copied; every byte lands in place, and a failed write is
+    raised in the caller."""
+    import numpy as np
+
+    from hyper_parallel.core.distributed_checkpoint.backends import direct_io
+    from hyper_parallel.core.distributed_checkpoint.interop import hf_writer
+
+    path = str(tmp_path / "f.bin")
+    monkeypatch.setattr(hf_writer, "_BOUNCE", 256 << 10)  # many pieces per run
+    rng = np.random.default_rng(5)
+    runs, at = [], 100
+    for n in (3 << 20, 70 << 10, 5000, (1 << 20) + 17):
+        data = rng.integers(0, 256, n + 3, dtype=np.uint8)[3:]  # off any alignment
+        runs.append((at, data))
+        at += n + int(rng.integers(1, 9000))
+    f = hf_writer._PlacedWrites(path, direct=direct_io.direct_io_default(str(tmp_path)))
+    os.ftruncate(f.fd, at)
+    for off, data in runs:
+        f.write(memoryview(data), off)
+    f.drain()
+    f.close()
+    with open(path, "rb") as fh:
+        whole = fh.read()
+    for off, data in runs:
+        assert whole[off:off + data.nbytes] == data.tobytes()
+
+    f = hf_writer._PlacedWrites(path, direct=True)
+    monkeypatch.setattr(f, "_write_direct", lambda piece, offset: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    f.direct = True
+    with pytest.raises(OSError, match="I/O error"):
+        f.write(memoryview(runs[0][1]), 4096 + 5)
+        f.drain()
+    f.close()

@@ -53,7 +53,9 @@ import json
 import math
 import mmap
 import os
+import queue
 import re
+import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -267,9 +269,15 @@ class HuggingFaceStorageWriter(PlanWriter):
         try:
             held = {key: _held_boxes(items) for key, items in boxes.items() if key in shapes}
             self._regrouped = set(regroup_rows(coord, shapes, dtypes, held, value, write, row_offset))
-            if self.sync_files:
+
+            def sync() -> None:
                 for f in fds.values():
-                    os.fsync(f.fd)
+                    f.drain()
+                    if self.sync_files:
+                        os.fsync(f.fd)
+
+            if self._regrouped:  # (the same on every rank)
+                coord.exchange("save (regrouping rows: syncing)", sync)  # a failure here fails every rank too
         finally:
             for f in fds.values():
                 f.close()
@@ -351,6 +359,8 @@ class HuggingFaceStorageWriter(PlanWriter):
                         fds[i].write(data[j * run:(j + 1) * run], start + off)
 
             _run_all(place, sorted(boxes, key=lambda k: -sum(w.nbytes for w in boxes[k])), threads)
+            for f in fds.values():
+                f.drain()
             if self.sync_files:
                 for f in fds.values():
                     os.fsync(f.fd)
@@ -518,6 +528,7 @@ def _runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarray, 
 
 _DIRECT_MIN = 64 << 10  # runs shorter than this are written through the page cache
 _BOUNCE = 8 << 20  # bytes of a run copied into aligned memory and written with O_DIRECT at a time
+_QUEUED = 2  # bounce buffers waiting for a file's writer thread
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -535,6 +546,11 @@ class _PlacedWrites:
     shared by neighbours (another tensor, another rank's part, the header), every byte of it
     buffered: the two kinds of write never meet on one page. EINVAL from O_DIRECT (a
     filesystem that takes the flag but not the write) turns it off for the rest of the file.
+
+    Bounce buffers are written by a thread of the file while the caller copies the next one
+    (at most ``_QUEUED`` waiting): copying and the disk overlap, as in our own saver. Runs
+    written from the caller's own aligned memory are written before :meth:`write` returns,
+    so the caller may reuse that memory at once. :meth:`drain` waits for the queued writes.
     """
 
     def __init__(self, path: str, direct: bool):
@@ -548,6 +564,10 @@ class _PlacedWrites:
                     os.close(self.fd)
                     raise
         self.direct = self.direct_fd is not None
+        self._queue: queue.Queue = queue.Queue(_QUEUED)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
 
     def write(self, data: memoryview, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -560,19 +580,54 @@ class _PlacedWrites:
         _pwrite_all(self.fd, view[head + body:], offset + head + body)
         for pos in range(head, head + body, _BOUNCE):
             piece = view[pos:min(head + body, pos + _BOUNCE)]
-            if self.direct:
-                if not direct_io.is_aligned(piece):
-                    bounce = direct_io.POOL.get(piece.nbytes)
-                    bounce[:] = piece
-                    piece = bounce
+            if direct_io.is_aligned(piece):
+                self._write_direct(piece, offset + pos)
+                continue
+            bounce = direct_io.POOL.get(piece.nbytes)
+            bounce[:] = piece
+            self._submit(bounce, offset + pos)
+
+    def _write_direct(self, piece: memoryview, offset: int) -> None:
+        if self.direct:
+            try:
+                _pwrite_all(self.direct_fd, piece, offset)  # type: ignore[arg-type]
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        _pwrite_all(self.fd, piece, offset)
+
+    def _submit(self, piece: memoryview, offset: int) -> None:
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hf-pwrite", daemon=True)
+                self._thread.start()
+        self._queue.put((piece, offset))
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._error is None:
                 try:
-                    _pwrite_all(self.direct_fd, piece, offset + pos)  # type: ignore[arg-type]
-                    continue
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    self.direct = False
-            _pwrite_all(self.fd, piece, offset + pos)
+                    self._write_direct(*job)
+                except BaseException as exc:  # raised in the caller by the next write or drain()
+                    self._error = exc
+            job = None  # the bounce buffer goes back to the pool
+
+    def drain(self, raise_error: bool = True) -> None:
+        """Wait for every queued write; raise the first error."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
 
     def copy_box(self, data: memoryview, start: int, shape: tuple[int, ...], box: Box, itemsize: int) -> None:
         """Copy ``box``'s row-major bytes ``data`` into the tensor of ``shape`` at byte ``start``
@@ -590,6 +645,7 @@ class _PlacedWrites:
             del whole, src  # the mapping closes only without views into it
 
     def close(self) -> None:
+        self.drain(raise_error=False)  # never leave the thread writing into a closed fd
         for fd in (self.fd, self.direct_fd):
             if fd is not None:
                 os.close(fd)
