@@ -420,9 +420,13 @@ def test_placed_writes_queue_bounce_buffers_and_keep_every_byte_in_place(tmp_pat
     for off, data in runs:
         assert whole[off:off + data.nbytes] == data.tobytes()
 
+    from hyper_parallel.core.distributed_checkpoint.backends import filesystem
+
+    def broken(fd, views, offset):
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr(filesystem, "_pwrite_all", broken)  # the file's writer thread writes with it
     f = hf_writer._PlacedWrites(path, direct=True)
-    monkeypatch.setattr(f, "_write_direct", lambda piece, offset: (_ for _ in ()).throw(OSError(5, "I/O error")))
-    f.direct = True
     with pytest.raises(OSError, match="I/O error"):
         f.write(memoryview(runs[0][1]), 4096 + 5)
         f.drain()

@@ -85,7 +85,7 @@ def _mode_arg(direct_io: bool | None) -> bool | None:
     return direct_io
 
 
-class _WriteQueue:
+class WriteQueue:
     """The writer thread of one file: runs ``pwrite``/``pwritev`` jobs in order while the producer goes on.
 
     With ``fallback`` (automatic mode), an EINVAL from an O_DIRECT write turns O_DIRECT off
@@ -143,7 +143,7 @@ class _WriteQueue:
 class _BufferedSink:
     """Buffered writes: small parts gathered into one write, large ones as they are."""
 
-    def __init__(self, writes: _WriteQueue):
+    def __init__(self, writes: WriteQueue):
         self.writes = writes
         self.pos = 0
         self._buf: memoryview | None = None
@@ -203,7 +203,7 @@ class _DirectSink:
     first byte with 8 MiB writes from the start, ~1 ms with the ramp).
     """
 
-    def __init__(self, writes: _WriteQueue):
+    def __init__(self, writes: WriteQueue):
         self.writes = writes
         self.pos = 0  # file offset of the first queued byte
         self._queued: list[memoryview] = []
@@ -378,7 +378,7 @@ class FileSystemWriter(StorageWriter):
         """
         full = os.path.join(self.path, name)
         fd, direct = self._open(full)
-        writes = _WriteQueue(fd, fallback=direct and self.direct_io is None)
+        writes = WriteQueue(fd, fallback=direct and self.direct_io is None)
         sink = _DirectSink(writes) if direct else _BufferedSink(writes)
         try:
             try:

@@ -53,7 +53,6 @@ import json
 import math
 import mmap
 import os
-import queue
 import re
 import threading
 from collections.abc import Iterable, Mapping
@@ -65,7 +64,7 @@ import numpy as np
 import torch
 
 from ..backends import direct_io
-from ..backends.filesystem import FileSystemWriter
+from ..backends.filesystem import FileSystemWriter, WriteQueue
 from ..backends.locations import checkpoint_path, is_url, local_path
 from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.atomic_file import sync_directory
@@ -564,10 +563,8 @@ class _PlacedWrites:
                     os.close(self.fd)
                     raise
         self.direct = self.direct_fd is not None
-        self._queue: queue.Queue = queue.Queue(_QUEUED)
-        self._thread: threading.Thread | None = None
+        self._writes: WriteQueue | None = None  # the file's writer thread, started by the first bounce buffer
         self._lock = threading.Lock()
-        self._error: BaseException | None = None
 
     def write(self, data: memoryview, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -599,35 +596,18 @@ class _PlacedWrites:
         _pwrite_all(self.fd, piece, offset)
 
     def _submit(self, piece: memoryview, offset: int) -> None:
-        if self._error is not None:
-            raise self._error
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hf-pwrite", daemon=True)
-                self._thread.start()
-        self._queue.put((piece, offset))
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._error is None:
-                try:
-                    self._write_direct(*job)
-                except BaseException as exc:  # raised in the caller by the next write or drain()
-                    self._error = exc
-            job = None  # the bounce buffer goes back to the pool
+        with self._lock:  # several threads may place runs in one file
+            if self._writes is None:
+                fd = self.direct_fd if self.direct else self.fd
+                self._writes = WriteQueue(fd, fallback=fd == self.direct_fd, depth=_QUEUED)  # type: ignore[arg-type]
+        self._writes.submit([piece], offset)
 
     def drain(self, raise_error: bool = True) -> None:
         """Wait for every queued write; raise the first error."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join()
-        if raise_error and self._error is not None:
-            raise self._error
+            writes, self._writes = self._writes, None
+        if writes is not None:
+            writes.finish(raise_error)
 
     def copy_box(self, data: memoryview, start: int, shape: tuple[int, ...], box: Box, itemsize: int) -> None:
         """Copy ``box``'s row-major bytes ``data`` into the tensor of ``shape`` at byte ``start``
