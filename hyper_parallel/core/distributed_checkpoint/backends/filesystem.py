@@ -148,7 +148,6 @@ class _BufferedSink:
         self.pos = 0
         self._buf: memoryview | None = None
         self._fill = 0
-        self._limit = FIRST_WRITE_BYTES  # queued bytes that make the next write
 
     def add(self, view: memoryview) -> None:
         n = view.nbytes

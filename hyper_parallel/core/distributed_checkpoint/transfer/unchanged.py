@@ -26,7 +26,6 @@ every chunk, start writing those already known changed, and hash the pending one
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,14 +191,6 @@ def settle(pending: Pending, digest: bytes | None, stats: UnchangedStats, count:
         stats.hashed_bytes += pending.nbytes
     return Verdict(digest, pending.stamp, pending.sample,
                    behind_counter=pending.same_stamp and digest != pending.prior.digest)
-
-
-def examine(prior: Any, stamp: VersionStamp | None, value: Any, full_digest: Callable[[], bytes | None],
-            nbytes: int, stats: UnchangedStats) -> Verdict:
-    """:func:`triage` and, where it cannot decide, :func:`settle` with ``full_digest()`` (the
-    hash of all of ``value``, None when it cannot be hashed)."""
-    got = triage(prior, stamp, value, nbytes, stats)
-    return got if isinstance(got, Verdict) else settle(got, full_digest(), stats)
 
 
 def _sample(value: Any, stats: UnchangedStats) -> bytes | None:
