@@ -154,3 +154,27 @@ def test_shard0_to_shard1_of_many_small_tensors_on_two_ranks_is_bit_exact_and_co
     # rank 0 reads t7's band 0 (the flipped byte is in row 3's first columns); whichever ranks
     # saw it, every rank fails naming the rank, the key and the file
     assert "[rank 0] CorruptCheckpointError" in msgs[0] and msgs[0] == msgs[1], msgs
+
+
+def test_a_load_reuses_its_scratch_memory_instead_of_faulting_in_fresh_buffers(tmp_path, monkeypatch):
+    # 64 MiB in 8 tensors, read through scratch runs (torch's tensors are not page-aligned):
+    # the load holds its working set in the pool, so runs after the first few land in memory
+    # already faulted in. Before, idle small buffers kept every run buffer out of the pool
+    # and each run got fresh memory (the whole state's size in page faults).
+    from hyper_parallel.core.distributed_checkpoint.backends import direct_io
+
+    sd = {f"w{i}": make_tensor((2048, 1024), seed=i) for i in range(8)}
+    path = str(tmp_path / "ckpt")
+    save(sd, path, no_dist=True)
+    pool = direct_io.AlignedPool(size=32 << 20)
+    monkeypatch.setattr(direct_io, "POOL", pool)
+    clog = [pool.get(1 << 20) for _ in range(64)]  # idle small buffers fill the pool's keep
+    del clog
+    fresh = []
+    real = direct_io.aligned_array
+    monkeypatch.setattr(direct_io, "aligned_array", lambda n, *a: fresh.append(n) or real(n, *a))
+    target = {k: torch.empty_like(v) for k, v in sd.items()}
+    load(target, path, storage_reader=FileSystemReader(path, direct_io=None), no_dist=True, thread_count=1)
+    assert all(torch.equal(bits(target[k]), bits(v)) for k, v in sd.items())
+    total = sum(v.nbytes for v in sd.values())
+    assert sum(fresh) <= total // 2, (sum(fresh), total)  # was: the whole state

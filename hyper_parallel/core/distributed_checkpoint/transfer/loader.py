@@ -553,13 +553,16 @@ def read_plan(
 
     large = [items for items in streams if items[0].chunk.file not in small]
     workers = max(1, min(thread_count, len(large)))
-    if workers > 1:
-        with ThreadPoolExecutor(workers, thread_name_prefix="dcp-read") as pool:
-            done = pool.map(run_file, large)
-            stats.bytes_read = sum(run_file(items) for items in streams if items[0].chunk.file in small)
-            stats.bytes_read += sum(done)
-    else:
-        stats.bytes_read = sum(run_file(items) for items in streams)
+    # Scratch runs in flight are at most buffer_bytes per file being read: kept for reuse
+    # while this load runs, so each read lands in memory already faulted in.
+    with direct_io.POOL.held(workers * buffer_bytes):
+        if workers > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="dcp-read") as pool:
+                done = pool.map(run_file, large)
+                stats.bytes_read = sum(run_file(items) for items in streams if items[0].chunk.file in small)
+                stats.bytes_read += sum(done)
+        else:
+            stats.bytes_read = sum(run_file(items) for items in streams)
     fence.after_copies()
     return stats
 
