@@ -96,3 +96,40 @@ def test_copy_fed_declines_what_numpy_cannot_view():
     assert not copy_fed(dest, torch.ones(64, 64, dtype=torch.complex64), called.append)
     assert not copy_fed(memoryview(bytearray(8)), torch.ones(64, 64), called.append)  # wrong size
     assert not called and bytes(dest) == bytes(len(dest))
+
+
+@pytest.mark.parametrize("shape,tiles,dtype,gap", [
+    ((128, 1024), 4, torch.float32, 0),  # a small box: one piece for all bands
+    ((3000, 512), 4, torch.bfloat16, 4096 - 768),  # many pieces; bands padded apart in the file
+    ((40, 6, 5), 3, torch.float32, 8),  # bands of a 3-D tensor (whole trailing dims)
+    ((1, 4096), 2, torch.int8, 0),  # one row
+])
+def test_gather_fed_lays_every_band_at_its_pitch_and_feeds_each_band_in_order(shape, tiles, dtype, gap):
+    from hyper_parallel.core.distributed_checkpoint.transfer.host_copy import FED_BYTES, gather_fed
+
+    full = _src(shape, torch.float32).to(dtype)
+    w = shape[1] // tiles
+    bands = [full[:, k * w:(k + 1) * w] for k in range(tiles)]
+    stacked = full.view(shape[0], tiles, w, *shape[2:]).transpose(0, 1)  # (tiles, rows, w, ...) view
+    band_bytes = bands[0].numel() * full.element_size()
+    pitch = band_bytes + gap
+    dest = memoryview(bytearray(pitch * (tiles - 1) + band_bytes))
+    fed: dict[int, list[bytes]] = {k: [] for k in range(tiles)}
+    assert gather_fed(dest, pitch, stacked, lambda k, p: fed[k].append(bytes(p)))
+    for k, band in enumerate(bands):
+        want = band.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        assert bytes(dest[k * pitch:k * pitch + band_bytes]) == want, k
+        assert b"".join(fed[k]) == want, k  # every byte of the band, once, in order
+        assert all(len(p) <= max(FED_BYTES, band_bytes // shape[0]) for p in fed[k])
+    assert bytes(dest[band_bytes:pitch]) == bytes(gap)  # the gaps are not written
+
+
+def test_gather_fed_declines_what_numpy_cannot_view():
+    from hyper_parallel.core.distributed_checkpoint.transfer.host_copy import gather_fed
+
+    dest = memoryview(bytearray(2 * 64 * 32 * 8))
+    full = torch.ones(64, 64, dtype=torch.complex64)
+    called = []
+    assert not gather_fed(dest, 64 * 32 * 8, full.view(64, 2, 32).transpose(0, 1), lambda k, p: called.append(k))
+    assert not gather_fed(memoryview(bytearray(8)), 8, torch.ones(2, 4, 4), lambda k, p: called.append(k))  # small
+    assert not called and bytes(dest) == bytes(len(dest))

@@ -42,6 +42,9 @@ def test_what_the_saver_copies_is_checksummed_as_written(tmp_path, direct_io, mo
     fed: list[int] = []
     real = saver.copy_fed
     monkeypatch.setattr(saver, "copy_fed", lambda dest, src, feed: fed.append(dest.nbytes) or real(dest, src, feed))
+    real_gather = saver.gather_fed  # a box's column bands: one copy, each band fed as copied
+    monkeypatch.setattr(saver, "gather_fed", lambda dest, pitch, src, feed: (
+        fed.append(src.numel() * src.element_size()) or real_gather(dest, pitch, src, feed)))
     save(sd, storage_writer=writer)
     report = verify_checkpoint(tmp_path / "ck")
     assert report.ok, report.problems

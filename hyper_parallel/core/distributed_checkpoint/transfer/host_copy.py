@@ -71,3 +71,30 @@ def copy_fed(dest: memoryview, src: torch.Tensor, consume: Callable[[memoryview]
         np.copyto(d[r0:r1], s[r0:r1], casting="no")
         consume(dest[r0 * row:r1 * row])
     return True
+
+
+def gather_fed(dest: memoryview, pitch: int, src: torch.Tensor, consume: Callable[[int, memoryview], None]) -> bool:
+    """Copy every ``src[k]`` (a CPU tensor of any strides, e.g. the column bands of one box)
+    into ``dest`` as row-major bytes at ``k * pitch``, all of them in one copy per piece of
+    about FED_BYTES, calling ``consume(k, piece)`` on each one's piece just after it is copied
+    (in order per ``k``). One numpy call per piece instead of one per band and piece: a box of
+    four 128 KiB bands took 210 us band by band, most of it per-call overhead. Returns False,
+    having done nothing, where numpy cannot view ``src``."""
+    s = _as_numpy(src)
+    if s is None or s.ndim < 2 or not s.shape[0]:
+        return False
+    n, rows = s.shape[0], s.shape[1]
+    row = s[0].nbytes // rows if rows else 0
+    if dest.nbytes < pitch * (n - 1) + rows * row:
+        return False
+    inner = [s.itemsize]
+    for size in reversed(s.shape[2:]):
+        inner.insert(0, inner[0] * size)
+    d = np.lib.stride_tricks.as_strided(np.frombuffer(dest, dtype=s.dtype), s.shape, (pitch, *inner))
+    step = max(1, FED_BYTES // max(1, n * row))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        np.copyto(d[:, r0:r1], s[:, r0:r1], casting="no")
+        for k in range(n):
+            consume(k, dest[k * pitch + r0 * row:k * pitch + r1 * row])
+    return True

@@ -51,7 +51,7 @@ from ..format.validation import check_shape
 from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..sharding.grid import Grid
 from .chunk_checks import ChunkChecks
-from .host_copy import copy_fed, copy_into
+from .host_copy import copy_fed, copy_into, gather_fed
 from .streams import StreamFence
 from .unchanged import UnchangedStats, Verdict
 
@@ -225,17 +225,24 @@ def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list
     span = pitch * (len(items) - 1) + nbytes
     buf = direct_io.POOL.get(span)
     step = _crc_step(items[0])
-    for k in range(len(items)):
-        if k and pitch > nbytes:
+    if pitch > nbytes:
+        for k in range(1, len(items)):
             buf[k * pitch - (pitch - nbytes):k * pitch] = bytes(pitch - nbytes)
-        sums = _Checksums(step)
-        hasher = hashers[k] if hashers else None
-        feed = sums.feed if hasher is None else lambda data, s=sums, h=hasher: (s.feed(data), h.feed(data))
-        band = buf[k * pitch:k * pitch + nbytes]
-        if not copy_fed(band, bands[k], feed):  # numpy cannot view it: torch copies, then we sum
+    sums = [_Checksums(step) for _ in items]
+    hashers = hashers or [None] * len(items)
+
+    def feed(k: int, data: memoryview) -> None:
+        sums[k].feed(data)
+        if hashers[k] is not None:
+            hashers[k].feed(data)
+
+    if not gather_fed(buf, pitch, bands, feed):  # numpy cannot view them: torch copies, then we sum
+        for k in range(len(items)):
+            band = buf[k * pitch:k * pitch + nbytes]
             copy_into(torch.frombuffer(band, dtype=torch.uint8).view(bands.dtype).view(bands.shape[1:]), bands[k])
-            feed(band)
-        crcs.extend(sums.finish())
+            feed(k, band)
+    for s in sums:
+        crcs.extend(s.finish())
     return buf
 
 
