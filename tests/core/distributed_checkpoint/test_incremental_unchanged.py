@@ -4,6 +4,7 @@ hashing it; the spot check, the rotating full re-hash and our own loads keep tha
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import pytest
@@ -338,3 +339,44 @@ def test_a_failed_save_removes_the_second_round_of_data_files_too(tmp_path):
         save(sd, storage_writer=FailingCommit(path), incremental=inc, no_dist=True)
     assert data_files(path) == [], "a failed save left data files behind"
     assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
+def test_the_first_files_are_decided_by_stamps_alone_and_spot_checks_run_beside_them_at_background_priority(
+        tmp_path, monkeypatch):
+    """Pass 1 reads no tensor: what its stamp says was written in place goes into the first
+    files at once. The spot checks run while those are written, on a thread at background
+    niceness, and what they find changed (a write behind torch's version counter) goes into
+    a second round of files."""
+    from hyper_parallel.core.distributed_checkpoint.base.priority import BACKGROUND_NICE
+    from hyper_parallel.core.distributed_checkpoint.transfer import chunk_checks, unchanged
+
+    steps, sd = Steps(tmp_path), state()
+    steps.save(sd)
+    sampled: list[int] = []
+    real_sample = unchanged.sample_digest
+    monkeypatch.setattr(unchanged, "sample_digest", lambda v: sampled.append(v.numel()) or real_sample(v))
+    niceness: list[int] = []
+    real_pending = chunk_checks.ChunkChecks.hash_pending
+
+    def spy(self, digest):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_pending(self, digest)
+
+    monkeypatch.setattr(chunk_checks.ChunkChecks, "hash_pending", spy)
+    real_triage = chunk_checks.ChunkChecks.triage
+
+    def first_pass(self, planner, fence):
+        out = real_triage(self, planner, fence)
+        assert not sampled, "pass 1 read a tensor"
+        return out
+
+    monkeypatch.setattr(chunk_checks.ChunkChecks, "triage", first_pass)
+    sd["lora"].add_(1.0)  # in place, through torch: known from its stamp
+    sd["exp_avg"].data.mul_(0.5)  # behind the counter, every element: the spot check sees it
+    path = steps.save(sd)
+    assert sampled, "the spot checks did not run"
+    if hasattr(os, "getpriority"):
+        assert niceness and niceness[0] >= min(BACKGROUND_NICE, 19), niceness
+    assert [f.split("-")[2] for f in data_files(path)] == ["0", "1"], data_files(path)
+    assert steps.inc.last.written_bytes == 2 * 64 * 16 * 4
+    assert_loads(path, sd)

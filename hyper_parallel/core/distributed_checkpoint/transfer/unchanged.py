@@ -157,6 +157,13 @@ class Pending:
     nbytes: int
 
 
+def known_changed(prior: Any, stamp: VersionStamp | None) -> bool:
+    """Whether a chunk is written without reading it: nothing was stored for it (``prior``
+    None), or its memory was written in place since (test 1 alone; :func:`triage` gives the
+    verdict, which for a new chunk needs its spot check for the next save)."""
+    return prior is None or (stamp is not None and stamp.written_since(prior.stamp))
+
+
 def triage(prior: Any, stamp: VersionStamp | None, value: Any, nbytes: int,
            stats: UnchangedStats) -> Verdict | Pending:
     """Tests 1 and 2 for one chunk against ``prior``, what the last step stored for it (None:
