@@ -81,7 +81,10 @@ class ChunkChecks:
                 self.stats.hashed_bytes += item.nbytes
 
     def triage(self, planner: SavePlanner, fence: StreamFence) -> list[WriteItem]:
-        """Pass 1, from version stamps alone: the chunks to write at once."""
+        """Pass 1, from version stamps alone: the chunks to write at once. A chunk without a
+        stamp has no cheap test: its bytes decide at once, as they always did (hashed in
+        pass 2, or written now where they cannot be hashed, e.g. a streamed snapshot, whose
+        chunks must all be written in one round)."""
         self._planner, self._fence = planner, fence
         stamp_of_item = getattr(planner, "source_stamp", None)
         for item in self.plan.items:
@@ -92,9 +95,13 @@ class ChunkChecks:
             stamp = stamp_of_item(item) if stamp_of_item is not None else None
             if known_changed(prior, stamp):
                 self._changed.add(self._box(*ks))
-                if prior is not None:  # written in place since: nothing to read or record
+                if prior is not None or stamp is None:  # nothing to read or record
                     self._record(ks, triage(prior, stamp, None, item.nbytes, self.stats))
                     continue
+            elif stamp is None:
+                if self._check(item, prior, stamp):
+                    self._changed.add(self._box(*ks))
+                continue
             self._unread.append((item, prior, stamp))  # spot-checked in pass 2 (a new one: for the next save)
         first = [item for item in self.plan.items if self._box(item.key, item.sub) in self._changed]
         self._written(first, {})
@@ -105,24 +112,26 @@ class ChunkChecks:
         """Whether :meth:`hash_pending` has chunks to check."""
         return bool(self._unread) or any(self._box(*ks) not in self._changed for ks in self._pending)
 
+    def _check(self, item: WriteItem, prior: Any, stamp: Any) -> bool:
+        """Tests 1 and 2 on one chunk's bytes: whether its box is found changed (a chunk left
+        undecided is kept for its full hash and counts as unchanged for now)."""
+        ks = (item.key, item.sub)
+        value = self._planner.resolve_data(item) if stamp is not None or prior is not None else None
+        if isinstance(value, torch.Tensor):
+            self._fence.before_copy(value)
+        got = triage(prior, stamp, value, item.nbytes, self.stats)
+        if isinstance(got, Pending):
+            if isinstance(value, _HASHABLE):
+                self._pending[ks] = (got, value)  # a view of the caller's data, held until hashed
+                return False
+            got = settle(got, None, self.stats)  # cannot be hashed: written
+        self._record(ks, got)
+        return prior is None or got.digest != prior.digest
+
     def _spot_check(self) -> set[tuple[str, int]]:
         """The spot checks of the chunks pass 1 left; the boxes they found changed."""
-        found: set[tuple[str, int]] = set()
-        planner, fence = self._planner, self._fence
-        for item, prior, stamp in self._unread:
-            ks = (item.key, item.sub)
-            value = planner.resolve_data(item) if stamp is not None or prior is not None else None
-            if isinstance(value, torch.Tensor):
-                fence.before_copy(value)
-            got = triage(prior, stamp, value, item.nbytes, self.stats)
-            if isinstance(got, Pending):
-                if isinstance(value, _HASHABLE):
-                    self._pending[ks] = (got, value)  # a view of the caller's data, held until hashed
-                    continue
-                got = settle(got, None, self.stats)  # cannot be hashed: written
-            self._record(ks, got)
-            if prior is None or got.digest != prior.digest:
-                found.add(self._box(*ks))
+        found = {self._box(item.key, item.sub) for item, prior, stamp in self._unread
+                 if self._check(item, prior, stamp)}
         self._unread = []
         return found
 
