@@ -48,25 +48,21 @@ Not here: the safetensors bytes (:mod:`..format.safetensors`), reading these dir
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
-import mmap
 import os
 import re
-import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..backends import direct_io
-from ..backends.filesystem import FileSystemWriter, WriteQueue
+from ..backends.filesystem import FileSystemWriter
 from ..backends.locations import checkpoint_path, is_url, local_path
-from ..base.alignment import DIRECT_IO_ALIGN
+from ..backends.placed_writes import DIRECT_MIN, PlacedWrites, box_runs
 from ..base.atomic_file import sync_directory
 from ..base.box import Box
 from ..base.coordination import Coordinator
@@ -247,7 +243,7 @@ class HuggingFaceStorageWriter(PlanWriter):
         shapes = {k: tuple(e.shape or ()) for k, e in plan.entries.items() if len(e.shape or ()) >= 2}
         dtypes = {k: md.torch_dtype(plan.entries[k].dtype) for k in shapes}
         resolved: dict[str, dict[Box, torch.Tensor]] = {}
-        fds: dict[int, _PlacedWrites] = {}
+        fds: dict[int, PlacedWrites] = {}
 
         def value(key: str, box: Box) -> torch.Tensor:
             if key not in resolved:
@@ -260,7 +256,7 @@ class HuggingFaceStorageWriter(PlanWriter):
         def write(key: str, row: int, data: memoryview) -> None:
             i = files[key]
             if i not in fds:
-                fds[i] = _PlacedWrites(self._temporary(layouts[i].name), self._direct)
+                fds[i] = PlacedWrites(self._temporary(layouts[i].name), self._direct)
                 os.ftruncate(fds[i].fd, layouts[i].size)  # its final size (every rank alike: nothing is cut)
             fds[i].write(data, row_offset(key, row))
             resolved.pop(key, None)
@@ -336,10 +332,10 @@ class HuggingFaceStorageWriter(PlanWriter):
         mine = sorted({files[key] for key in boxes})
         if self.is_coordinator:
             mine = sorted(layouts)
-        fds: dict[int, _PlacedWrites] = {}
+        fds: dict[int, PlacedWrites] = {}
         try:
             for i in mine:
-                fds[i] = _PlacedWrites(tmp_of[i], self._direct)
+                fds[i] = PlacedWrites(tmp_of[i], self._direct)
                 os.ftruncate(fds[i].fd, layouts[i].size)  # its final size (every rank alike: nothing is cut)
             if self.is_coordinator:  # the headers
                 for i, lay in layouts.items():
@@ -350,8 +346,8 @@ class HuggingFaceStorageWriter(PlanWriter):
                 start, shape = layouts[i].starts[key], tuple(spec.shape or ())
                 for box, value in _resolved(planner, key, boxes[key], spec):
                     data = tensor_bytes(value)
-                    offsets, run = _runs(shape, box, md.itemsize(spec.dtype))
-                    if len(offsets) > 1 and run < _DIRECT_MIN and self._node_local:  # many short runs: one copy
+                    offsets, run = box_runs(shape, box, md.itemsize(spec.dtype))
+                    if len(offsets) > 1 and run < DIRECT_MIN and self._node_local:  # many short runs: one copy
                         fds[i].copy_box(data, start, shape, box, md.itemsize(spec.dtype))
                         continue
                     for j, off in enumerate(offsets.tolist()):
@@ -507,128 +503,6 @@ def _tensor(key: str, value: Any, box: Box) -> torch.Tensor:
         raise UnsupportedValueError(f"{key!r}: the planner gave {found} for box {box}; HuggingFaceStorageWriter "
                                     "writes tensors of the planned boxes")
     return value
-
-
-def _runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarray, int]:
-    """Where ``box``'s contiguous runs start in a row-major tensor of ``shape`` (byte offsets from
-    the tensor's start, in the box's own row-major order) and the bytes of each run."""
-    i = len(shape) - 1
-    while i >= 0 and box.sizes[i] == shape[i]:  # trailing dims the box spans whole
-        i -= 1
-    if i < 0:
-        return np.zeros(1, dtype=np.int64), box.numel * itemsize
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    offsets = np.zeros(1, dtype=np.int64)
-    for d in range(i):
-        offsets = (offsets[:, None] + np.arange(box.sizes[d], dtype=np.int64) * strides[d]).reshape(-1)
-    start = sum(box.offsets[d] * strides[d] for d in range(i + 1))
-    return (offsets + start) * itemsize, box.sizes[i] * strides[i] * itemsize
-
-
-_DIRECT_MIN = 64 << 10  # runs shorter than this are written through the page cache
-_BOUNCE = 8 << 20  # bytes of a run copied into aligned memory and written with O_DIRECT at a time
-_QUEUED = 2  # bounce buffers waiting for a file's writer thread
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-class _PlacedWrites:
-    """Byte runs written at their offsets in one file that several ranks (and threads) fill.
-
-    With ``direct``, a run's whole 4 KiB blocks go with O_DIRECT (from aligned memory: the
-    run's own where it is aligned, else a reused bounce buffer), its partial blocks at either
-    end through the page cache. A block is then either whole in one run, written directly, or
-    shared by neighbours (another tensor, another rank's part, the header), every byte of it
-    buffered: the two kinds of write never meet on one page. EINVAL from O_DIRECT (a
-    filesystem that takes the flag but not the write) turns it off for the rest of the file.
-
-    Bounce buffers are written by a thread of the file while the caller copies the next one
-    (at most ``_QUEUED`` waiting): copying and the disk overlap, as in our own saver. Runs
-    written from the caller's own aligned memory are written before :meth:`write` returns,
-    so the caller may reuse that memory at once. :meth:`drain` waits for the queued writes.
-    """
-
-    def __init__(self, path: str, direct: bool):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # RDWR: a shared mapping needs it
-        self.direct_fd: int | None = None
-        if direct:
-            try:
-                self.direct_fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | direct_io.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    os.close(self.fd)
-                    raise
-        self.direct = self.direct_fd is not None
-        self._writes: WriteQueue | None = None  # the file's writer thread, started by the first bounce buffer
-        self._lock = threading.Lock()
-
-    def write(self, data: memoryview, offset: int) -> None:
-        view = memoryview(data).cast("B")
-        head = -offset % DIRECT_IO_ALIGN
-        body = (view.nbytes - head) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
-        if not self.direct or view.nbytes < _DIRECT_MIN or body <= 0:
-            _pwrite_all(self.fd, view, offset)
-            return
-        _pwrite_all(self.fd, view[:head], offset)
-        _pwrite_all(self.fd, view[head + body:], offset + head + body)
-        for pos in range(head, head + body, _BOUNCE):
-            piece = view[pos:min(head + body, pos + _BOUNCE)]
-            if direct_io.is_aligned(piece):
-                self._write_direct(piece, offset + pos)
-                continue
-            bounce = direct_io.POOL.get(piece.nbytes)
-            bounce[:] = piece
-            self._submit(bounce, offset + pos)
-
-    def _write_direct(self, piece: memoryview, offset: int) -> None:
-        if self.direct:
-            try:
-                _pwrite_all(self.direct_fd, piece, offset)  # type: ignore[arg-type]
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self.direct = False
-        _pwrite_all(self.fd, piece, offset)
-
-    def _submit(self, piece: memoryview, offset: int) -> None:
-        with self._lock:  # several threads may place runs in one file
-            if self._writes is None:
-                fd = self.direct_fd if self.direct else self.fd
-                self._writes = WriteQueue(fd, fallback=fd == self.direct_fd, depth=_QUEUED)  # type: ignore[arg-type]
-        self._writes.submit([piece], offset)
-
-    def drain(self, raise_error: bool = True) -> None:
-        """Wait for every queued write; raise the first error."""
-        with self._lock:
-            writes, self._writes = self._writes, None
-        if writes is not None:
-            writes.finish(raise_error)
-
-    def copy_box(self, data: memoryview, start: int, shape: tuple[int, ...], box: Box, itemsize: int) -> None:
-        """Copy ``box``'s row-major bytes ``data`` into the tensor of ``shape`` at byte ``start``
-        through a shared mapping of the file (one strided copy, no call per run): for boxes of
-        many short runs (a ``Shard(1)`` box has one per row), on a filesystem of this node."""
-        rows = shape[:-1] + (shape[-1] * itemsize,)  # the last dim in bytes: any dtype, any alignment
-        nbytes = math.prod(rows)
-        base = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(self.fd, start + nbytes - base, offset=base) as mapped:
-            whole = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=start - base).reshape(rows)
-            index = (*box.relative_to(Box.full(shape))[:-1],
-                     slice(box.offsets[-1] * itemsize, box.ends[-1] * itemsize))
-            src = np.frombuffer(data, dtype=np.uint8).reshape(box.sizes[:-1] + (box.sizes[-1] * itemsize,))
-            np.copyto(whole[index], src)
-            del whole, src  # the mapping closes only without views into it
-
-    def close(self) -> None:
-        self.drain(raise_error=False)  # never leave the thread writing into a closed fd
-        for fd in (self.fd, self.direct_fd):
-            if fd is not None:
-                os.close(fd)
 
 
 def _run_all(fn: Any, args: list[Any], threads: int) -> None:
