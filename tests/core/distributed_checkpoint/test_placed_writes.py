@@ -41,7 +41,7 @@ def test_placed_writes_queue_bounce_buffers_and_keep_every_byte_in_place(tmp_pat
     def broken(fd, views, offset):
         raise OSError(5, "I/O error")
 
-    monkeypatch.setattr(filesystem, "_pwrite_all", broken)  # the file's writer thread writes with it
+    monkeypatch.setattr(filesystem, "pwrite_all", broken)  # the file's writer thread writes with it
     f = placed_writes.PlacedWrites(path, direct=True)
     with pytest.raises(OSError, match="I/O error"):
         f.write(memoryview(runs[0][1]), 4096 + 5)

@@ -67,7 +67,7 @@ QUEUE_DEPTH = 2  # writes queued per file beyond the one in progress
 _POOL = direct_io.POOL  # one pool of aligned memory for the saver, the writer and the loader
 
 
-def _pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
+def pwrite_all(fd: int, views: list[memoryview], offset: int) -> None:
     """Write ``views`` back to back at ``offset`` (one ``pwritev`` unless the kernel writes less)."""
     while views:
         n = os.pwritev(fd, views, offset) if len(views) > 1 else os.pwrite(fd, views[0], offset)
@@ -124,13 +124,13 @@ class WriteQueue:
     def _write(self, views: list[memoryview], offset: int) -> None:
         self.calls += 1
         try:
-            _pwrite_all(self.fd, views, offset)
+            pwrite_all(self.fd, views, offset)
         except OSError as exc:
             if not (self.fallback and exc.errno == errno.EINVAL and not self.fell_back):
                 raise
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
             self.fell_back = True
-            _pwrite_all(self.fd, views, offset)
+            pwrite_all(self.fd, views, offset)
 
     def finish(self, raise_error: bool = True) -> None:
         """Wait for every queued write; raise the first error."""

@@ -19,7 +19,7 @@ import numpy as np
 from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.box import Box
 from . import direct_io
-from .filesystem import WriteQueue
+from .filesystem import WriteQueue, pwrite_all
 
 
 def box_runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarray, int]:
@@ -41,12 +41,6 @@ def box_runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarra
 DIRECT_MIN = 64 << 10  # runs shorter than this are written through the page cache
 BOUNCE_BYTES = 8 << 20  # bytes of a run copied into aligned memory and written with O_DIRECT at a time
 QUEUED = 2  # bounce buffers waiting for a file's writer thread
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 class PlacedWrites:
@@ -84,10 +78,10 @@ class PlacedWrites:
         head = -offset % DIRECT_IO_ALIGN
         body = (view.nbytes - head) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
         if not self.direct or view.nbytes < DIRECT_MIN or body <= 0:
-            _pwrite_all(self.fd, view, offset)
+            pwrite_all(self.fd, [view], offset)
             return
-        _pwrite_all(self.fd, view[:head], offset)
-        _pwrite_all(self.fd, view[head + body:], offset + head + body)
+        pwrite_all(self.fd, [view[:head]], offset)
+        pwrite_all(self.fd, [view[head + body:]], offset + head + body)
         for pos in range(head, head + body, BOUNCE_BYTES):
             piece = view[pos:min(head + body, pos + BOUNCE_BYTES)]
             if direct_io.is_aligned(piece):
@@ -100,13 +94,13 @@ class PlacedWrites:
     def _write_direct(self, piece: memoryview, offset: int) -> None:
         if self.direct:
             try:
-                _pwrite_all(self.direct_fd, piece, offset)  # type: ignore[arg-type]
+                pwrite_all(self.direct_fd, [piece], offset)  # type: ignore[arg-type]
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct = False
-        _pwrite_all(self.fd, piece, offset)
+        pwrite_all(self.fd, [piece], offset)
 
     def _submit(self, piece: memoryview, offset: int) -> None:
         with self._lock:  # several threads may place runs in one file

@@ -90,7 +90,7 @@ def gather_fed(dest: memoryview, pitch: int, src: torch.Tensor, consume: Callabl
     inner = [s.itemsize]
     for size in reversed(s.shape[2:]):
         inner.insert(0, inner[0] * size)
-    d = np.lib.stride_tricks.as_strided(np.frombuffer(dest, dtype=s.dtype), s.shape, (pitch, *inner))
+    d = np.ndarray(s.shape, s.dtype, buffer=dest, strides=(pitch, *inner))  # the bands at their pitch
     step = max(1, FED_BYTES // max(1, n * row))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
