@@ -54,8 +54,10 @@ def _state(seed: int) -> dict:
 
 
 @pytest.mark.parametrize("staging", ["eager", "lazy"])
-def test_async_saves_write_staged_bands_as_they_are_with_a_sync_saves_bytes(tmp_path, monkeypatch, staging):
-    ckpt = AsyncCheckpointer(stage_bands=True if staging == "eager" else None)
+@pytest.mark.parametrize("stage_bands", [None, True])
+def test_async_saves_write_staged_bands_as_they_are_with_a_sync_saves_bytes(tmp_path, monkeypatch, staging,
+                                                                            stage_bands):
+    ckpt = AsyncCheckpointer(stage_bands=stage_bands)  # None (the default) stages bands too
     sd = _state(0)
     save(sd, str(tmp_path / "sync"), no_dist=True)
     _no_gathering(monkeypatch)
@@ -193,13 +195,13 @@ def test_sharded_dtensors_staged_as_bands_save_a_sync_saves_bytes_on_two_ranks(t
     assert run_ranks(rank_dtensors, 2, str(tmp_path)) == [True, True]
 
 
-def test_eager_saves_stage_row_major_by_default_and_stage_bands_is_checked(tmp_path, monkeypatch):
+def test_stage_bands_false_stages_row_major_and_stage_bands_is_checked(tmp_path, monkeypatch):
     sd = _state(5)
     gathered = []
     gather = saver_module._gather_bands
     monkeypatch.setattr(saver_module, "_gather_bands", lambda *a: gathered.append(1) or gather(*a))
     save(sd, str(tmp_path / "sync"), no_dist=True)
-    ckpt = AsyncCheckpointer()  # eager: the fastest snapshot (a flat copy); the saver gathers bands
+    ckpt = AsyncCheckpointer(stage_bands=False)  # the fastest snapshot (a flat copy); the saver gathers bands
     ckpt.save(sd, str(tmp_path / "c"), no_dist=True).result(timeout=60)
     ckpt.close()
     assert gathered and _payloads(str(tmp_path / "c")) == _payloads(str(tmp_path / "sync"))

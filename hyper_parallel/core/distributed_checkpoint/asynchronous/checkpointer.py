@@ -144,11 +144,12 @@ class AsyncCheckpointer:
         stage_bands: whether the snapshot lays out host tensors that the save cuts into
             column bands (see ``StandardPlanner.max_tiles``) band by band, as the data file
             holds them, so the background write copies nothing (:mod:`.staged_bands`). Such a
-            snapshot takes about 1.5x as long as a flat copy (strided copies), but the
-            background save then uses about half the CPU. None (the default): for
-            ``staging="lazy"`` saves, whose copies run in the background anyway; True: also
-            for eager saves, worth it where the training loop and the save compete for
-            few cores; False: never.
+            snapshot takes ~1.3x as long as a flat copy (strided reads), and the background
+            save then uses less than half the CPU: the bands would otherwise be copied out of
+            a flat snapshot there, strided just the same, plus a pass through bounce memory.
+            None (the default) and True: staged as bands (tensors on an accelerator never
+            are: their snapshot is one device-to-host copy each); False: a flat snapshot,
+            the shortest pause where spare cores absorb the background copies.
         max_host_bytes: a bound on the host (pinned, with accelerator tensors) memory that
             snapshots take, whatever the state's size; None (default): a whole snapshot per
             save. With a bound, a save copies its tensors piece by piece into one reused ring
@@ -542,7 +543,7 @@ class AsyncCheckpointer:
     def _bands(self, job: _Job) -> tuple:
         """((key, column bands), ...): the host tensors to stage as the bands the save will
         cut them into (on the stager's thread for a lazy save: it costs per-tensor work)."""
-        wanted = self.stage_bands if self.stage_bands is not None else job.response.staging == "lazy"
+        wanted = self.stage_bands is not False
         planner = job.save_kwargs.get("planner")
         planner = StandardPlanner() if planner is None else planner
         # a rank-local save (no collectives) stores chunks whole: nothing to cut into bands

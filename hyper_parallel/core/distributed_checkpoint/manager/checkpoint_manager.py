@@ -168,7 +168,7 @@ class CheckpointManager:
         async_save: return from ``save`` once a snapshot is taken; a background thread writes
             and commits (one save in flight; see the module docstring). An
             :class:`~.async_staging.AsyncCheckpointer` (``max_in_flight=1``) instead of True
-            is used for these saves with its settings, e.g. ``AsyncCheckpointer(stage_bands=True)``
+            is used for these saves with its settings, e.g. ``AsyncCheckpointer(stage_bands=False)``
             or ``background_nice=0``; the manager closes it when it closes.
         incremental: write only the chunks that changed since the previous committed step of
             this manager and reference the earlier files for the rest (the first save, and
