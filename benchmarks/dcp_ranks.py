@@ -657,7 +657,7 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
                     kw["planner"] = hp.StandardPlanner()
                     kw["planner"].max_tiles = 1
                 start = {"ours_nice0": getattr(at_caller_priority, "save", None),
-                         "ours_bands": getattr(staging_bands, "save", None)}.get(lib, hp.async_save)
+                         "ours_flat": getattr(staging_flat, "save", None)}.get(lib, hp.async_save)
                 resp = start(sd, checkpoint_id=path, sync_files=True,
                              callback=lambda r: done_at.append(time.monotonic()), **kw)
                 finished = resp.done
@@ -687,9 +687,10 @@ def main_ranks(rank: int, ws: int, cfg: dict) -> dict:
 
         # the default runs the background threads at nice 10 (priority.py); this one at the loop's
         at_caller_priority = hp.AsyncCheckpointer(background_nice=0) if have_ours else None
-        # the snapshot laid out as the file's column bands: a slower copy, no background copy
-        staging_bands = hp.AsyncCheckpointer(stage_bands=True) if have_ours else None
-        libs = ["ours", "ours_bands", "ours_untiled", "ours_nice0", "torch"] if have_ours else ["torch"]
+        # a flat snapshot (the default lays host tensors out as the file's column bands): a
+        # faster copy, and the background copies the bands out of it
+        staging_flat = hp.AsyncCheckpointer(stage_bands=False) if have_ours else None
+        libs = ["ours", "ours_flat", "ours_untiled", "ours_nice0", "torch"] if have_ours else ["torch"]
         if not have_ours:
             b.notes.append("async_save not in hyper_parallel.core.distributed_checkpoint: ours skipped")
         for i in range(cfg["warmup_async"]):

@@ -41,8 +41,8 @@ def test_tile_policy_cuts_large_wide_chunks_into_power_of_two_bands():
     assert p.tiles("w", _spec((1 << 16, 3))) == 1  # rows too narrow
     s0 = {"mesh_shape": [4], "placements": ["S(0)"]}
     s1 = {"mesh_shape": [4], "placements": ["S(1)"]}
-    assert p.tiles("w", _spec((256, 2048), layout=s0)) == 8  # 2 MiB / 4 ranks: chunks of 512 KiB
-    assert p.tiles("w", _spec((128, 2048), layout=s0)) == 1  # chunks of 256 KiB stay whole
+    assert p.tiles("w", _spec((512, 2048), layout=s0)) == 8  # 4 MiB / 4 ranks: chunks of 1 MiB
+    assert p.tiles("w", _spec((256, 2048), layout=s0)) == 1  # chunks of 512 KiB stay whole
     assert p.tiles("w", _spec((4096, 2048), layout=s1)) == 2  # a box has 512 columns (2 KiB)
     p.max_tiles = 1
     assert p.tiles("w", _spec((1024, 2048))) == 1

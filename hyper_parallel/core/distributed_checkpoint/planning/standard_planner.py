@@ -364,9 +364,13 @@ class StandardPlanner(SavePlanner, LoadPlanner):
     #: ``tile_min_band_bytes`` wide per row. A reader that wants some columns (a ``Shard(1)``
     #: load of a ``Shard(0)`` save) then reads and verifies only their bands; a reader of
     #: whole rows reads a box's bands in one call and copies each into place. Set
-    #: ``max_tiles = 1`` (on the class or an instance) to store chunks whole.
+    #: ``max_tiles = 1`` (on the class or an instance) to store chunks whole. Each band is a
+    #: chunk with its own records, checks and copies, so small boxes stay whole: at 512 KiB
+    #: the bands of an adapter state's 512 KiB tensors cost an incremental step ~23% of its
+    #: time, while reading such a box's whole rows for some of its columns cost a column load
+    #: nothing measurable (``benchmarks/results/incremental.md``).
     max_tiles = 4
-    tile_min_chunk_bytes = 512 << 10
+    tile_min_chunk_bytes = 1 << 20
     tile_min_band_bytes = 512
 
     def tiles(self, key: str, spec: EntrySpec) -> int:
