@@ -107,9 +107,9 @@ def test_verify_false_still_loads_only_the_needed_bytes(tmp_path):
 
 # ---------------------------------------------------------------- 2 gloo ranks, many small tensors
 
-# 16 float32 tensors of 1-2 MiB (each rank's chunk is cut into column bands: a Shard(1)
-# reader reads exactly its bands, in small runs), then bfloat16 vectors (whole rows read)
-SHAPES = [(256 + 16 * i, 1024) for i in range(16)] + [(8, 96), (8, 40)]
+# 16 float32 tensors of 2-4 MiB (each rank's chunk of 1-2 MiB is cut into column bands: a
+# Shard(1) reader reads exactly its bands, in small runs), then bfloat16 vectors (whole rows read)
+SHAPES = [(256 + 16 * i, 2048) for i in range(16)] + [(8, 96), (8, 40)]
 
 
 def _dtype(i: int) -> torch.dtype:
