@@ -388,13 +388,12 @@ def targets(res: dict, baseline: dict | None = None) -> list[dict]:
                 "ours/raw GiB/s", f"; ours {_f(med(s, 'ours'))}, raw {_f(s.get('paired_limit_GiBps'))} GiB/s")
     # the async save (512 MiB per rank here): its background CPU per GiB of state, and the
     # compute a training loop loses per save against torch DCP's in the same run
-    bg = a.get("variants", {}).get("ours", {}).get("background_cpu_s", {}).get("median")
+    bg = med(a, "ours", "background_cpu_s")
     per_rank = a.get("local_bytes_per_rank")
     bg_gib = bg / (per_rank / (1 << 30)) if bg is not None and per_rank else None
     add("async: background CPU per GiB <= 0.12 s", bg_gib, "<=", 0.12, "CPU s/GiB",
         f"; {_f(bg, 's', 3)} per rank of {human_bytes(per_rank or 0)}")
-    lost = a.get("variants", {}).get("ours", {}).get("lost_s", {}).get("median")
-    tlost = a.get("variants", {}).get("torch", {}).get("lost_s", {}).get("median")
+    lost, tlost = med(a, "ours", "lost_s"), med(a, "torch", "lost_s")
     add("async: compute lost per save <= 1/5 of torch DCP's", _ratio(lost, tlost), "<=", 0.2, "ours/torch",
         f"; ours {_f(lost, 's', 3)}, torch DCP {_f(tlost, 's', 3)}")
     add("async: blocking <= 1.2x one memcpy", a.get("blocking_vs_memcpy"), "<=", 1.2, "blocking/memcpy",
