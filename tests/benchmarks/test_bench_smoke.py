@@ -25,7 +25,8 @@ def test_quick_benchmark_reports_every_scenario(tmp_path):
     assert (out / "latest.md").read_text().startswith("# DCP benchmark")
 
     res = doc["results"]
-    assert set(res["limits"]) >= {"write", "write_fsync", "read_cold", "read_warm", "memcpy_fresh", "memcpy_reused"}
+    assert set(res["limits"]) >= {"write", "write_fsync", "read_cold", "read_warm", "memcpy_fresh", "memcpy_reused",
+                                  "crc32c"}
     for name in SCENARIOS:
         entry = res["scenarios"][name]
         assert "error" not in entry, f"{name}: {entry.get('error')}"
