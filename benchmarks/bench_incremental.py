@@ -37,6 +37,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,8 +71,16 @@ def build_state(frozen_mb: float, train_mb: float, layers: int) -> dict:
     return {"model": model, "optim": {"state": state, "param_groups": [{"lr": 1e-4, "params": list(range(layers))}]}}
 
 
+SETTLE_S = 0.05  # after a training step, before a timed save (see train_step)
+
+
 def train_step(sd: dict) -> None:
-    """What one AdamW step changes: the trainable weights and their moments."""
+    """What one AdamW step changes: the trainable weights and their moments.
+
+    Its tensor ops run on torch's intra-op (OpenMP) threads, which keep spinning for a while
+    after the last one (~10 ms of a core on this build): the callers wait ``SETTLE_S`` after it,
+    so that a save's time and CPU are the save's, as after a step that ran on an accelerator.
+    """
     for i, st in sd["optim"]["state"].items():
         w = sd["model"][f"layers.{i}.adapter.weight"]
         grad = torch.randn_like(w)
@@ -101,6 +110,7 @@ def run_manager(root: str, sd: dict, reps: int, options: dict) -> tuple[list[tup
             if st is not None:
                 checks = {"unread": st.unread_bytes, "hashed": st.hashed_bytes, "sampled": st.sampled_bytes}
             train_step(sd)
+            time.sleep(SETTLE_S)
     return out, saved, checks
 
 
@@ -115,6 +125,7 @@ def run_torch(root: str, sd: dict, reps: int) -> list[tuple[float, float, int]]:
             tdcp.save(sd, checkpoint_id=path, no_dist=True)
         out.append((t.wall_s, t.cpu_s, data_bytes(path)))
         train_step(sd)
+        time.sleep(SETTLE_S)
     return out
 
 
