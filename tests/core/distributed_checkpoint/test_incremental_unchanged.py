@@ -270,7 +270,7 @@ def test_reusable_carries_every_field_of_a_known_chunk_and_sets_only_trust():
     t = torch.zeros(4, 4)
     chunk = KnownChunk(digest=b"d" * 16, file=md.FileRecord("f.data", "step_00000001", 3, 1, 2, 3, 4),
                        box=Box((0, 0), (4, 4)), spec=spec_of(entry), stamp=stamp_of(t), sample=b"s" * 16,
-                       hashed_at=1, skipped=True)
+                       hashed_at=1, skipped=True, box_digest=(b"b" * 16, b"d" * 16))
     inc = IncrementalState(rehash_every=8)
     inc.known = {("w", i): chunk for i in range(16)}  # the rotating re-hash takes the first 2
     inc.saves = 1
@@ -279,6 +279,70 @@ def test_reusable_carries_every_field_of_a_known_chunk_and_sets_only_trust():
     for f in dataclasses.fields(KnownChunk):
         if f.name != "trust":
             assert all(getattr(c, f.name) is getattr(chunk, f.name) for c in out.values()), f.name
+
+
+def test_whole_box_is_the_memory_the_column_bands_cut_up_or_none():
+    from hyper_parallel.core.distributed_checkpoint.transfer.unchanged import whole_box
+
+    t = make_tensor((64, 32), seed=4)
+    bands = [t[:, k * 8:(k + 1) * 8] for k in range(4)]
+    whole = whole_box(bands)
+    assert whole is not None and whole.is_contiguous() and whole.data_ptr() == t.data_ptr()
+    assert torch.equal(whole, t)
+    rows = t[8:24]  # a box of some rows: still whole rows of memory
+    assert torch.equal(whole_box([rows[:, k * 8:(k + 1) * 8] for k in range(4)]), rows)
+    assert whole_box(bands[:3]) is None  # three bands do not span whole rows
+    assert whole_box([bands[1], bands[0], bands[2], bands[3]]) is None  # not side by side in order
+    assert whole_box([b.clone() for b in bands]) is None  # copies: memory of their own
+    wide = make_tensor((64, 40), seed=5)
+    assert whole_box([wide[:, k * 8:(k + 1) * 8] for k in range(4)]) is None  # a part of each row only
+    assert whole_box([bands[0]]) is None and whole_box([]) is None
+
+
+def test_a_box_of_column_bands_all_due_is_hashed_once_in_its_own_memory(tmp_path):
+    steps, sd = Steps(tmp_path, rehash_every=1), state()  # every chunk hashed in full at every save
+    steps.save(sd)
+    assert {c.box_digest is not None for ks, c in steps.inc.known.items() if ks[0] == "base"} == {True}
+    for _ in range(2):
+        sd["lora"].add_(1.0)
+        path = steps.save(sd)
+        st = steps.inc.last
+        assert st.whole_box_bytes == BASE_BYTES and st.hashed_bytes >= BASE_BYTES and st.unread_bytes == 0, st
+        assert st.written_bytes == 64 * 16 * 4, st  # lora alone
+        assert_loads(path, sd)
+
+
+def test_a_write_behind_the_counter_fails_the_box_hash_and_is_found_band_by_band(tmp_path):
+    steps, sd = Steps(tmp_path, rehash_every=1), state()
+    steps.save(sd)
+    sd["base"].data[100, 500] += 1.0  # the version counter does not move
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = steps.save(sd)
+    st = steps.inc.last
+    assert st.whole_box_bytes == 0 and "base" in st.behind_counter, st
+    assert st.written_bytes == BASE_BYTES + 0, st  # the box's four bands, written together
+    assert_loads(path, sd)
+    path = steps.save(sd)  # written at the last save from the memory hashed then: that hash vouches
+    assert steps.inc.last.whole_box_bytes == BASE_BYTES and steps.inc.last.written_bytes == 0
+    assert_loads(path, sd)
+
+
+def test_a_box_hash_never_vouches_for_a_band_written_since_it_was_taken(tmp_path):
+    """Memory back to what it was when the box hash was taken does not make the band written
+    since look unchanged: its stored bytes are the changed ones, and it is hashed again."""
+    steps, sd = Steps(tmp_path, rehash_every=1), state()
+    steps.save(sd)  # the box hash of the first bytes
+    first = sd["base"][:, :128].clone()
+    sd["base"][:, :128].add_(1.0)  # band 0 written in place: the box is written again
+    steps.save(sd)
+    sd["base"].data[:, :128] = first  # back to the first bytes, behind the counter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = steps.save(sd)
+    st = steps.inc.last
+    assert st.whole_box_bytes == 0 and st.written_bytes == BASE_BYTES, st
+    assert_loads(path, sd)
 
 
 def data_files(path: str) -> list[str]:

@@ -27,6 +27,9 @@ fused optimizers, numpy, raw-pointer kernels), so a stamp is never trusted alone
 - a key once found changed under an unchanged stamp is hashed in full at every later save of
   this state, and a warning names it when an earlier step may have referenced stale bytes.
 
+A full hash of a box stored as column bands, when all its bands are due, is one hash of the
+box's own memory compared with ``KnownChunk.box_digest`` (see :mod:`..transfer.unchanged`).
+
 ``rehash_every=1`` hashes every chunk at every save: torch's counter is not trusted at all.
 Nothing is called unchanged without a 128-bit hash comparison of its bytes at some save.
 
@@ -59,7 +62,10 @@ class KnownChunk:
     ``stamp`` and ``sample``: the source tensor's version stamp and the chunk's spot-check hash
     when its bytes were last known to be these; ``hashed_at``: the save (counted by the state)
     that last hashed it in full; ``skipped``: reused unread since then; ``trust``: set for one
-    save by :meth:`IncrementalState.reusable`, whether its stamp may stand for a full hash.
+    save by :meth:`IncrementalState.reusable`, whether its stamp may stand for a full hash;
+    ``box_digest``: for a column band, (the hash of its whole box's memory while every band
+    held its stored bytes, its own digest then): its full hash can then be one hash of the box
+    (see ``whole_box``) while its digest is still that one.
     """
 
     digest: bytes
@@ -71,6 +77,7 @@ class KnownChunk:
     hashed_at: int = 0
     skipped: bool = False
     trust: bool = False
+    box_digest: tuple[bytes, bytes] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -145,7 +152,8 @@ class IncrementalState:
         trusted = {ks for _, ks in stamped} - due
         # (built directly: dataclasses.replace costs ~10x more, and a step checks every chunk)
         return {ks: KnownChunk(digest=c.digest, file=c.file, box=c.box, spec=c.spec, stamp=c.stamp,
-                               sample=c.sample, hashed_at=c.hashed_at, skipped=c.skipped, trust=ks in trusted)
+                               sample=c.sample, hashed_at=c.hashed_at, skipped=c.skipped, trust=ks in trusted,
+                               box_digest=c.box_digest)
                 for ks, c in same.items()}
 
     def committed(self, entries: dict[str, Any], written: dict[tuple[str, int], tuple[bytes, Box, str]],
@@ -177,14 +185,15 @@ class IncrementalState:
                                   f.index_crc, f.size)
             v = verdicts.get(ks)
             known[ks] = KnownChunk(digest, moved, box, specs[ks[0]], v.stamp if v else None,
-                                   v.sample if v else None, now)
+                                   v.sample if v else None, now, box_digest=v.box_digest if v else None)
         for ks, chunk in reused.items():
             if ks[0] not in specs:
                 continue
             v = verdicts.get(ks)
             unread = v is not None and v.unread
             known[ks] = KnownChunk(chunk.digest, chunk.file, chunk.box, specs[ks[0]], v.stamp if v else None,
-                                   v.sample if v else None, chunk.hashed_at if unread else now, unread)
+                                   v.sample if v else None, chunk.hashed_at if unread else now, unread,
+                                   box_digest=v.box_digest if v else None)
         self.known = known
         self.last = stats
         if stale:
