@@ -145,9 +145,10 @@ def run_raw(root: str, buf: mmap.mmap, nbytes: int, reps: int) -> list[tuple[flo
                 direct = True
             except OSError:  # no O_DIRECT here (tmpfs): buffered
                 fd, direct = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), False
+            end = size if direct else nbytes  # O_DIRECT writes whole blocks
             try:
-                for off in range(0, size if direct else nbytes, 8 * MiB):
-                    os.pwrite(fd, view[off:min(size if direct else nbytes, off + 8 * MiB)], off)
+                for off in range(0, end, 8 * MiB):
+                    os.pwrite(fd, view[off:min(end, off + 8 * MiB)], off)
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -13,6 +13,7 @@ caller's, which is already one of our workers), the GIL released, any strides.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +37,26 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray | None:
         return t.detach().view(as_int).numpy()
     except (RuntimeError, TypeError):  # a subclass or view numpy cannot take: torch copies
         return None
+
+
+def side_by_side(values: list[Any]) -> int | None:
+    """The step, in elements, between ``values`` when they are equal views (device, dtype,
+    shape, strides) of one storage, each starting that step after the one before (the column
+    bands of one tensor); None where they are not, or are fewer than two."""
+    if len(values) < 2 or not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    first = values[0]
+    size = first.element_size()
+    step = values[1].data_ptr() - first.data_ptr()
+    if step <= 0 or step % size:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for k, v in enumerate(values):
+        if (v.device != first.device or v.dtype != first.dtype or v.shape != first.shape
+                or v.stride() != first.stride() or v.data_ptr() != first.data_ptr() + k * step
+                or v.untyped_storage().data_ptr() != storage):
+            return None
+    return step // size
 
 
 def copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:

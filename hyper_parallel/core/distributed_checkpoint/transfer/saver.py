@@ -52,7 +52,7 @@ from ..format.validation import check_shape
 from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..sharding.grid import Grid
 from .chunk_checks import ChunkChecks
-from .host_copy import copy_fed, copy_into, gather_fed
+from .host_copy import copy_fed, copy_into, gather_fed, side_by_side
 from .streams import StreamFence
 from .unchanged import UnchangedStats, Verdict
 
@@ -204,17 +204,10 @@ def _banded(values: list[torch.Tensor], pitch: int) -> torch.Tensor | None:
     """Equal column bands of one tensor as one ``(bands, *band shape)`` view, or None (also
     when the file's ``pitch`` between them is not a whole number of elements)."""
     first = values[0]
-    step = values[1].data_ptr() - first.data_ptr() if isinstance(values[1], torch.Tensor) else 0
-    size = first.element_size()
-    if step <= 0 or step % size or pitch % size:
+    step = side_by_side(values)
+    if step is None or pitch % first.element_size():
         return None
-    storage = first.untyped_storage().data_ptr()
-    for k, v in enumerate(values):
-        if (not isinstance(v, torch.Tensor) or v.device != first.device or v.dtype != first.dtype
-                or v.shape != first.shape or v.stride() != first.stride()
-                or v.data_ptr() != first.data_ptr() + k * step or v.untyped_storage().data_ptr() != storage):
-            return None
-    return first.as_strided((len(values), *first.shape), (step // size, *first.stride()), first.storage_offset())
+    return first.as_strided((len(values), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def _gather_bands(bands: torch.Tensor, pitch: int, items: list[Item], crcs: list[int],

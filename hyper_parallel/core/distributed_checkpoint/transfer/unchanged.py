@@ -43,6 +43,7 @@ import torch
 
 from ..format.data_file import ContentHash, tensor_bytes
 from ..state.version_stamp import VersionStamp
+from .host_copy import side_by_side
 
 SAMPLE_PIECES = 8
 SAMPLE_PIECE_BYTES = 4096
@@ -165,20 +166,14 @@ def whole_box(bands: list[Any]) -> torch.Tensor | None:
     up between them, as a 2-D tensor of whole rows; None where they are not that: not all
     equal 2-D CPU views of one storage side by side, or not spanning whole rows of it."""
     first = bands[0] if bands else None
-    if len(bands) < 2 or not isinstance(first, torch.Tensor) or first.device.type != "cpu" or first.dim() != 2:
+    if not isinstance(first, torch.Tensor) or first.device.type != "cpu" or first.dim() != 2:
         return None
     rows, width = first.shape
-    size = first.element_size()
-    if first.stride() != (len(bands) * width, 1) or not rows or not width or first.is_conj() or first.is_neg():
+    span = len(bands) * width
+    if (not rows or first.stride() != (span, 1) or first.is_conj() or first.is_neg()
+            or side_by_side(bands) != width):
         return None
-    storage = first.untyped_storage().data_ptr()
-    for k, band in enumerate(bands):
-        if (not isinstance(band, torch.Tensor) or band.device != first.device or band.dtype != first.dtype
-                or band.shape != first.shape or band.stride() != first.stride()
-                or band.data_ptr() != first.data_ptr() + k * width * size
-                or band.untyped_storage().data_ptr() != storage):
-            return None
-    return first.detach().as_strided((rows, len(bands) * width), (len(bands) * width, 1))
+    return first.detach().as_strided((rows, span), (span, 1))
 
 
 def box_digest(box: torch.Tensor) -> bytes:
