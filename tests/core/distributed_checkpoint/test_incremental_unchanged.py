@@ -1,5 +1,6 @@
-"""Incremental saves tell an unchanged tensor by torch's version counter and its memory, without
-hashing it; the spot check, the rotating full re-hash and our own loads keep that honest."""
+"""The opt-in ``check="version_counter"``: incremental saves tell an unchanged tensor by torch's
+version counter and its memory, without hashing it; the spot check, the rotating full re-hash and
+our own loads keep that honest. (The default check hashes every chunk: tests/.../test_incremental_exact.py.)"""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def assert_loads(path: str, want: dict) -> None:
 class Steps:
     """save() with an IncrementalState into step directories, as the manager does."""
 
-    def __init__(self, root, rehash_every: int = 8):
-        self.root, self.inc, self.step = str(root), IncrementalState(rehash_every=rehash_every), 0
+    def __init__(self, root, rehash_every: int = 8, check: str = "version_counter"):
+        self.root, self.step = str(root), 0
+        self.inc = IncrementalState(rehash_every=rehash_every, check=check)
 
     def save(self, sd: dict) -> str:
         self.step += 1
@@ -187,7 +189,7 @@ def test_a_load_into_the_tensors_is_not_taken_for_unchanged(tmp_path):
     d = str(tmp_path / "run")
     sd = {"vec": aligned_vector(1 << 19, seed=1), "base": make_tensor(BASE, seed=2)}
     a = snapshot(sd)
-    with CheckpointManager(d, incremental=True) as mgr:
+    with CheckpointManager(d, incremental=True, incremental_check="version_counter") as mgr:
         mgr.save(1, sd)
         for t in sd.values():
             t.view(-1)[3000] += 1.0  # one element each: a spot check alone would not see it
@@ -205,7 +207,7 @@ def test_async_saves_stamp_the_source_not_the_reused_staging_buffer(tmp_path):
     d = str(tmp_path / "run")
     sd = state()
     saved = []
-    with CheckpointManager(d, incremental=True, async_save=True) as mgr:
+    with CheckpointManager(d, incremental=True, incremental_check="version_counter", async_save=True) as mgr:
         for step in (1, 2, 3, 4, 5):
             mgr.save(step, sd)
             saved.append(snapshot(sd))  # staged: may change now
@@ -230,7 +232,7 @@ def rank_dtensor_steps(rank: int, ws: int, d: str) -> list[tuple[int, int, int]]
     train = make_dtensor(make_tensor((64, 32), seed=2), mesh, [Shard(0)])
     sd = {"model": {"frozen": frozen, "train": train}}
     out = []
-    with CheckpointManager(d, incremental=True) as mgr:
+    with CheckpointManager(d, incremental=True, incremental_check="version_counter") as mgr:
         for step in (1, 2, 3):
             mgr.save(step, sd)
             st = mgr.incremental_stats
@@ -271,7 +273,7 @@ def test_reusable_carries_every_field_of_a_known_chunk_and_sets_only_trust():
     chunk = KnownChunk(digest=b"d" * 16, file=md.FileRecord("f.data", "step_00000001", 3, 1, 2, 3, 4),
                        box=Box((0, 0), (4, 4)), spec=spec_of(entry), stamp=stamp_of(t), sample=b"s" * 16,
                        hashed_at=1, skipped=True, box_digest=(b"b" * 16, b"d" * 16))
-    inc = IncrementalState(rehash_every=8)
+    inc = IncrementalState(rehash_every=8, check="version_counter")
     inc.known = {("w", i): chunk for i in range(16)}  # the rotating re-hash takes the first 2
     inc.saves = 1
     out = inc.reusable({"w": entry})
@@ -392,7 +394,7 @@ def test_a_failed_save_removes_the_second_round_of_data_files_too(tmp_path):
             assert sorted(f.split("-")[2] for f in data_files(self.path)) == ["0", "1"]
             raise OSError(28, "No space left on device (injected)")
 
-    inc, sd = IncrementalState(), state()
+    inc, sd = IncrementalState(check="version_counter"), state()
     inc.begin(step_dir_name(1))
     save(sd, os.path.join(tmp_path, step_dir_name(1)), incremental=inc, no_dist=True)
     sd["lora"].add_(1.0)

@@ -15,23 +15,32 @@ check; otherwise its full hash decides. Reused chunks are not written: the new `
 names the earlier step's file instead (grid stores say, per box, which step directory holds
 it; see ``docs/format.md``). Every other chunk is written and hashed as it streams out.
 
-A version counter misses some writes (the list is in :mod:`..state.version_stamp`: ``.data``,
-fused optimizers, numpy, raw-pointer kernels), so a stamp is never trusted alone:
+**What decides "unchanged"** (``check``):
 
-- the spot check catches writes that touch the whole tensor (fused optimizers, custom kernels,
-  ``.data.copy_``) at the first save after them;
-- the full hash still runs on a rotating share of the chunks reused unread: each save hashes
-  those unread for longest, about ``1/rehash_every`` of their bytes, and every chunk at least
-  once every ``rehash_every`` saves (default 8), which bounds how long a sparse write behind
-  the counter (``p.data[i] = x``) can go unseen;
-- a key once found changed under an unchanged stamp is hashed in full at every later save of
-  this state, and a warning names it when an earlier step may have referenced stale bytes.
+- ``"content"`` (the default): every chunk stored before is hashed in full at every save
+  (xxh3-128 of its bytes, threaded beside the writes; a box of column bands is one hash of its
+  own memory, see :mod:`..transfer.unchanged`) and reused only when the hash equals the stored
+  one. Every committed step holds exactly the bytes the state had at the call, whatever wrote
+  the memory. torch's version counter only ever makes a save *write* a chunk without hashing
+  it first (its memory was written in place since), never reuse one.
+- ``"version_counter"`` (an explicit opt-in): a chunk whose version stamp did not move and
+  whose spot check matches is reused *unread*. A version counter misses some writes (the list
+  is in :mod:`..state.version_stamp`: ``p.data[i] += x``, ``t.numpy()`` and DLPack views,
+  ``untyped_storage()``/ctypes/raw-pointer kernels, torch's fused optimizers, in-place
+  collectives), so the stamp is backed by:
 
-A full hash of a box stored as column bands, when all its bands are due, is one hash of the
-box's own memory compared with ``KnownChunk.box_digest`` (see :mod:`..transfer.unchanged`).
+  - the spot check (~32 KiB at spread places), which catches writes that touch the whole
+    tensor (fused optimizers, custom kernels, ``.data.copy_``) at the first save after them;
+  - a rotating full hash: each save hashes the chunks reused unread for longest, about
+    ``1/rehash_every`` of their bytes, and every chunk at least once every ``rehash_every``
+    saves (default 8). A sparse write behind the counter (one element, a few rows) that no
+    spot check touches is therefore committed stale by up to ``rehash_every - 1`` saves in a
+    row: they load without error and verify, holding the bytes of before the write;
+  - a key once found changed under an unchanged stamp is hashed in full at every later save
+    of this state, and a warning names it when an earlier step may have referenced stale bytes.
 
-``rehash_every=1`` hashes every chunk at every save: torch's counter is not trusted at all.
-Nothing is called unchanged without a 128-bit hash comparison of its bytes at some save.
+``rehash_every=1`` under ``"version_counter"`` hashes every chunk at every save, as
+``"content"`` does.
 
 References always point at the step that holds the bytes (never at a step that only
 references them), and only at sibling step directories of the same manager, by plain
@@ -53,6 +62,9 @@ from ..state.version_stamp import VersionStamp
 from ..transfer.unchanged import UnchangedStats, Verdict
 
 DEFAULT_REHASH_EVERY = 8
+CONTENT = "content"  # every chunk hashed at every save: exact whatever wrote the memory
+VERSION_COUNTER = "version_counter"  # opt-in: trust torch's version counter, re-hash on a rotation
+CHECKS = (CONTENT, VERSION_COUNTER)
 
 
 @dataclass(frozen=True)
@@ -97,22 +109,36 @@ class IncrementalState:
     """One rank's memory of the newest committed step, for the manager's next save.
 
     Args:
-        rehash_every: every chunk reused unread is hashed in full at least once every this
-            many saves (the oldest first, ~1/rehash_every of their bytes per save); 1: hash
-            every chunk at every save, never trusting torch's version counter.
+        check: what decides that a chunk is unchanged (see the module docstring):
+            ``"content"`` (default) its full hash at every save; ``"version_counter"``
+            its version stamp and spot check, with a rotating full hash.
+        rehash_every: under ``"version_counter"``, every chunk reused unread is hashed in
+            full at least once every this many saves (default 8; the oldest first,
+            ~1/rehash_every of their bytes per save); 1: hash every chunk at every save.
+            Under ``"content"`` only None or 1 (what it does anyway) are accepted.
     """
 
     known: dict[tuple[str, int], KnownChunk] = field(default_factory=dict)
     step_dir: str | None = None  # the directory the save in progress writes
-    rehash_every: int = DEFAULT_REHASH_EVERY
+    rehash_every: int | None = None
+    check: str = CONTENT
     saves: int = 0  # committed saves so far
     untracked: set[str] = field(default_factory=set)  # keys written behind the version counter
     last: UnchangedStats | None = None  # what the last committed save's checks cost and found
 
     def __post_init__(self) -> None:
+        if self.check not in CHECKS:
+            raise ValueError(f"check must be one of {CHECKS} (what decides that a chunk is unchanged), "
+                             f"found {self.check!r}")
+        if self.rehash_every is None:
+            self.rehash_every = 1 if self.check == CONTENT else DEFAULT_REHASH_EVERY
         if isinstance(self.rehash_every, bool) or not isinstance(self.rehash_every, int) or self.rehash_every < 1:
             raise ValueError(f"rehash_every must be an int >= 1 (1: hash every chunk at every save), "
                              f"found {self.rehash_every!r}")
+        if self.check == CONTENT and self.rehash_every != 1:
+            raise ValueError(f"rehash_every={self.rehash_every} configures check={VERSION_COUNTER!r}: the default "
+                             f"check {CONTENT!r} hashes every chunk at every save. Pass check={VERSION_COUNTER!r} "
+                             "to trust torch's version counter between rotating re-hashes")
 
     def begin(self, step_dir: str) -> None:
         """A save into ``step_dir`` starts (the manager calls it before each save).
@@ -149,7 +175,8 @@ class IncrementalState:
                 if ks not in due:
                     due.add(ks)
                     spent += same[ks].nbytes
-        trusted = {ks for _, ks in stamped} - due
+        # under "content" nothing is trusted: every chunk is hashed in full (rehash_every is 1)
+        trusted = {ks for _, ks in stamped} - due if self.check == VERSION_COUNTER else set()
         # (built directly: dataclasses.replace costs ~10x more, and a step checks every chunk)
         return {ks: KnownChunk(digest=c.digest, file=c.file, box=c.box, spec=c.spec, stamp=c.stamp,
                                sample=c.sample, hashed_at=c.hashed_at, skipped=c.skipped, trust=ks in trusted,
@@ -202,5 +229,5 @@ class IncrementalState:
                 "version counter moving (a write through .data, numpy or a raw-pointer kernel). This step "
                 "stores their new bytes, but the steps before it that reused them unread (at most the last "
                 f"{self.rehash_every - 1}) may hold older ones. These keys are "
-                "hashed at every save from now on; write them in place through torch, or pass "
-                "incremental_rehash_every=1 to hash everything", stacklevel=2)
+                "hashed at every save from now on; write them in place through torch, or drop "
+                "incremental_check='version_counter' (the default check hashes everything)", stacklevel=2)

@@ -74,8 +74,12 @@ skips touch nothing and never block, so errors surface at the next call that sav
 **Incremental checkpoints** (``incremental=True``): each rank remembers the content hash of
 every chunk it stored in the newest committed step; the next save writes only the chunks
 whose bytes changed and names the earlier step's file for the rest (see
-:mod:`.incremental`). A tensor that torch's version counter says is untouched is not hashed,
-only spot-checked, and hashed in full once every ``incremental_rehash_every`` saves.
+:mod:`.incremental`). By default every chunk is hashed in full at every save, so each
+committed step holds exactly the bytes of the call whatever wrote the memory;
+``incremental_check="version_counter"`` opts in to trusting torch's version counter (a tensor
+it says is untouched is only spot-checked, and hashed in full once every
+``incremental_rehash_every`` saves), which misses writes through ``.data``, numpy, DLPack and
+raw pointers for up to that many saves.
 Retention still deletes whole steps, except the files of a deleted step that a kept step
 names: those stay in its directory (without ``.metadata``, so it is not a step any more)
 until nothing names them.
@@ -110,7 +114,7 @@ from ..base.errors import CheckpointError, CommitError, CorruptCheckpointError, 
 from ..engine.checkpoint import load as _load
 from ..engine.checkpoint import save as _save
 from ..engine.commit import unreferenced_files
-from ..engine.incremental import DEFAULT_REHASH_EVERY, IncrementalState
+from ..engine.incremental import CHECKS, CONTENT, VERSION_COUNTER, IncrementalState
 from ..format import metadata as md
 from ..format.validation import step_dir_name
 from ..format.values import is_json_value
@@ -172,13 +176,21 @@ class CheckpointManager:
             or ``background_nice=0``; the manager closes it when it closes.
         incremental: write only the chunks that changed since the previous committed step of
             this manager and reference the earlier files for the rest (the first save, and
-            the first after a restart or a failed save, writes everything). A tensor whose
-            memory and torch version counter did not move since is not hashed, only spot-checked
-            (~32 KiB read); see :mod:`.incremental` for what the counter misses and the checks.
-        incremental_rehash_every: every chunk reused unread is still hashed in full at least
-            once every this many saves (default 8; about 1/8 of the unchanged bytes per save),
-            which bounds how long a write the version counter misses (``p.data[i] = x``) can
-            go unseen. 1: hash every chunk at every save (never trust the counter).
+            the first after a restart or a failed save, writes everything).
+        incremental_check: what decides that a chunk is unchanged. ``"content"`` (default):
+            its full 128-bit content hash, taken at every save, so every committed step holds
+            exactly the bytes the state had at the call, whatever wrote the memory.
+            ``"version_counter"`` (opt-in, cheaper when most of the state is frozen): a tensor
+            whose memory and torch version counter did not move is only spot-checked (~32 KiB
+            read) and reused unread. The counter does not see writes through ``.data``
+            (``p.data[i] += x``), numpy views (``t.numpy()``), DLPack, ``untyped_storage()``,
+            ctypes/raw-pointer kernels, torch's fused optimizers or in-place collectives; such
+            a write that the spot check misses (a few elements or rows) is committed stale by
+            up to ``incremental_rehash_every - 1`` saves in a row, which load and verify
+            without error. See :mod:`.incremental`.
+        incremental_rehash_every: with ``incremental_check="version_counter"``, every chunk
+            reused unread is still hashed in full at least once every this many saves (default
+            8; about 1/8 of the unchanged bytes per save). 1: hash every chunk at every save.
         process_group: the ranks that save together (default: the whole world).
         timeout: bound on every cross-rank exchange and object-store call of a save or load:
             seconds > 0 or a positive timedelta (default None: 30 min).
@@ -232,7 +244,8 @@ class CheckpointManager:
         best_mode: str = "min",
         async_save: bool | AsyncCheckpointer = False,
         incremental: bool = False,
-        incremental_rehash_every: int = DEFAULT_REHASH_EVERY,
+        incremental_check: str = CONTENT,
+        incremental_rehash_every: int | None = None,
         process_group: Any = None,
         timeout: timedelta | float | None = None,
         storage_options: dict[str, Any] | None = None,
@@ -284,10 +297,19 @@ class CheckpointManager:
             raise TypeError(f"async_save must be True, False or an AsyncCheckpointer, got {async_save!r}")
         self.async_save = bool(async_save)
         self.incremental = incremental
-        self._inc = IncrementalState(rehash_every=incremental_rehash_every) if incremental else None
-        if not incremental and incremental_rehash_every != DEFAULT_REHASH_EVERY:
-            raise ValueError("incremental_rehash_every configures incremental saves, which are off: pass "
-                             "incremental=True too, or leave it at its default")
+        if not incremental and (incremental_rehash_every is not None or incremental_check != CONTENT):
+            raise ValueError("incremental_check and incremental_rehash_every configure incremental saves, which "
+                             "are off: pass incremental=True too, or leave them at their defaults")
+        if incremental_check not in CHECKS:
+            raise ValueError(f"incremental_check must be one of {CHECKS}, got {incremental_check!r}")
+        if incremental_check == CONTENT and incremental_rehash_every not in (None, 1):
+            raise ValueError(f"incremental_rehash_every={incremental_rehash_every!r} configures "
+                             f"incremental_check={VERSION_COUNTER!r}; the default check {CONTENT!r} hashes every "
+                             "chunk at every save. Pass incremental_check='version_counter' too to trust torch's "
+                             "version counter between re-hashes")
+        self.incremental_check = incremental_check
+        self._inc = IncrementalState(rehash_every=incremental_rehash_every, check=incremental_check) \
+            if incremental else None
         self.process_group = process_group
         self.timeout = timeout
         self._root = self._root_for(directory, storage_options)
