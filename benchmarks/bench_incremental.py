@@ -7,19 +7,22 @@ One process saves it through ``CheckpointManager``, each way into its own direct
 save committed (fsync'd) before the clock stops:
 
 - ``hp full``: ``incremental=False`` — every step writes everything;
-- ``hp incremental``: ``incremental=True`` — step 1 writes everything; later steps reuse the
-  chunks whose tensor's version stamp (memory + torch's version counter) and spot check are
-  unchanged without hashing them, re-hash about 1/8 of those per step, write what changed;
-- ``hp incremental, hash all``: ``incremental_rehash_every=1`` — every unchanged chunk is hashed
-  at every step (what every step cost before version stamps);
+- ``hp incremental``: ``incremental=True`` at its defaults (``incremental_check="content"``):
+  step 1 writes everything; later steps hash every chunk in full (a box of column bands as one
+  hash of its memory), reuse those whose hash is unchanged and write the rest: exact whatever
+  wrote the memory;
+- ``hp incremental, version_counter (opt-in)``: ``incremental_check="version_counter"`` — chunks
+  whose tensor's version stamp (memory + torch's version counter) and spot check are unchanged
+  are reused unhashed, about 1/8 of those re-hashed per step (misses sparse writes behind the
+  counter for up to 7 steps; see ``engine/incremental.py``);
 - ``torch DCP``: ``torch.distributed.checkpoint.save`` of the same dict (no incremental mode).
 
 Between steps the trainable tensors and their optimizer state change in place (as one AdamW
 step would). A run is ``--reps`` saves into a fresh directory; per run, the full save's time is
 the median of its saves and an incremental step's the median of saves 2..reps; reported are
 the medians over ``--runs`` runs, with wall time, CPU seconds of the process (all threads) per
-GiB of state, and bytes written. Targets (issue 33): an incremental step <= 15 % of the full
-save's time and <= 10 % of its bytes. Each run's last step is loaded back and compared exactly.
+GiB of state, and bytes written. Targets: an exact incremental step (the default) <= 25 % of
+the full save's time (issue 42) and <= 10 % of its bytes. Each run's last step is loaded back and compared exactly.
 
 Usage::
 
@@ -53,8 +56,10 @@ MiB = 1 << 20
 GiB = 1 << 30
 COLS = 1024
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "incremental.md")
+OPT_IN = "hp incremental, version_counter (opt-in)"
 MODES = {"hp full": dict(incremental=False), "hp incremental": dict(incremental=True),
-         "hp incremental, hash all": dict(incremental=True, incremental_rehash_every=1), "torch DCP": None}
+         OPT_IN: dict(incremental=True, incremental_check="version_counter"), "torch DCP": None}
+TIME_TARGET = 0.25  # an exact incremental step against a full save (issue 42)
 
 
 def build_state(frozen_mb: float, train_mb: float, layers: int) -> dict:
@@ -225,15 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = [[name, f"{w * 1e3:.1f} ms", f"{c:.3f} s", f"{c / gib:.3f}", f"{b / MiB:.1f} MiB",
              f"{w / full_t:.1%}", f"{b / full_b:.1%}"] for name, (w, c, b) in med.items()]
     inc_t, _, inc_b = med["hp incremental"]
-    ok_t, ok_b = inc_t <= 0.15 * full_t, inc_b <= 0.10 * full_b
-    ck = checks.get("hp incremental", {})
+    ok_t, ok_b = inc_t <= TIME_TARGET * full_t, inc_b <= 0.10 * full_b
+    ck, ck_opt = checks.get("hp incremental", {}), checks.get(OPT_IN, {})
     lines = [
-        f"incremental step: {inc_t / full_t:.1%} of the full save's time "
-        f"(target <= 15%: {'met' if ok_t else 'NOT met'}), {inc_b / full_b:.1%} of its bytes "
-        f"(target <= 10%: {'met' if ok_b else 'NOT met'})",
-        f"last incremental step's checks: {ck.get('unread', 0) / MiB:.1f} MiB reused unread, "
-        f"{ck.get('hashed', 0) / MiB:.1f} MiB hashed (written + the rotating re-hash), "
-        f"{ck.get('sampled', 0) / MiB:.2f} MiB spot-checked",
+        f"incremental step (exact, the default): {inc_t / full_t:.1%} of the full save's time "
+        f"(target <= {TIME_TARGET:.0%}: {'met' if ok_t else 'NOT met'}), {inc_b / full_b:.1%} of its bytes "
+        f"(target <= 10%: {'met' if ok_b else 'NOT met'}); the version_counter opt-in: "
+        f"{med[OPT_IN][0] / full_t:.1%} of the time",
+        f"last incremental step's checks: {ck.get('hashed', 0) / MiB:.1f} MiB hashed (every chunk), "
+        f"{ck.get('unread', 0) / MiB:.1f} MiB reused unread; with the opt-in: {ck_opt.get('unread', 0) / MiB:.1f} "
+        f"MiB reused unread, {ck_opt.get('hashed', 0) / MiB:.1f} MiB hashed (written + the rotating re-hash), "
+        f"{ck_opt.get('sampled', 0) / MiB:.2f} MiB spot-checked",
         f"this disk's floor for it: a new file of the changed bytes ({changed / MiB:.1f} MiB) written and fsync'd "
         f"takes {med['raw write+fsync, changed bytes'][0] / med['raw write+fsync, all bytes'][0]:.1%} of the time "
         f"of the same for all the bytes ({med['raw write+fsync, changed bytes'][0] * 1e3:.1f} ms against "
