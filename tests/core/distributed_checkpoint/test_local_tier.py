@@ -350,9 +350,8 @@ def test_an_ndarray_shape_whose_int64_product_wraps_is_refused_before_allocating
     man = json.loads(header["__metadata__"][lf.MANIFEST_KEY])
     man["entries"]["arr"].update(shape=[1 << 62, 4], nbytes=0)
     header["__metadata__"][lf.MANIFEST_KEY] = json.dumps(man)
-    text = json.dumps(header).encode()
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with open(path, "wb") as f:  # sealed with a valid header checksum: a forgery, not damage
+        f.write(lf.seal_header(header) + raw[8 + n:])
     with pytest.raises(CorruptCheckpointError, match="ndarray entry 'arr' is malformed"):
         lf.read_into(read_manifest(path), [entry], [None])
 

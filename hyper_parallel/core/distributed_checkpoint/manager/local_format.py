@@ -13,9 +13,9 @@ length, a JSON header, then the payloads, each at a 64-byte aligned offset with 
 covered by a ``__pad<n>`` entry (safetensors allows no holes). Payload entries are named
 ``<key>@<global offsets>`` like the chunks of a checkpoint's data files. The header's
 ``__metadata__`` holds ``"hp_local"``: the *manifest* (JSON text), which this library reads
-instead of the safetensors entries::
+instead of the safetensors entries, and ``"hp_local_crc32c"``: the header's checksum (below)::
 
-    {"format": "hyper-parallel-local", "version": 1, "step": 42, "rank": 1, "world_size": 4,
+    {"format": "hyper-parallel-local", "version": 2, "step": 42, "rank": 1, "world_size": 4,
      "timeline": "0189c3...", "directory": "/ckpt/run1", "fingerprint": "<sha256 hex>",
      "durable_base": {"step": 40, "timeline": "0189a7..."},
      "entries": {"model.w": {"kind": "dtensor", "dtype": "float32", "shape": [8, 16],
@@ -41,6 +41,16 @@ instead of the safetensors entries::
   later run committed a durable step, and the local step belongs to an abandoned run. Files
   written before this field existed have none (recovery then only refuses them when a later
   run of this version has committed a durable step).
+
+**Integrity**: every byte this library reads is checksummed before it is trusted. The
+header (the 8-byte length, the JSON text and its padding: the manifest with every non-tensor
+value, and the safetensors entries) is covered by ``"hp_local_crc32c"``, the crc32c of those
+bytes with the field's own 8 hex digits written as ``00000000``, verified before the JSON is
+parsed (:func:`parse_manifest`); the payloads by the manifest's per-entry ``crc32c``, verified
+as they are read (:func:`read_into`). A copy that fails either check is never loaded:
+recovery takes another copy, an older step, or the durable tier, with a warning naming the
+file and the step. Version 1 files (before the header checksum) cannot be verified and are
+refused the same way: the local tier is a cache, the durable tier still holds the state.
 
 **Commit**: the file is written under a temporary name (``.tmp-...``) in the same directory
 and renamed into place; a file with its final name is whole (a partial save is only ever a
@@ -81,8 +91,14 @@ from ..state.flatten import Flat
 from ..state.version_stamp import mark_written
 
 FORMAT_NAME = "hyper-parallel-local"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header's checksum (version 1 files are refused: unverifiable)
 MANIFEST_KEY = "hp_local"
+CHECK_KEY = "hp_local_crc32c"  # __metadata__'s checksum of the whole header (see the module docstring)
+_UNSEALED = "0" * 8  # the checksum field's value while the checksum is computed
+# The field as it lies in the header text. Inside a JSON string every quote is escaped, so an
+# unescaped `crc32c":"` only occurs where __metadata__ holds the field (entry names end in
+# "@<offsets>", and the manifest is one string): exactly once in a sealed header.
+_CHECK_FIELD = re.compile(rb'"' + CHECK_KEY.encode() + rb'":"([0-9a-f]{8})"')
 BODY_ALIGN = TENSOR_ALIGN  # the header is padded so the body starts at a multiple of this: the
 # staging buffer's aligned payloads stay aligned in the file (and in a mapping of it)
 MAX_HEADER = 256 << 20  # a manifest larger than this is not ours
@@ -278,7 +294,55 @@ def build_shard_file(manifest: dict[str, Any], entries: list[LocalEntry], spans:
     if pos != body.nbytes:
         raise ValueError(f"shard file body of {body.nbytes} bytes, payloads end at {pos}")
     header[METADATA_KEY] = {MANIFEST_KEY: json.dumps({**manifest, "entries": listed}, separators=(",", ":"))}
-    return ShardFile(encode_header(header, BODY_ALIGN), body)
+    return ShardFile(seal_header(header), body)
+
+
+def seal_header(header: dict[str, Any]) -> bytes:
+    """A shard file's header dict as its first bytes (length, JSON text, padding to
+    ``BODY_ALIGN``), with ``__metadata__[CHECK_KEY]`` the crc32c of all of them (the field's
+    own digits counted as ``00000000``): what :func:`parse_manifest` verifies."""
+    header[METADATA_KEY] = {**header[METADATA_KEY], CHECK_KEY: _UNSEALED}
+    raw = encode_header(header, BODY_ALIGN)
+    fields = list(_CHECK_FIELD.finditer(raw))
+    if len(fields) != 1:  # cannot happen (see _CHECK_FIELD); a header no reader could verify
+        raise ValueError(f"local shard header holds its checksum field {len(fields)} times")
+    start, end = fields[0].span(1)
+    return raw[:start] + f"{crc32c.crc32c(raw):08x}".encode() + raw[end:]
+
+
+def _verify_header(region: bytes, path: str) -> str:
+    """Check a header's checksum (``region``: its length, JSON text and padding) before
+    anything in it is parsed; return the checksum's hex digits.
+
+    Raises CorruptCheckpointError naming the file: no checksum (a version 1 file, or the
+    field damaged), or a mismatch (some byte of the header changed since it was written).
+    """
+    fields = list(_CHECK_FIELD.finditer(region))
+    if len(fields) != 1:
+        raise CorruptCheckpointError(f"{path}: {_unsealed(region, len(fields))}; the local copy cannot be "
+                                     "trusted and is not loaded")
+    start, end = fields[0].span(1)
+    expected = int(region[start:end], 16)
+    got = crc32c.crc32c(region[:start] + _UNSEALED.encode() + region[end:])
+    if got != expected:
+        raise CorruptCheckpointError(f"{path}: header checksum mismatch (expected crc32c {expected:#010x}, found "
+                                     f"{got:#010x}): a byte of its header (manifest, values, entries or length) "
+                                     "changed since it was written; the local copy is damaged")
+    return region[start:end].decode()
+
+
+def _unsealed(region: bytes, count: int) -> str:
+    """Why a header holds no single checksum field (for the error: nothing here is trusted)."""
+    if count > 1:
+        return f"its header holds {count} checksum fields, expected one"
+    try:  # only to name the version in the message
+        version = json.loads(json.loads(region[8:])[METADATA_KEY][MANIFEST_KEY]).get("version")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        version = None
+    if version is not None and version != FORMAT_VERSION:
+        return (f"local shard file version {version!r} has no header checksum (expected version "
+                f"{FORMAT_VERSION}, whose header carries {CHECK_KEY!r})")
+    return f"its header has no checksum {CHECK_KEY!r} (expected in a version {FORMAT_VERSION} local shard file)"
 
 
 def _nbytes(e: LocalEntry) -> int:
@@ -338,16 +402,24 @@ def _int(v: Any) -> bool:
 def parse_manifest(head: bytes | memoryview, size: int, path: str) -> Manifest:
     """The manifest of a shard file from its first bytes (header length + header).
 
-    Raises CorruptCheckpointError when it is not a valid local shard file of this version.
+    The header's checksum is verified first (see the module docstring), so no value of a
+    damaged header is ever parsed, let alone loaded.
+
+    Raises CorruptCheckpointError when it is not a valid local shard file of this version,
+    or its header fails its checksum.
     """
     head = bytes(head)
     if len(head) < 8:
         raise CorruptCheckpointError(f"{path}: not a local shard file (truncated header)")
     n = header_length(head)
     if n > MAX_HEADER or 8 + n > size or len(head) < 8 + n:
-        raise CorruptCheckpointError(f"{path}: not a local shard file (header length {n}, file size {size})")
+        raise CorruptCheckpointError(f"{path}: not a local shard file or a damaged one (header length {n}, "
+                                     f"expected at most {min(MAX_HEADER, size - 8)} in a file of {size} bytes)")
+    check = _verify_header(head[:8 + n], path)
     try:
         header = json.loads(head[8:8 + n])
+        if header[METADATA_KEY][CHECK_KEY] != check:
+            raise ValueError("a second checksum field")
         man = json.loads(header[METADATA_KEY][MANIFEST_KEY])
     except (ValueError, KeyError, TypeError):
         raise CorruptCheckpointError(f"{path}: not a local shard file (its header has no manifest)") from None

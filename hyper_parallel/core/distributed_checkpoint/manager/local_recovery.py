@@ -8,6 +8,12 @@ it lacks, receives it from the least loaded holder, reads its file into its tens
 (checksums checked; a damaged copy is excluded and the choice made again), puts values and
 Stateful objects back once every rank has read, and prunes the files of earlier runs.
 
+A copy is never loaded unless every byte read from it passed its checksum: a file whose
+header (manifest and values) fails its check is left out when the directory is listed, a
+payload that fails its check when it is read; either way recovery takes another copy, an
+older step or the durable tier, and rank 0 warns naming each such file, its step, and what
+loads instead.
+
 Nothing here reads the durable directory. It is not the local save (:mod:`.local_save`) nor
 the replication of new steps (:mod:`.local_replication`).
 """
@@ -129,24 +135,30 @@ class Recoverer:
         #    needs: flattening calls the Statefuls' state_dict(), and torch's get_state_dict
         #    initializes an empty optimizer's state with a step, which a fresh start must not.
         held = self.coord.exchange("local tier recovery (what each node holds)",
-                                   lambda: (step, self._holdings() if lists else [], new_timeline()))
+                                   lambda: (step, *(self._holdings() if lists else ([], [])), new_timeline()))
+        refused = [why for _, _, damaged, _ in held for why in damaged]  # copies whose header failed its check
+
+        def report(outcome: str) -> None:
+            if refused and self.rank == 0:
+                _warn_refused(refused, outcome)
         if len({r[0] for r in held}) > 1:
             raise ValueError(f"CheckpointManager.load: the ranks asked for different steps {[r[0] for r in held]} "
                              "(by rank); every rank must pass the same step")
-        timeline = held[self.coord.coordinator_rank][2]
+        timeline = held[self.coord.coordinator_rank][3]
         begin(timeline, durable)  # what the files of the new timeline record
         # whether a step could be chosen at all, whatever the layouts: if not, no state_dict()
-        unshaped = [(None, [(o, st, tl, size, None, base) for o, st, tl, size, _, base in h]) for _, h, _ in held]
+        unshaped = [(None, [(o, st, tl, size, None, base) for o, st, tl, size, _, base in h]) for _, h, _, _ in held]
         hopeless = not all(s for s, _ in first) or decide(
             unshaped, dirs, durable_latest=durable_latest, durable_timeline=durable_timeline, want=step,
             excluded=set(), keep=self.keep)["kind"] != "local"
         if hopeless:
             lap("report")
+            report(_durable_outcome(durable_latest if step is None else step))
             self.last = Recovery("durable", None, seconds=time.perf_counter() - started,
                                           attempts=0, phases=phases)
             return None
         fps = self.coord.exchange("local tier recovery (what each rank needs)", needs)
-        reports = [(s, fp, h, t) for (s, h, t), fp in zip(held, fps, strict=True)]
+        reports = [(s, fp, h, t) for (s, h, _, t), fp in zip(held, fps, strict=True)]
         lap("report")
         excluded: set[tuple[Any, int, int, str]] = set()
         attempts = 0
@@ -158,6 +170,7 @@ class Recoverer:
                 decision = decide([(fp, held) for _, fp, held, _ in reports], dirs, durable_latest=durable_latest,
                                   durable_timeline=durable_timeline, want=step, excluded=excluded, keep=self.keep)
             if decision["kind"] == "durable":
+                report(_durable_outcome(durable_latest if step is None else step))
                 self.last = Recovery("durable", None, seconds=time.perf_counter() - started,
                                               attempts=attempts, phases=phases)
                 return None
@@ -174,6 +187,7 @@ class Recoverer:
                 if durable_latest is None:
                     raise CheckpointError(f"CheckpointManager: local step {chosen[0]} cannot be recovered: {why}. "
                                           "Free space in local_dir (the local steps are kept) and start again")
+                report(_durable_outcome(durable_latest if step is None else step))
                 if self.rank == 0:
                     warnings.warn(f"CheckpointManager: local step {chosen[0]} cannot be recovered ({why}); loading "
                                   f"durable step {durable_latest} instead", stacklevel=2)
@@ -191,6 +205,7 @@ class Recoverer:
             if self.rank == 0:
                 warnings.warn(f"CheckpointManager: local step {chosen[0]}: damaged copies "
                               f"({'; '.join(why for _, why in results if why)}); trying other copies", stacklevel=2)
+        report(f"local step {chosen[0]} loads from copies that passed their checks")
         # 5. Values and Stateful objects go back only once every rank has read everything.
         values = target["values_loaded"]
         self.coord.exchange("local tier recovery (applying)", lambda: _apply(target["flat"], values))
@@ -208,22 +223,28 @@ class Recoverer:
         fetched = self._fetch(chosen, sources)
         return fetched, self._read(chosen, sources[self.rank][0], target)
 
-    def _holdings(self) -> list[tuple[int, int, str, int, str, tuple[int | None, str | None] | None]]:
+    def _holdings(self) -> tuple[list[tuple[int, int, str, int, str, tuple[int | None, str | None] | None]],
+                                 list[str]]:
         """What this rank's ``local_dir`` holds for this manager and world size: ``(owner,
-        step, timeline, size, fingerprint, durable base)`` per file."""
-        out = []
+        step, timeline, size, fingerprint, durable base)`` per file; and why each committed
+        file whose header failed its check (damaged, or an unverifiable older version) is
+        not a copy: ``"step <n>: <path>: <why>"``."""
+        out, refused = [], []
         for sub in self.files.rank_dirs():
             owner = rank_of_dir(os.path.basename(sub))
             for step, timeline, path in scan_rank_dir(sub):
                 try:
                     man = read_manifest(path)
-                except (OSError, CorruptCheckpointError):
-                    continue  # not ours, damaged, or removed meanwhile: not a copy
+                except OSError:
+                    continue  # removed meanwhile: not a copy
+                except CorruptCheckpointError as exc:
+                    refused.append(f"step {step}: {exc}")  # its message names the file
+                    continue
                 if (man.directory, man.world_size, man.rank, man.step, man.timeline) != (
                         self.directory, self.world_size, owner, step, timeline):
                     continue
                 out.append((owner, step, timeline, man.size, man.fingerprint, man.durable_base))
-        return out
+        return out, refused
 
     def _make_room(self, chosen: tuple[int, str], sources: dict[int, tuple[int, int]]) -> str | None:
         """Allocate the file this rank receives its copy into (if it lacks its own); None, or
@@ -362,6 +383,26 @@ def decide(reports: list[tuple[str, list[tuple]]], dirs: list[Any], *, durable_l
         sources[owner] = (holder, size)
     return {"kind": "local", "step": best[0], "timeline": best[1], "sources": sources,
             "keep": [list(k) for k in complete if k <= best][-keep:]}
+
+
+_REFUSED_SHOWN = 8  # files named in one warning
+
+
+def _durable_outcome(durable: int | None) -> str:
+    """What loads when recovery leaves it to the durable tier (``durable``: the step the
+    manager then loads; None: none), for a warning."""
+    if durable is None:
+        return "no local step can be loaded and there is no durable step: nothing loads"
+    return f"durable step {durable} loads instead"
+
+
+def _warn_refused(refused: list[str], outcome: str) -> None:
+    """One warning naming the local copies left out because their header failed its check."""
+    shown = "; ".join(refused[:_REFUSED_SHOWN])
+    more = f"; and {len(refused) - _REFUSED_SHOWN} more" if len(refused) > _REFUSED_SHOWN else ""
+    warnings.warn(f"CheckpointManager: {len(refused)} local cop{'y' if len(refused) == 1 else 'ies'} failed "
+                  f"{'its' if len(refused) == 1 else 'their'} integrity check and will not be loaded ({shown}{more}); "
+                  f"{outcome}", stacklevel=3)
 
 
 def _apply(flat: Flat, values: dict[str, Any]) -> None:
