@@ -35,9 +35,10 @@ calls it alike on every rank):
 
 1. Every rank settles its local save in flight (one exchange, which also tells every rank
    who shares its ``local_dir``).
-2. One rank per directory lists it (reading only the headers of the shard files), and every
-   rank shares what it found: ``(owner rank, step, timeline, size, fingerprint)`` per file,
-   with the fingerprint of its own target (one exchange). Every rank then makes the same
+2. One rank per directory lists it (reading only the headers of the shard files, each
+   verified against its checksum: a file that fails is no copy, and rank 0 warns naming it
+   and its step), and every rank shares what it found: ``(owner rank, step, timeline, size,
+   fingerprint)`` per file, with the fingerprint of its own target (one exchange). Every rank then makes the same
    choice (:func:`decide`): the newest step whose every rank has a copy somewhere whose
    fingerprint equals that rank's target (same keys, dtypes, shapes, sharding). Partial
    steps (a rank's file missing: a ``.tmp-`` file is not a file) are never chosen, nor are
