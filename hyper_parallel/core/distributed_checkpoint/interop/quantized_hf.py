@@ -27,6 +27,7 @@ Not here: MXFP4 (``*_blocks``/``*_scales``, gpt-oss), refused with a clear error
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 import threading
@@ -95,8 +96,14 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         target_dtype: the floating dtype dequantized values are rounded to (torch's default,
             float32). A quantized weight's metadata dtype is this one.
         block_size: rows and columns of a scale block (DeepSeek-V3: 128, its config's
-            ``weight_block_size``).
+            ``weight_block_size``): an int from 1 to ``2**63 - 1``. A block may be larger
+            than a weight (its grid is then 1 x 1), as in torch; memory follows the bytes
+            read, never the block size.
         storage_reader: as for :class:`HuggingFaceStorageReader`.
+
+    Raises:
+        ValueError: ``block_size`` is not an int from 1 to ``2**63 - 1`` (bools refused), or
+            ``target_dtype`` is not a floating dtype; at construction, before any read.
 
     Raises (from ``load``), besides :class:`HuggingFaceStorageReader`'s, naming the key and file:
         UnsupportedValueError: a weight with a scale is not 2-D float8 (e4m3fn, e5m2) or its
@@ -112,10 +119,8 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         if not isinstance(target_dtype, torch.dtype) or not target_dtype.is_floating_point:
             raise ValueError(f"target_dtype must be a floating torch dtype, found {target_dtype!r}")
         dtype_name(target_dtype)  # one the format knows
-        if type(block_size) is not int or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, found {block_size!r}")
         self.target_dtype = target_dtype
-        self.block_size = block_size
+        self.block_size = _checked_block_size(block_size)
         self._lock = threading.RLock()
         self._reset()
 
@@ -190,12 +195,11 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
             rows, cols = w.shape
             b = self.block_size
             grid = (-(-rows // b), -(-cols // b))
-            if tuple(s.shape) != grid:
+            if tuple(s.shape) != grid:  # checked before any read or allocation it would size
                 raise CorruptCheckpointError(
                     f"{swhere}: scale {scale_key!r} has shape {list(s.shape)}, but weight {key!r} of shape "
                     f"[{rows}, {cols}] in {where} with block_size={b} needs [{grid[0]}, {grid[1]}] "
-                    "(ceil(rows / block) x ceil(cols / block)); pass the checkpoint's block size "
-                    "(its config's weight_block_size)")
+                    f"(ceil(rows / block) x ceil(cols / block)); {_fitting_blocks((rows, cols), s.shape)}")
             found = self._weights[n] = QuantizedWeight(
                 key, scale_key, wfile, w.start, rows, cols, w.dtype, sfile, s.start, grid[1], s.dtype,
                 self._header(wfile).crc)
@@ -312,7 +316,11 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
             pos += count
 
     def _scale_row(self, q: QuantizedWeight, block_row: int, c0: int, c1: int) -> torch.Tensor:
-        """Each column's float32 scale for columns ``c0:c1`` of block row ``block_row``."""
+        """Each column's float32 scale for columns ``c0:c1`` of block row ``block_row``.
+
+        Each scale cell is repeated once per column of ``c0:c1`` it covers (the first and last
+        cells may cover part of their block), so memory follows the columns read, never
+        ``block_size`` (which may exceed the weight by far: a 1 x 1 grid)."""
         b = self.block_size
         b0, b1 = c0 // b, -(-c1 // b)
         ssize = itemsize(q.scale_dtype)
@@ -320,4 +328,45 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         self.files.read_into(q.scale_file, q.scale_start + (block_row * q.scale_cols + b0) * ssize,
                              memoryview(raw.numpy()))
         cells = raw.view(torch_dtype(q.scale_dtype)).to(torch.float32)
-        return cells.repeat_interleave(b)[c0 - b0 * b:c1 - b0 * b]
+        counts = [b] * (b1 - b0)  # whole blocks only between the first and last cells
+        counts[0] = min(c1, (b0 + 1) * b) - c0
+        if b1 - b0 > 1:
+            counts[-1] = c1 - (b1 - 1) * b
+        return cells.repeat_interleave(torch.tensor(counts, dtype=torch.int64), output_size=c1 - c0)
+
+
+_MAX_BLOCK = 2**63 - 1  # int64, as torch's reader and our metadata hold it
+
+
+def _checked_block_size(block_size: object) -> int:
+    """``block_size`` as an int, or ValueError naming it and what is expected."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise ValueError(f"block_size must be an int (the rows and columns of one scale block; DeepSeek-V3: 128), "
+                         f"found {type(block_size).__name__} {block_size!r:.60}")
+    value = int(block_size)
+    if not 1 <= value <= _MAX_BLOCK:
+        raise ValueError(f"block_size must be from 1 to 2**63 - 1 (the rows and columns of one scale block; "
+                         f"DeepSeek-V3: 128), found {value}")
+    return value
+
+
+def _fitting_blocks(shape: tuple[int, int], grid: tuple[int, ...]) -> str:
+    """What to do about a scale grid that does not fit ``shape`` at the block size given: the
+    block sizes it does fit (the argument is wrong), or that none does (the scale is not this
+    weight's)."""
+    lo, hi = 1, _MAX_BLOCK
+    fits = len(grid) == 2
+    for n, g in zip(shape, grid if fits else (), strict=False):
+        if n == 0 or g == 0:  # an empty dim has an empty grid at any block size
+            fits = fits and n == g == 0
+            continue
+        if g > n:
+            fits = False
+            break
+        lo = max(lo, -(-n // g))  # ceil(n / b) == g  <=>  ceil(n / g) <= b <= floor((n - 1) / (g - 1))
+        hi = min(hi, (n - 1) // (g - 1) if g > 1 else _MAX_BLOCK)
+    if fits and lo <= hi:
+        sizes = f"block_size={lo}" if lo == hi else (f"block_size >= {lo}" if hi == _MAX_BLOCK
+                                                     else f"block_size from {lo} to {hi}")
+        return f"this grid fits {sizes}: pass the checkpoint's block size (its config's weight_block_size)"
+    return "no block size gives this grid: the scale does not belong to this weight"
