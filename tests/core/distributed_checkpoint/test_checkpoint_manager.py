@@ -177,35 +177,56 @@ def test_fixed_step_names_interval_policy_and_committed_steps_only(tmp_path):
         assert again.all_steps() == [10, 15, 20] and again.metrics(20) == {"acc": 0.9}
 
 
-def test_start_sweeps_uncommitted_steps_and_debris_but_leaves_unreadable_steps_and_other_files(tmp_path):
+def _crash_debris(d: str) -> list[str]:
+    """Step 3 as a crashed save (data files, no .metadata), debris of an interrupted re-save in
+    step 2, and directories that are not steps; returns the debris' names."""
+    os.unlink(os.path.join(d, step_dir_name(3), ".metadata"))
+    debris = ["data-r00000-0-0123456789abcdef.safetensors", ".metadata.tmp-abc"]
+    for name in debris:
+        open(os.path.join(d, step_dir_name(2), name), "wb").close()
+    os.makedirs(os.path.join(d, "notes"))  # not a step name: ignored
+    os.makedirs(os.path.join(d, "step_7"))  # not the canonical name of step 7: ignored
+    return debris
+
+
+def test_start_sweeps_uncommitted_steps_and_debris_but_leaves_other_files(tmp_path):
     d = str(tmp_path / "run")
     with CheckpointManager(d) as mgr:
         for s in (1, 2, 3):
             mgr.save(s, plain(s))
-    # step 3: a crashed save (or a deletion cut short): data files, no .metadata
-    os.unlink(os.path.join(d, step_dir_name(3), ".metadata"))
-    # step 2: debris of an interrupted re-save next to its committed files
-    debris = ["data-r00000-0-0123456789abcdef.safetensors", ".metadata.tmp-abc"]
-    for name in debris:
-        open(os.path.join(d, step_dir_name(2), name), "wb").close()
-    # step 4: a .metadata that does not parse (corrupt, or from a newer version): never deleted
+    debris = _crash_debris(d)
+    assert on_disk(d) == {1: "committed", 2: "committed", 3: "uncommitted"}
+    with CheckpointManager(d) as mgr:
+        assert mgr.all_steps() == [1, 2]
+        mgr.wait()
+        assert on_disk(d) == {1: "committed", 2: "committed"}
+        left = os.listdir(os.path.join(d, step_dir_name(2)))
+        assert not set(debris) & set(left) and ".metadata" in left
+        assert os.path.isdir(os.path.join(d, "notes")) and os.path.isdir(os.path.join(d, "step_7"))
+        assert mgr.load(plain(0)) == 2
+    assert_holds_step(os.path.join(d, step_dir_name(2)), 2)
+
+
+def test_while_a_step_is_unreadable_the_start_sweeps_nothing_it_might_reference(tmp_path):
+    d = str(tmp_path / "run")
+    with CheckpointManager(d) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, plain(s))
+    _crash_debris(d)
+    # step 4: a .metadata that does not parse (corrupt, or from a newer version): it might name any
+    # file of the directories here (a newer release's incremental step), so none of them goes
     os.makedirs(os.path.join(d, step_dir_name(4)))
     with open(os.path.join(d, step_dir_name(4), ".metadata"), "w") as f:
         f.write("{not json")
-    os.makedirs(os.path.join(d, "notes"))  # not a step name: ignored
-    os.makedirs(os.path.join(d, "step_7"))  # not the canonical name of step 7: ignored
-    assert on_disk(d) == {1: "committed", 2: "committed", 3: "uncommitted", 4: "unreadable"}
-    with pytest.warns(UserWarning, match="step 4 is ignored and left in place"):
+    before = snapshot(d)
+    with pytest.warns(UserWarning, match=r"step 4 \(.*\): unreadable, so ignored and left in place; while it is "
+                                         r"here the manager deletes nothing it might reference"):
         mgr = CheckpointManager(d)
-    assert mgr.all_steps() == [1, 2]
-    mgr.wait()
-    assert on_disk(d) == {1: "committed", 2: "committed", 4: "unreadable"}
-    left = os.listdir(os.path.join(d, step_dir_name(2)))
-    assert not set(debris) & set(left) and ".metadata" in left
-    assert os.path.isdir(os.path.join(d, "notes")) and os.path.isdir(os.path.join(d, "step_7"))
-    assert mgr.load(plain(0)) == 2
-    mgr.close()
-    assert_holds_step(os.path.join(d, step_dir_name(2)), 2)
+    with mgr:
+        assert mgr.all_steps() == [1, 2]
+        mgr.wait()
+        assert mgr.load(plain(0)) == 2
+    assert snapshot(d) == before
 
 
 def test_bad_arguments_are_refused_at_once(tmp_path):
@@ -327,7 +348,7 @@ def test_deeply_nested_metadata_is_a_metadata_error_and_the_manager_still_starts
         Metadata.from_json(raw)
     with pytest.raises(MetadataError, match="nested"):
         load(path=os.path.join(d, step_dir_name(2)), no_dist=True)
-    with pytest.warns(UserWarning, match="step 2 is ignored"):
+    with pytest.warns(UserWarning, match="step 2 .*unreadable, so ignored"):
         mgr = CheckpointManager(d)
     with mgr:
         assert mgr.all_steps() == [1] and mgr.load(plain(0)) == 1
@@ -413,19 +434,19 @@ def test_a_step_whose_metadata_cannot_be_read_is_neither_counted_nor_deleted_nor
     meta = os.path.join(d, step_dir_name(2), ".metadata")
     _reseal(meta, _newer_version)  # written by a newer hyper-parallel
     before = snapshot(os.path.join(d, step_dir_name(2)))
-    with pytest.warns(UserWarning, match="step 2 is ignored"):
+    with pytest.warns(UserWarning, match="step 2 .*unreadable, so ignored"):
         mgr = CheckpointManager(d, keep_latest=1)
     with mgr:
         assert mgr.all_steps() == [1]
         for sd in ({"bad": object()}, plain(2)):  # a failing save used to delete it, a good one to replace it
             with pytest.raises(CheckpointError, match=r"step_00000002/\.metadata.*version 99 is newer"):
                 mgr.save(2, sd)
-        for s in (3, 4):  # retention never deletes it either
+        for s in (3, 4):  # retention never deletes it, nor step 1 (which it might reference)
             mgr.save(s, plain(s))
         mgr.wait()
-        assert mgr.all_steps() == [4]
+        assert mgr.all_steps() == [1, 4]  # step 3 (saved by this run) is retired as usual
     assert snapshot(os.path.join(d, step_dir_name(2))) == before
-    assert on_disk(d) == {2: "unreadable", 4: "committed"}
+    assert on_disk(d) == {1: "committed", 2: "unreadable", 4: "committed"}
 
 
 def test_an_fsspec_directory_memory_filesystem(tmp_path):
@@ -750,3 +771,30 @@ def test_a_manager_keeps_checkpointing_after_one_save_timed_out(tmp_path, use_as
         assert result[0] == "ok" and result[1] != "ok", result
         assert result[2:4] == ["ok", "ok"], result
         assert {1, 3, 4} <= set(result[4]) and 2 not in result[4], result
+
+
+def test_the_sweep_keeps_the_files_an_unreadable_incremental_step_references(tmp_path):
+    d = str(tmp_path / "run")
+    frozen = make_tensor((256, 256), seed=7)
+    with CheckpointManager(d, incremental=True, keep_latest=1) as mgr:
+        for s in (1, 2, 3):  # "frozen" is written once, at step 1; steps 2 and 3 name step 1's file
+            mgr.save(s, {"frozen": frozen, "w": make_tensor((16, 8), seed=s)})
+        mgr.wait()
+    assert on_disk(d) == {1: "uncommitted", 3: "committed"}  # step 1 kept for the file step 3 names
+    meta = os.path.join(d, step_dir_name(3), ".metadata")
+    with open(meta, "rb") as f:
+        original = f.read()
+    _reseal(meta, _newer_version)  # as a newer release would have written it
+    with pytest.warns(UserWarning, match="step 3"):
+        mgr = CheckpointManager(d, incremental=True, keep_latest=1)
+    with mgr:
+        assert mgr.all_steps() == []
+        mgr.save(4, {"frozen": frozen, "w": make_tensor((16, 8), seed=4)})
+        mgr.save(5, {"frozen": frozen, "w": make_tensor((16, 8), seed=5)})
+        mgr.wait()
+        assert mgr.all_steps() == [5]
+    with open(meta, "wb") as f:  # "upgrading again": step 3 is readable, and still whole
+        f.write(original)
+    out = load(path=os.path.join(d, step_dir_name(3)), no_dist=True)
+    assert torch.equal(out["frozen"], frozen) and torch.equal(out["w"], make_tensor((16, 8), seed=3))
+    assert verify_checkpoint(os.path.join(d, step_dir_name(3))).ok

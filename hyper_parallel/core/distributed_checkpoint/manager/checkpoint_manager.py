@@ -40,7 +40,9 @@ committed steps, the data files their ``.metadata`` does not name (debris of an 
 save). A step whose ``.metadata`` exists but cannot be read (corrupt, nested too deeply, or
 written by a newer version) is neither counted nor deleted nor overwritten: a warning names
 it at start, and ``save`` of that step refuses (:class:`CheckpointError` naming the file and
-why) until it is moved away.
+why) until it is moved away. What such a step names is unknown, so while one is there the
+sweep, retention and failed-save cleanup delete nothing of the step directories present at
+start (they stay whole; steps this run saves are retired as usual).
 
 **Failed saves.** The coordinator removes what a save that did not commit left in its step
 directory: the data files and temporary metadata this library writes that no ``.metadata``
@@ -598,16 +600,25 @@ class CheckpointManager:
             infos, listing, parsed = scan(self._root)
             for step, meta in parsed.items():
                 self._retention.learn(step, meta)
+            unreadable = [i for i in infos if i.state == "unreadable"]
+            if unreadable:  # what it names is unknown: keep every step directory there is now
+                self._retention.doubt(listing)
+                names = ", ".join(f"step {i.step} ({i.error})" for i in unreadable[:4])
+                warnings.warn(
+                    f"CheckpointManager: {names}{' ...' if len(unreadable) > 4 else ''}: unreadable, so ignored and "
+                    f"left in place; while {'it is' if len(unreadable) == 1 else 'they are'} here the manager deletes "
+                    f"nothing {'it' if len(unreadable) == 1 else 'they'} might reference: the start-up sweep and "
+                    f"retention keep all {len(listing)} step directories present now, whole (`hyper-dcp verify` "
+                    "it, or move it away and restart)", stacklevel=4)
             for info in infos:
                 name = step_dir_name(info.step)
+                if self._retention.in_doubt(name):
+                    continue
                 if info.state == "uncommitted":
                     keep = self._retention.kept_files(name)
                     found.setdefault("sweep", []).append((name, keep))
                     if keep:
                         self._retention.lingering.add(name)
-                elif info.state == "unreadable":
-                    warnings.warn(f"CheckpointManager: {info.error}; step {info.step} is ignored and left in "
-                                  "place (`hyper-dcp verify` it, or move it away)", stacklevel=4)
                 else:
                     debris = unreferenced_files(Listed(listing[name]),
                                                 self._retention.referenced_files(parsed[info.step]))
@@ -714,7 +725,7 @@ class CheckpointManager:
                 self._deleter.submit("step", step_dir_name(s), keep=keep)
             for name in plan.get("release", []):
                 self._deleter.submit("step", name)
-            if plan.get("cleanup"):
+            if plan.get("cleanup") and not self._retention.in_doubt(name):
                 self._deleter.submit("failed", name, keep=self._retention.kept_files(name))
         failures = {r: e for r, (e, _) in enumerate(results) if e is not None}
         if not failures:

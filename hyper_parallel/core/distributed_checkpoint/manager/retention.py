@@ -11,6 +11,10 @@ names them (:class:`Retention` remembers who names what). Retention never delete
 did not write: it hands whole steps, minus those files, to the deleter; a failed save's
 leftovers and the start-up sweep keep them too.
 
+While a step's ``.metadata`` cannot be read (corrupt, or written by a newer release), what it
+names is unknown: every step directory present when the manager started is then kept whole
+(:meth:`Retention.doubt`), never swept, retired or cleaned, until a restart finds no such step.
+
 It decides; it does not delete (:mod:`.step_deletion`).
 """
 
@@ -94,6 +98,16 @@ class Retention:
         self.best_metric, self.best_mode = best_metric, best_mode
         self.refs: dict[int, frozenset[tuple[str, str]]] = {}  # step -> files of other steps it names
         self.lingering: set[str] = set()  # deleted steps' directories kept for files later steps name
+        self.doubted: frozenset[str] = frozenset()  # step directories an unreadable step may name: kept whole
+
+    def doubt(self, names: Iterable[str]) -> None:
+        """A step that cannot be read may name files of any of the step directories ``names``
+        (those present when it was found): none of them is deleted, in whole or in part."""
+        self.doubted = self.doubted | frozenset(names)
+
+    def in_doubt(self, name: str) -> bool:
+        """Whether step directory ``name`` is kept whole for an unreadable step (see :meth:`doubt`)."""
+        return name in self.doubted
 
     def learn(self, step: int, meta: md.Metadata) -> None:
         """Committed ``step`` (its metadata ``meta``) names the files it names."""
@@ -119,6 +133,7 @@ class Retention:
         """The committed steps to delete now (never ``protect``)."""
         # Steps named by a kept step are not kept whole: only the files it names survive their
         # step's deletion (see kept_files), so retention counts steps, not references.
+        protect = protect | {s for s in steps if self.in_doubt(step_dir_name(s))}
         return plan_retention(steps, keep_latest=self.keep_latest, keep_every_steps=self.keep_every_steps,
                               keep_best=self.keep_best, best_metric=self.best_metric, best_mode=self.best_mode,
                               protect=protect)
