@@ -41,17 +41,28 @@ only debris a failure can leave is unreferenced data files.
 from __future__ import annotations
 
 import re
+import time
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from ..backends.protocol import StorageWriter
 from ..backends.resolve import reader_for
 from ..base.coordination import Coordinator
-from ..base.errors import CommitError, LostContactError, NotACheckpointError, RankFailedError, StorageTimeoutError
+from ..base.errors import (
+    CheckpointError,
+    CommitError,
+    LostContactError,
+    NotACheckpointError,
+    RankFailedError,
+    StorageTimeoutError,
+)
 from ..format import metadata as md
 from .fragments import failed_name, fragment_name, fragment_ranks
 from .metadata_reader import metadata_bytes
+from .step_siblings import SiblingsUnknownError, files_siblings_name
 
 T = TypeVar("T")
 
@@ -140,7 +151,7 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
     # the ones it wrote, so on storage only their writer sees they are still reachable).
     # The coordinator no longer unlinks N files alone while the job waits for it (~80 ms
     # per 512 MiB file on ext4 here); a save returns once every rank removed its share.
-    garbage = (replaced_files(outcome["previous"], outcome["meta"].file_names())
+    garbage = (spare_siblings_files(writer, replaced_files(outcome["previous"], outcome["meta"].file_names()))
                if coord.is_coordinator else None)
     try:
         payload, garbage = coord.broadcast((outcome.get("payload"), garbage), f"{phase} (metadata)")
@@ -189,6 +200,7 @@ def commit_metadata(writer: StorageWriter, meta: md.Metadata, name: str = md.MET
         previous = None
     if guard is not None:
         guard(previous)
+    check_files_present(writer, meta)
     payload = meta.to_json()
     try:
         writer.commit(payload, **other)
@@ -230,13 +242,73 @@ def replaced_files(previous: bytes | None, keep: Iterable[str]) -> list[tuple[st
     return sorted(names.items())
 
 
+def check_files_present(writer: StorageWriter, meta: md.Metadata) -> None:
+    """Refuse to commit ``meta`` when a data file it names in its own directory is not there.
+
+    Something may remove files during a save (``hyper-dcp gc``, a cleanup job, a hand): a
+    ``.metadata`` naming a missing file would be a checkpoint that does not load, and its
+    commit would reclaim the checkpoint it replaces. One listing (:meth:`StorageWriter.list_files`),
+    no reads; skipped for writers that cannot list.
+
+    Raises:
+        CheckpointError: names the missing files; nothing is committed, the previous
+            checkpoint stays as it was.
+    """
+    names = meta.file_names()
+    lister = getattr(writer, "list_files", None)
+    if not names or lister is None:
+        return
+    try:
+        there = set(lister())
+    except NotImplementedError:
+        return
+    missing = [n for n in names if n not in there]
+    if missing:
+        where = getattr(writer, "path", None) or getattr(writer, "url", None) or "the checkpoint"
+        raise CheckpointError(
+            f"refusing to commit {where}/{md.METADATA_FILE}: {len(missing)} data file(s) it names are no longer "
+            f"there ({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}); something removed them during "
+            "the save (`hyper-dcp gc` or a cleanup job?). Nothing was committed and the previous checkpoint is "
+            "kept as it was; save again")
+
+
+def spare_siblings_files(writer: StorageWriter, garbage: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """``garbage`` (files of a replaced checkpoint) less those that sibling steps still read.
+
+    A plain save over a CheckpointManager's step directory replaces a step whose files later
+    incremental steps name (``../step_00000001/data-...``): those stay, with a warning naming
+    them. When the siblings cannot be read safely (:class:`.SiblingsUnknownError`, or the
+    storage fails), every replaced file stays (when in doubt, keep); ``hyper-dcp gc`` can
+    remove them later. Never raises: the new checkpoint is already committed.
+    """
+    where = getattr(writer, "path", None) or getattr(writer, "url", None)
+    if not garbage or where is None:
+        return garbage
+    try:
+        named = files_siblings_name(where, getattr(writer, "storage_options", None))
+    except Exception as exc:
+        why = exc if isinstance(exc, SiblingsUnknownError) else f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"{where}: the new checkpoint is committed; the {len(garbage)} data file(s) of the checkpoint "
+                      f"it replaced are all kept, because which of them other steps read is unknown ({why})",
+                      stacklevel=3)
+        return []
+    kept = [name for name, _ in garbage if name in named]
+    if kept:
+        shown = "; ".join(f"{n} (read by {', '.join(named[n])})" for n in kept[:5])
+        warnings.warn(f"{where}: the new checkpoint is committed; {len(kept)} data file(s) of the checkpoint it "
+                      f"replaced are kept because other steps still read them: {shown}"
+                      f"{' ...' if len(kept) > 5 else ''}", stacklevel=3)
+    return [(name, rank) for name, rank in garbage if name not in named]
+
+
 def reclaim_replaced(writer: StorageWriter, previous: bytes | None, keep: Iterable[str]) -> list[str]:
     """Remove the data files of the replaced checkpoint (best effort; never raises).
 
-    ``keep`` are the files of the new checkpoint (never removed). Returns the names that
-    could not be removed, after warning about them.
+    ``keep`` are the files of the new checkpoint (never removed); files sibling steps read
+    stay too (:func:`spare_siblings_files`). Returns the names that could not be removed,
+    after warning about them.
     """
-    return remove_replaced(writer, [name for name, _ in replaced_files(previous, keep)])
+    return remove_replaced(writer, [name for name, _ in spare_siblings_files(writer, replaced_files(previous, keep))])
 
 
 def remove_replaced(writer: StorageWriter, names: list[str]) -> list[str]:
@@ -282,27 +354,86 @@ def unreferenced_files(reader: Any, referenced: list[str]) -> list[str]:
     return [n for n in names if n not in keep and _DEBRIS.match(n)]
 
 
-def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False,
-                    keep: Iterable[str] = ()) -> list[str]:
+@dataclass(frozen=True)
+class GarbageReport:
+    """What :func:`sweep_debris` did: the files it removed (or, dry, would remove), and the
+    debris it left, each with why."""
+
+    removed: list[str] = field(default_factory=list)
+    left: list[tuple[str, str]] = field(default_factory=list)
+
+
+DEBRIS_MIN_AGE_S = 24 * 3600  # debris no committed metadata dates is left until this old
+
+
+def sweep_debris(reader: Any, writer: StorageWriter, dry_run: bool = False, keep: Iterable[str] = (),
+                 min_age_s: float = DEBRIS_MIN_AGE_S) -> GarbageReport:
     """Remove the debris of failed or replaced saves from a checkpoint directory.
 
     Debris is what this library writes that the committed ``.metadata`` (or, in a rank-local
     checkpoint, the rank fragments together) does not name (data files, temporary metadata);
     everything else is left alone. Fragments that are missing or disagree are an error, not a
-    reason to delete. Do not run it while a save to the same path is in progress: that save's
-    files are not named by ``.metadata`` yet. ``keep``: files other checkpoints name (later
-    incremental steps, :func:`.step_directory.files_other_steps_use`). Returns the names
-    removed (or, with ``dry_run``, that would be).
+    reason to delete. ``keep``: files other checkpoints name (later incremental steps,
+    :func:`.step_siblings.files_siblings_name`).
+
+    A save in progress writes data files that no ``.metadata`` names yet, so a debris file is
+    removed only when it is *older than the committed metadata* (a save writes its data after
+    the commit it replaces) or older than ``min_age_s`` (default a day: no save runs that
+    long); the times are the storage's, from one listing taken before the metadata is read.
+    Debris of a save that failed after the last commit goes at the next gc after a commit, or
+    once it is ``min_age_s`` old. A storage that gives no times gets nothing removed. Each
+    file left is reported with why.
     """
+    try:
+        times = reader.list_file_times()
+    except (NotImplementedError, AttributeError):
+        times = None
+    except OSError:
+        return GarbageReport()  # unlistable: nothing we know to be garbage
     try:
         referenced = md.Metadata.from_json(metadata_bytes(reader)).file_names()
     except NotACheckpointError:
         referenced = []
-    garbage = unreferenced_files(reader, [*referenced, *keep])
-    if not dry_run:
-        for name in garbage:
+    if times is None:
+        garbage = unreferenced_files(reader, [*referenced, *keep])
+        return GarbageReport([], [(n, "the storage gives no modification times, so a file of a save in progress "
+                                      "cannot be told from debris") for n in garbage])
+    garbage = unreferenced_files(Listed(times), [*referenced, *keep])
+    commits = [t for n, t in times.items() if n == md.METADATA_FILE or fragment_ranks([n])]
+    since = min(commits) if commits else None
+    too_old = time.time() - min_age_s
+    report = GarbageReport()
+    for name in garbage:
+        if (since is None or times[name] >= since) and times[name] >= too_old:
+            after = (f"written after the committed metadata ({_when(since)})" if since is not None
+                     else "no committed metadata here")
+            report.left.append((name, f"{after}: a save in progress may commit it; it is removed once older than "
+                                      f"that metadata or {min_age_s:g}s old (a later gc)"))
+            continue
+        if not dry_run:
             writer.remove([name])
-    return garbage
+        report.removed.append(name)
+    return report
+
+
+def collect_garbage(reader: Any, writer: StorageWriter, dry_run: bool = False,
+                    keep: Iterable[str] = ()) -> list[str]:
+    """:func:`sweep_debris`, returning only the names removed (or, with ``dry_run``, that would be)."""
+    return sweep_debris(reader, writer, dry_run, keep).removed
+
+
+class Listed:
+    """A fixed file listing in the shape :func:`unreferenced_files` reads."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = sorted(names)
+
+    def list_files(self) -> list[str]:
+        return self.names
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def drop_stale_fragments(where: str, writer: StorageWriter, world: int) -> None:

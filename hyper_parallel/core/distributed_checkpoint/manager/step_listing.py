@@ -15,13 +15,12 @@ Nothing here writes or removes anything (:mod:`.step_directory`, :mod:`.step_del
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..backends.locations import is_url, local_path, location
 from ..base.errors import CheckpointError, NotACheckpointError
+from ..engine.step_siblings import files_siblings_name
 from ..format import metadata as md
 from ..format.metadata import step_dir_name, step_of
 from .step_directory import Directory, PathLike, open_directory
@@ -147,31 +146,18 @@ def list_steps(directory: PathLike, *, storage_options: dict[str, Any] | None = 
     return scan(open_directory(directory, storage_options))[0]
 
 
-def files_other_steps_use(path: PathLike) -> set[str]:
+def files_other_steps_use(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> set[str]:
     """Files of the step directory ``path`` that committed sibling steps name: an incremental
     step reads its unchanged chunks from an earlier step's files (``../<step>/<file>``), and
     the manager keeps those files when it retires that step. Empty when ``path`` is not a
-    step directory. A sibling whose ``.metadata`` does not parse might name some: that is an
-    error, not a guess.
+    step directory. A local ``path`` counts under the name given and the one it resolves to.
+
+    The walk is :func:`..engine.step_siblings.files_siblings_name` (the same one a plain save
+    over a step directory uses to spare those files).
+
+    Raises:
+        CheckpointError: a sibling cannot be walked safely: it is a symbolic link (the step
+            behind it may read files here), or its ``.metadata`` does not parse (it might name
+            some). That is an error, never a guess; the message names the sibling.
     """
-    given = os.fspath(path)
-    if is_url(given):
-        return _files_siblings_use(given.rstrip("/"))
-    # the step under the name given ("step/." and "." normalised; run/step_1 may be a symlink
-    # to another volume) and under the name it resolves to (an alias of the step directory)
-    names = {os.path.abspath(local_path(given)), location(given)}
-    return set().union(*(_files_siblings_use(p) for p in sorted(names)))
-
-
-def _files_siblings_use(path: str) -> set[str]:
-    name = path.rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
-    if step_of(name) is None:
-        return set()
-    parent = path[: len(path) - len(name)].rstrip("/") or "."
-    infos, _, parsed = scan(open_directory(parent, None))
-    unreadable = [i for i in infos if i.state == "unreadable"]
-    if unreadable:
-        raise CheckpointError(
-            f"cannot tell which files of {path!r} other steps use: {unreadable[0].error} "
-            f"({len(unreadable)} step(s) unreadable)")
-    return {f.name for meta in parsed.values() for f in meta.files if f.dir == name}
+    return set(files_siblings_name(path, storage_options))
