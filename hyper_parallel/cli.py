@@ -4,7 +4,7 @@ Usage (SRC first, DST a new directory, as in ``cp``)::
 
     hyper-dcp inspect PATH [--json]
     hyper-dcp verify PATH [--json]
-    hyper-dcp gc PATH [--dry-run] [--json]
+    hyper-dcp gc PATH [--dry-run] [--min-age SECONDS] [--json]
     hyper-dcp ls DIR [--json]              the steps of a CheckpointManager directory
     hyper-dcp transform SRC DST --mesh tp=4 | --layout strategy.json
     hyper-dcp export-hf SRC DST [--prefix model.] [--max-shard-size 5GB]
@@ -35,6 +35,7 @@ from .core.distributed_checkpoint.backends.locations import is_url
 from .core.distributed_checkpoint.backends.resolve import reader_for, writer_for
 from .core.distributed_checkpoint.base.dtypes import itemsize
 from .core.distributed_checkpoint.base.errors import CheckpointError
+from .core.distributed_checkpoint.engine.commit import DEBRIS_MIN_AGE_S
 from .core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 from .core.distributed_checkpoint.format.chunks import count as chunk_count
 from .core.distributed_checkpoint.format.values import encode_value
@@ -138,7 +139,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.engine.commit import collect_garbage
+    from .core.distributed_checkpoint.engine.commit import sweep_debris
     from .core.distributed_checkpoint.manager.step_listing import files_other_steps_use
 
     reader = reader_for(args.path)
@@ -146,14 +147,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
         reader.list_files()
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointError(f"{args.path!r} is not a directory: gc cleans a checkpoint directory") from None
-    # a manager's step may hold files that later (incremental) steps read: those are not debris
-    removed = collect_garbage(reader, writer_for(args.path), dry_run=args.dry_run,
-                              keep=files_other_steps_use(args.path))
+    # a manager's step may hold files that later (incremental) steps read: those are not debris;
+    # a sibling step that cannot be read safely (a symbolic link, a bad .metadata) makes gc refuse
+    keep = files_other_steps_use(args.path)
+    report = sweep_debris(reader, writer_for(args.path), dry_run=args.dry_run, keep=keep, min_age_s=args.min_age)
     if args.json:
-        print(json.dumps({"path": args.path, "dry_run": args.dry_run, "files": removed}, indent=1))
+        print(json.dumps({"path": args.path, "dry_run": args.dry_run, "files": report.removed,
+                          "left": [{"file": n, "why": why} for n, why in report.left]}, indent=1))
     else:
         verb = "would remove" if args.dry_run else "removed"
-        print(f"{verb} {len(removed)} unreferenced file(s)" + "".join(f"\n  {n}" for n in removed))
+        print(f"{verb} {len(report.removed)} unreferenced file(s)" + "".join(f"\n  {n}" for n in report.removed))
+        if report.left:
+            print(f"left {len(report.left)} unreferenced file(s) in place:"
+                  + "".join(f"\n  {n}: {why}" for n, why in report.left))
     return 0
 
 
@@ -393,9 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(fn=cmd_verify)
-    p = sub.add_parser("gc", help="remove data files no committed .metadata names (not while a save runs)")
+    p = sub.add_parser("gc", help="remove data files no committed .metadata names (files a save in progress "
+                                  "may commit, those newer than the .metadata, are left)")
     p.add_argument("path")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    p.add_argument("--min-age", type=float, default=DEBRIS_MIN_AGE_S, metavar="SECONDS",
+                   help="also remove debris newer than the committed .metadata once this old (default: a day)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(fn=cmd_gc)
     p = sub.add_parser("ls", help="list the steps of a CheckpointManager directory: state, size, metrics")

@@ -36,6 +36,7 @@ page cache, not the device's cache or the file's metadata.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -454,6 +455,9 @@ class FileSystemWriter(StorageWriter):
             except FileNotFoundError:
                 pass
 
+    def list_files(self) -> list[str]:
+        return sorted(e.name for e in os.scandir(self.path) if e.is_file(follow_symlinks=False))
+
 
 class FileSystemReader(StorageReader):
     """Reads a checkpoint directory; data files are opened once and read with ``preadv``.
@@ -642,6 +646,14 @@ class FileSystemReader(StorageReader):
 
     def list_files(self) -> list[str]:
         return sorted(e.name for e in os.scandir(self.path) if e.is_file(follow_symlinks=False))
+
+    def list_file_times(self) -> dict[str, float]:
+        out = {}
+        for e in os.scandir(self.path):
+            if e.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):  # removed while listed
+                    out[e.name] = e.stat(follow_symlinks=False).st_mtime
+        return out
 
     def close(self) -> None:
         with self._lock:

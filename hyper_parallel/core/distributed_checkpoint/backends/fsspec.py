@@ -158,6 +158,18 @@ class FsspecWriter(StorageWriter):
             except FileNotFoundError:
                 pass
 
+    def list_files(self) -> list[str]:
+        """Listed anew: the filesystem's cached listing may predate what others removed."""
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self.root)
+        return sorted(p.rsplit("/", 1)[-1] for p in self._call("listing the files", self.fs.ls, self.root,
+                                                                detail=False))
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The fsspec options this writer was made with (for the other places it looks at)."""
+        return dict(self._options)
+
 
 def start_io_thread() -> None:
     """Start fsspec's process-wide I/O thread now, on the calling thread: threads inherit their
@@ -168,6 +180,20 @@ def start_io_thread() -> None:
         import fsspec.asyn
 
         fsspec.asyn.get_loop()
+
+
+def _modified(info: dict[str, Any]) -> float | None:
+    """A listed file's modification time in epoch seconds (s3fs: ``LastModified``; local and
+    memory filesystems: ``mtime``/``created``), None when the filesystem gives none."""
+    for field in ("LastModified", "mtime", "last_modified", "updated", "created"):
+        value = info.get(field)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        with contextlib.suppress(TypeError, ValueError):
+            return float(value)
+    return None
 
 
 def _abandon_after(f: Any, returned: threading.Event) -> None:
@@ -249,6 +275,17 @@ class FsspecReader(StorageReader):
     def list_files(self) -> list[str]:
         return sorted(p.rsplit("/", 1)[-1] for p in self._call("listing the files", self.fs.ls, self.root,
                                                                 detail=False))
+
+    def list_file_times(self) -> dict[str, float]:
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self.root)
+        found = self._call("listing the files", self.fs.ls, self.root, detail=True)
+        out = {}
+        for info in found:
+            when = _modified(info)
+            if info.get("type") != "directory" and when is not None:
+                out[info["name"].rstrip("/").rsplit("/", 1)[-1]] = when
+        return out
 
     def _current_size(self, name: str) -> int | None:
         """:meth:`file_size` asked anew (the cached size is the one the read was planned with)."""

@@ -122,6 +122,13 @@ class StorageWriter(abc.ABC):
         (its own new files).
         """
 
+    def list_files(self) -> list[str]:
+        """Names of the files in the checkpoint's directory, listed anew (optional). The
+        coordinator lists once before the commit, to refuse a ``.metadata`` that names a data
+        file no longer there (removed by ``hyper-dcp gc`` or by hand during the save). Raises
+        NotImplementedError if unsupported: the check is then skipped."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its files")
+
 
 class StorageReader(abc.ABC):
     """Reads a committed checkpoint's metadata and byte ranges of its data files."""
@@ -191,6 +198,13 @@ class StorageReader(abc.ABC):
         """Names of the files in the checkpoint's directory (optional; used by ``verify``
         and ``gc`` to find unreferenced files). Raises NotImplementedError if unsupported."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its files")
+
+    def list_file_times(self) -> dict[str, float]:
+        """``{file name: last modification time}`` (seconds since the epoch, the storage's
+        clock) for the files of the checkpoint's directory (optional; ``gc`` leaves files no
+        older than the committed ``.metadata``, which a save in progress may still commit).
+        Raises NotImplementedError if unsupported."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its files' times")
 
 
 def check_range(reader: StorageReader, name: str, offset: int, length: int, what: str = "the range") -> int:
