@@ -7,6 +7,11 @@ Every one of them is also torch DCP's ``CheckpointException``, so code written f
 ``torch.distributed.checkpoint`` (``except CheckpointException``) catches ours; and still a
 ``RuntimeError``, so ``except Exception`` keeps catching them (torch's class derives from
 ``BaseException`` only).
+
+Every one of them also pickles whole (type, message, attributes): errors cross process
+boundaries (worker processes, ``multiprocessing``, a rank's error sent to its peers), so a
+class whose ``__init__`` takes more than the message says how to rebuild itself
+(``__reduce__``).
 """
 
 from __future__ import annotations
@@ -88,6 +93,10 @@ class CommitError(CheckpointError):
         self.committed = committed
         self.save_id = save_id
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # BaseException's default calls cls(*args), which lacks committed and save_id
+        return type(self), (self.args[0] if self.args else "", self.committed, self.save_id), self.__dict__
+
 
 class RankFailedError(CheckpointError):
     """Raised on every rank when one or more ranks failed a phase of save or load.
@@ -102,3 +111,92 @@ class RankFailedError(CheckpointError):
         lines = [f"checkpoint {phase} failed on rank(s) {sorted(self.failures)}:"]
         lines += [f"  [rank {r}] {msg}" for r, msg in self.failures.items()]
         super().__init__("\n".join(lines))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt from its fields (the default would call cls(message), which lacks failures)
+        return type(self), (self.phase, self.failures), self.__dict__
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage failed a save with an operating-system error: a read-only or full disk,
+    a path through a regular file, a lost mount or connection.
+
+    A save in one process (``no_dist=True``, or no process group) raises it where a save of
+    several ranks raises :class:`RankFailedError` naming the same error: both are
+    :class:`CheckpointError` (so torch's ``CheckpointException``), and the OS's error is the
+    ``__cause__``. It is also an ``OSError`` of the original's kind (:func:`storage_error`
+    picks ``StoragePermissionError`` for a ``PermissionError``, ...) with its ``errno``,
+    ``strerror`` and ``filename``, so ``except OSError`` / ``except PermissionError`` still
+    catch it. ``context`` says what was being done (e.g. ``"checkpoint save to '/ckpt'"``).
+    """
+
+    def __init__(self, *args: Any) -> None:
+        # RuntimeError's __init__ comes first in the MRO and would leave errno/filename unset
+        OSError.__init__(self, *args)
+
+    @property
+    def context(self) -> str:
+        return self.__dict__.get("_context", "")
+
+    @context.setter
+    def context(self, value: str) -> None:
+        self._context = value
+
+    def __str__(self) -> str:
+        text = OSError.__str__(self)
+        return f"{self.context} failed: {text}" if self.context else text
+
+    # pickles as OSError does: cls(*args) with errno, strerror, filename(s), then __dict__
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """:class:`StorageError` of a ``PermissionError`` (EACCES, EPERM)."""
+
+
+class StorageFileNotFoundError(StorageError, FileNotFoundError):
+    """:class:`StorageError` of a ``FileNotFoundError`` (ENOENT)."""
+
+
+class StorageFileExistsError(StorageError, FileExistsError):
+    """:class:`StorageError` of a ``FileExistsError`` (EEXIST)."""
+
+
+class StorageNotADirectoryError(StorageError, NotADirectoryError):
+    """:class:`StorageError` of a ``NotADirectoryError`` (ENOTDIR: a path through a regular file)."""
+
+
+class StorageIsADirectoryError(StorageError, IsADirectoryError):
+    """:class:`StorageError` of an ``IsADirectoryError`` (EISDIR)."""
+
+
+class StorageInterruptedError(StorageError, InterruptedError):
+    """:class:`StorageError` of an ``InterruptedError`` (EINTR)."""
+
+
+class StorageConnectionError(StorageError, ConnectionError):
+    """:class:`StorageError` of a ``ConnectionError`` (a remote store's connection failed)."""
+
+
+_STORAGE_KINDS: dict[type[OSError], type[StorageError]] = {
+    PermissionError: StoragePermissionError, FileNotFoundError: StorageFileNotFoundError,
+    FileExistsError: StorageFileExistsError, NotADirectoryError: StorageNotADirectoryError,
+    IsADirectoryError: StorageIsADirectoryError, InterruptedError: StorageInterruptedError,
+    ConnectionError: StorageConnectionError,
+}
+
+
+def storage_error(exc: OSError, context: str) -> StorageError:
+    """``exc`` as a :class:`StorageError` of its kind (its nearest base with a variant, e.g.
+    ``BrokenPipeError`` -> ``StorageConnectionError``), keeping its errno, strerror and
+    file names; ``context`` says what failed (``"checkpoint save to '/ckpt'"``). The caller
+    raises it ``from exc``, so the original stays visible as the cause."""
+    kind = next((_STORAGE_KINDS[c] for c in type(exc).__mro__ if c in _STORAGE_KINDS), StorageError)
+    if exc.errno is not None:
+        args: tuple[Any, ...] = (exc.errno, exc.strerror)
+        if exc.filename is not None or exc.filename2 is not None:
+            args += (exc.filename, None, exc.filename2)
+    else:
+        args = exc.args
+    out = kind(*args)
+    out.context = context
+    return out
