@@ -14,8 +14,11 @@ hooks are called as :mod:`..planning.plan_cache` describes.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +29,7 @@ from ..backends.protocol import StorageReader, StorageWriter
 from ..backends.resolve import reader_for, writer_for
 from ..backends.torch_storage import as_our_reader, as_our_writer
 from ..base.coordination import Coordinator, as_timeout
+from ..base.errors import CheckpointError, storage_error
 from ..base.gc_pause import paused_gc
 from ..format import metadata as md
 from ..format.values import check_user_metadata
@@ -58,6 +62,30 @@ from .targets import apply_loaded, asked_for, check_all_asked_for, check_keys, m
 __all__ = ["save", "load"]
 
 
+def _storage_errors_as_ours(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (save) raising every storage ``OSError`` as a :class:`~..base.errors.StorageError`
+    naming the checkpoint, cause chained: a save in one process otherwise let the OS's error
+    out as it was, where a save of several ranks raises RankFailedError; both must be the
+    library's (torch's) ``CheckpointException``. The error stays an OSError of its kind."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):  # ours already (NotACheckpointError, StorageTimeoutError)
+                raise
+            given = signature.bind_partial(*args, **kwargs).arguments
+            where = (given.get("path") or given.get("checkpoint_id")
+                     or getattr(given.get("storage_writer"), "path", None))
+            what = f"checkpoint save to {os.fspath(where)!r}" if where else "checkpoint save"
+            raise storage_error(exc, what) from exc
+
+    return wrapper
+
+
+@_storage_errors_as_ours
 def save(
     state_dict: dict[str, Any] | None = None,
     path: PathLike | None = None,
@@ -129,6 +157,9 @@ def save(
         StorageTimeoutError: (inside RankFailedError when ranks save together) a call to an
             object store got no answer within ``timeout``.
         UnsupportedValueError: a value cannot be saved safely (e.g. needs pickle).
+        StorageError: (a save in one process; ranks saving together raise RankFailedError)
+            the storage failed with an OSError (read-only or full disk, a path through a
+            file): an OSError of the same kind and errno, the original chained as its cause.
         ValueError / TypeError: a bad argument (``timeout``, ``user_metadata``), named.
 
     Example::
