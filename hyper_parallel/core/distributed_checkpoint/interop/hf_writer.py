@@ -39,7 +39,9 @@ Not written: ``.metadata`` (the directory is a Hugging Face one; read it with
 values other than tensors (torch's writer writes them into the file before the safetensors
 bytes, which no reader can then open), dtypes safetensors has no name for, keys
 ``fqn_to_index_mapping`` does not map. Also refused: URLs (the files are written in place
-with ``pwrite``: a local or shared POSIX filesystem) and rank-local saves.
+with ``pwrite``: a local or shared POSIX filesystem), rank-local saves, and ``user_metadata``
+(no ``.metadata`` to keep it in; so also a CheckpointManager's steps, which it finds and
+describes by their ``.metadata``: refused at the commit, leaving what the directory held).
 
 Not here: the safetensors bytes (:mod:`..format.safetensors`), reading these directories
 (:mod:`.huggingface`), exporting a checkpoint of ours (:mod:`.hf_export`).
@@ -138,6 +140,8 @@ class HuggingFaceStorageWriter(PlanWriter):
         UnsupportedValueError: a value that is not a tensor, a dtype safetensors cannot name
             (complex128, float8_e8m0fnu), a tensor named ``__metadata__``; a rank-local save.
         CheckpointError: the state dict holds no tensor.
+        UnsupportedValueError: ``save(..., user_metadata=)`` (which a CheckpointManager passes):
+            raised at the commit; the directory keeps what it held.
     """
 
     def __init__(
@@ -413,6 +417,7 @@ class HuggingFaceStorageWriter(PlanWriter):
             raise UnsupportedValueError("HuggingFaceStorageWriter cannot write rank-local checkpoints; save with "
                                         "use_collectives=True")
         out = self.output_dir
+        _refuse_user_metadata(metadata, out)
         if self.consolidates:
             swap_in_export(out, self._pending, self._index)
             return
@@ -433,6 +438,25 @@ class HuggingFaceStorageWriter(PlanWriter):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._temps = set()
+
+
+def _refuse_user_metadata(metadata: bytes, out: str) -> None:
+    """Refuse a save that asked to keep ``user_metadata``: a Hugging Face directory has no
+    ``.metadata`` to keep it in, and dropping it silently loses what the caller relies on. The
+    CheckpointManager is such a caller: it records each step's number and metrics there and
+    finds committed steps by their ``.metadata``, so steps written as Hugging Face directories
+    vanish from a restarted manager, whose retention then deletes them. Raised before any
+    file is put in place (the save fails; what ``out`` held stays)."""
+    user = md.Metadata.from_json(metadata).user
+    if not user:
+        return
+    raise UnsupportedValueError(
+        f"HuggingFaceStorageWriter({out!r}) cannot keep user_metadata (keys {sorted(user)[:5]}): a Hugging Face "
+        "directory has no .metadata to hold it; nothing was put in place. A CheckpointManager keeps its steps' "
+        "numbers and metrics there, so its steps cannot be Hugging Face directories (a restarted manager would "
+        "not find them, and its retention would delete them): let the manager save steps in this library's "
+        "format and export one with save_state_dict_as_huggingface_format(manager.step_path(step), out_dir); or "
+        "save without user_metadata")
 
 
 def _kind_text(kind: str) -> str:
