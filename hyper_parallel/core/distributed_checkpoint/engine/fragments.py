@@ -23,10 +23,15 @@ Saving over a rank-local checkpoint: a rank whose save fails keeps its old fragm
 every rank fails, the old checkpoint stays whole) and writes ``.metadata-r<r>.failed``
 beside it; its next successful save removes that marker. A reader that finds some ranks
 marked and others not refuses (the marked fragments are older than the others'); all marked
-is the old checkpoint, whole. A rank killed outright writes no marker: a mix of a killed
-rank's old fragment and the others' new ones is told apart only by ``user_metadata``. Put
-the step there (the checkpoint manager does). Rank 0 also removes the fragments of ranks
-beyond its world size (a bigger world's earlier save), so they do not make readers refuse.
+is the old checkpoint, whole. The marker is written *before* the rank writes anything (it
+names the fragment being replaced) and removed once the new fragment is committed, so a rank
+killed outright mid-save (no ``except`` runs) leaves it too: a killed rank's old fragment
+never loads beside the others' new ones, and marked ranks of which some had committed their
+new fragment are refused as well. What no marker can show: a rank that had not *started* its
+save when the job died (its old fragment is then unmarked, like a finished one); such a mix is
+told apart only by ``user_metadata``, so put the step there (the checkpoint manager does).
+Rank 0 also removes the fragments of ranks beyond its world size (a bigger world's earlier
+save), so they do not make readers refuse.
 """
 
 from __future__ import annotations
@@ -69,10 +74,21 @@ def failed_ranks(names: list[str]) -> set[int]:
     return {int(m.group(1)) for n in names if (m := _FAILED.match(n))}
 
 
-def mark_failed(writer: StorageWriter, rank: int, exc: BaseException) -> None:
-    """Mark this rank's fragment as older than a save that failed (best effort: warns)."""
+def mark_in_progress(writer: StorageWriter, rank: int, replacing: str) -> None:
+    """Before a rank-local save writes anything: mark this rank's fragment (save id
+    ``replacing``) as about to be replaced. A rank killed outright (no ``except`` runs) then
+    still leaves the mark, so its old fragment never loads beside the others' newer ones. Raises
+    if the mark cannot be written: the save must not start unmarked."""
+    writer.commit(json.dumps({"replacing": replacing, "error": "save in progress (or killed)"}).encode(),
+                  failed_name(rank))
+
+
+def mark_failed(writer: StorageWriter, rank: int, exc: BaseException, replacing: str | None = None) -> None:
+    """Mark this rank's fragment (save id ``replacing``) as older than a save that failed
+    (best effort: warns)."""
     try:
-        writer.commit(json.dumps({"error": f"{type(exc).__name__}: {exc}"[:500]}).encode(), failed_name(rank))
+        writer.commit(json.dumps({"replacing": replacing, "error": f"{type(exc).__name__}: {exc}"[:500]}).encode(),
+                      failed_name(rank))
     except Exception as err:  # the save's own error is the one to raise
         warnings.warn(f"rank-local save of rank {rank} failed and could not mark its older fragment ({err}); "
                       "a reader may take it for part of the others' newer save", stacklevel=3)
@@ -86,13 +102,35 @@ def unmark_failed(writer: StorageWriter, rank: int) -> None:
                       "checkpoint until it is removed", stacklevel=3)
 
 
-def check_not_mixed(failed: set[int], world: int, where: str) -> None:
-    """Refuse fragments of which some are older than the others (their rank's last save failed)."""
+def check_not_mixed(failed: set[int], world: int, where: str, reader: StorageReader | None = None,
+                    fragments: list[md.Metadata] | None = None) -> None:
+    """Refuse fragments of which some are older than the others (their rank's last save failed,
+    or was killed). Every rank marked is the old checkpoint, whole, unless some of them had
+    committed their new fragment before they stopped (the mark names the fragment it replaces):
+    then the marked fragments are of two saves, refused too. ``reader``/``fragments`` give the
+    marks' contents and the fragments' save ids (read only when every rank is marked)."""
     if failed and not set(range(world)) <= failed:
         raise MetadataError(
-            f"{where}: the last rank-local save failed on rank(s) {sorted(failed)[:20]}, whose fragments are "
-            f"older than the other ranks' ({failed_name(min(failed))} says why); they do not form one "
-            "checkpoint. Save again from every rank")
+            f"{where}: the last rank-local save failed on rank(s) {sorted(failed)[:20]} (or was killed there), "
+            f"whose fragments are older than the other ranks' ({failed_name(min(failed))} says why); they do not "
+            "form one checkpoint. Save again from every rank")
+    if not failed or reader is None or fragments is None:
+        return
+    newer = []
+    for frag in fragments:
+        rank = frag.fragment[0]  # type: ignore[index]
+        try:
+            mark = json.loads(read_small(reader, failed_name(rank)))
+        except Exception:  # an unreadable mark: it still says "older"
+            continue
+        replacing = mark.get("replacing") if isinstance(mark, dict) else None
+        if replacing is not None and replacing != frag.save_id:
+            newer.append(rank)
+    if newer and len(newer) < len(fragments):
+        raise MetadataError(
+            f"{where}: every rank's last rank-local save failed or was killed, but rank(s) {newer[:20]} had already "
+            "committed their new fragments and the others had not; they do not form one checkpoint. Save again "
+            "from every rank")
 
 
 def check_own_fragment(reader: StorageReader, frag: md.Metadata, where: str) -> None:

@@ -35,7 +35,7 @@ def metadata_bytes(reader: StorageReader, where: str = "checkpoint") -> bytes:
             raise
     fragments = [read_fragment(reader, r, where) for r in ranks]
     merged = merge_fragments(fragments, where)
-    check_not_mixed(failed_ranks(names), merged.world_size, where)
+    check_not_mixed(failed_ranks(names), merged.world_size, where, reader, fragments)
     return merged.to_json()
 
 

@@ -34,7 +34,7 @@ from .commit import (
     remove_own_files,
     write_and_report,
 )
-from .fragments import fragment_name, fragment_of, mark_failed, table_sub_ids, unmark_failed
+from .fragments import fragment_name, fragment_of, mark_failed, mark_in_progress, table_sub_ids, unmark_failed
 
 __all__ = ["save_rank_local"]
 
@@ -69,6 +69,10 @@ def save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter | 
     def fragment() -> md.Metadata:
         return fragment_of(build_metadata(entries, results, save_id, world, user_metadata or {}), rank, world)
 
+    previous_fragment = writer.read_committed(name)
+    replacing = md.Metadata.from_json(previous_fragment).save_id if previous_fragment is not None else None
+    if replacing is not None:
+        mark_in_progress(writer, rank, replacing)  # a kill from here on leaves the old fragment marked
     try:
         results = write_and_report(coord, writer, "write", lambda: write_plan(mine, planner, writer, rank, save_id,
                                                                               thread_count), own, what, save_id)
@@ -87,7 +91,7 @@ def save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter | 
         # No rank knows whether the others committed: the old fragment stays (all ranks
         # failing keeps the old checkpoint whole), marked, so that it never loads beside
         # newer fragments of the others (see fragments.py).
-        mark_failed(writer, rank, exc)
+        mark_failed(writer, rank, exc, replacing)
         raise
     unmark_failed(writer, rank)
     reclaim_replaced(writer, previous, built.file_names())
