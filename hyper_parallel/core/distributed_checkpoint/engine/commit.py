@@ -7,7 +7,9 @@ A save goes through these points, on every rank of the group:
 2. **Report.** Each rank reports its outcome to the coordinator. A rank whose own work
    failed (it reported an error, or never reported) removes its new files: the coordinator
    never commits without every rank's success.
-3. **Commit** (coordinator). ``.metadata`` is written under a temporary name and atomically
+3. **Commit** (coordinator). The directory is listed once: a ``.metadata`` naming a data
+   file that is not there (removed during the save) is refused, and the old checkpoint stays
+   (:func:`check_files_present`). ``.metadata`` is written under a temporary name and atomically
    put in place (:meth:`StorageWriter.commit`). *This is the point of no return*: from now
    on nothing deletes the new data. If ``commit`` raises, the coordinator asks the storage
    what ``.metadata`` now holds: its own bytes mean committed after all (the error becomes
@@ -20,9 +22,10 @@ A save goes through these points, on every rank of the group:
    wrote it, for a save), and sends the list with the committed metadata; each rank removes
    the files recorded under its rank, and those of ranks beyond the group are shared out.
    So no rank removes N files while the others wait for it; the save returns once every rank
-   has removed its share. Best effort: a file that cannot be removed is a warning naming it,
-   never an error, and it stays as an unreferenced file that ``hyper-dcp gc`` (or the
-   checkpoint manager's sweep) reclaims later.
+   has removed its share. Files a sibling step still reads (a plain save over a manager's
+   step directory) are kept (:func:`spare_siblings_files`). Best effort: a file that cannot
+   be removed is a warning naming it, never an error, and it stays as an unreferenced file
+   that ``hyper-dcp gc`` (or the checkpoint manager's sweep) reclaims later.
 
 What a rank sees when a peer dies or hangs (the exchange fails with
 :class:`LostContactError`):
