@@ -1,10 +1,11 @@
 """QuantizedHuggingFaceStorageReader at the limits of its arguments and of the scale grids.
 
-A block size far beyond the weight (a 1 x 1 grid) is valid, as in torch's reader: it must load
-the same bits without any allocation sized by the block (it asked the allocator for 4 TiB).
-A block size that is not an int from 1 to 2**63 - 1 is refused when the reader is made, naming
-the argument; a scale grid that does not fit the weight says which block sizes would fit it, or
-that none does.
+A block size beyond the weight (a 1 x 1 grid) is valid, as in torch's reader: it must load the
+same bits without any allocation sized by the block. One far larger still (past 2**31 - 1 and the
+weight, e.g. 1 << 40, which asked the allocator for 4 TiB) is a ValueError naming the argument at
+load, before any allocation. A block size that is not an int from 1 to 2**63 - 1 is refused when
+the reader is made; a scale grid that does not fit the weight says which block sizes would fit
+it, or that none does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from hyper_parallel.core.distributed_checkpoint import CorruptCheckpointError, Q
 from hyper_parallel.core.distributed_checkpoint.format import metadata as md
 
 FILE = "model.safetensors"
-HUGE = [1 << 40, 2**63 - 1]
+LARGE = [1 << 20, 2**31 - 1]  # beyond the weight: valid
+HUGE = [1 << 40, 2**63 - 1]  # far beyond it: refused
 
 
 def _one_weight(d: str, rows: int, cols: int, grid_block: int, seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,8 +33,18 @@ def _one_weight(d: str, rows: int, cols: int, grid_block: int, seed: int = 11) -
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("block", HUGE, ids=["2^40", "2^63-1"])
+def test_a_block_far_larger_than_the_weight_is_a_value_error_naming_it_before_any_allocation(tmp_path, block):
+    _one_weight(str(tmp_path), 3, 50, grid_block=1 << 20)  # a 1 x 1 grid
+    reader = QuantizedHuggingFaceStorageReader(tmp_path, block_size=block)
+    want = rf"block_size={block} is far larger than weight 'w.weight' of shape \[3, 50\]"
+    with pytest.raises(ValueError, match=want):
+        load(storage_reader=reader, no_dist=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("block", LARGE, ids=["2^20", "2^31-1"])
 @pytest.mark.parametrize("shape", [(4, 4), (5, 300)], ids=["4x4", "5x300"])
-def test_a_block_far_larger_than_the_weight_loads_the_bits_torch_loads(tmp_path, block, shape):
+def test_a_block_larger_than_the_weight_loads_the_bits_torch_loads(tmp_path, block, shape):
     w8, scale = _one_weight(str(tmp_path), *shape, grid_block=1 << 20)  # a 1 x 1 grid
     assert tuple(scale.shape) == (1, 1)
     out = load(storage_reader=QuantizedHuggingFaceStorageReader(tmp_path, block_size=block), no_dist=True)
@@ -42,8 +54,8 @@ def test_a_block_far_larger_than_the_weight_loads_the_bits_torch_loads(tmp_path,
     assert torch.equal(bits(out["w.weight"]), bits(theirs["w.weight"]))
 
 
-@pytest.mark.parametrize("block,shape", [(32, (100, 70)), (1 << 40, (3, 50)), (7, (9, 23))],
-                         ids=["32", "2^40", "7"])
+@pytest.mark.parametrize("block,shape", [(32, (100, 70)), (1 << 20, (3, 50)), (7, (9, 23))],
+                         ids=["32", "2^20", "7"])
 def test_reads_of_part_of_a_row_take_each_columns_scale(tmp_path, block, shape):
     """Ranges that start and end inside a block, inside a row, and across rows: every element
     gets its own block's scale (the first and last cells of a range cover part of their block)."""

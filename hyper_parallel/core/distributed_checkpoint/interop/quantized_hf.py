@@ -98,7 +98,8 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         block_size: rows and columns of a scale block (DeepSeek-V3: 128, its config's
             ``weight_block_size``): an int from 1 to ``2**63 - 1``. A block may be larger
             than a weight (its grid is then 1 x 1), as in torch; memory follows the bytes
-            read, never the block size.
+            read, never the block size. One larger than both a weight's dimensions and
+            ``2**31 - 1`` (e.g. ``1 << 40``) is a mistake, refused at load.
         storage_reader: as for :class:`HuggingFaceStorageReader`.
 
     Raises:
@@ -106,6 +107,8 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
             ``target_dtype`` is not a floating dtype; at construction, before any read.
 
     Raises (from ``load``), besides :class:`HuggingFaceStorageReader`'s, naming the key and file:
+        ValueError: ``block_size`` above ``2**31 - 1`` and both dimensions of a quantized
+            weight, before anything it would size is read or allocated.
         UnsupportedValueError: a weight with a scale is not 2-D float8 (e4m3fn, e5m2) or its
             scale is not float32/bfloat16/float16; a float8 tensor has no scale; an MXFP4
             tensor (``*_blocks`` with ``*_scales``).
@@ -200,6 +203,11 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
                     f"{swhere}: scale {scale_key!r} has shape {list(s.shape)}, but weight {key!r} of shape "
                     f"[{rows}, {cols}] in {where} with block_size={b} needs [{grid[0]}, {grid[1]}] "
                     f"(ceil(rows / block) x ceil(cols / block)); {_fitting_blocks((rows, cols), s.shape)}")
+            if b > _MAX_USEFUL_BLOCK and b > max(rows, cols):  # before any read or allocation it would size
+                raise ValueError(
+                    f"block_size={b} is far larger than weight {key!r} of shape [{rows}, {cols}] in {where}: no "
+                    f"checkpoint blocks a weight by more than {_MAX_USEFUL_BLOCK} (2**31 - 1) rows or columns; pass "
+                    "the checkpoint's block size (its config's weight_block_size, 128 for DeepSeek-V3)")
             found = self._weights[n] = QuantizedWeight(
                 key, scale_key, wfile, w.start, rows, cols, w.dtype, sfile, s.start, grid[1], s.dtype,
                 self._header(wfile).crc)
@@ -336,6 +344,9 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
 
 
 _MAX_BLOCK = 2**63 - 1  # int64, as torch's reader and our metadata hold it
+# A block may exceed a small weight (a 1 x 1 grid: 5 x 7 with 128 is ordinary); past this, and
+# past the weight, the argument is a mistake (1 << 40 once asked the allocator for 4 TiB)
+_MAX_USEFUL_BLOCK = 2**31 - 1
 
 
 def _checked_block_size(block_size: object) -> int:
