@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -798,3 +799,23 @@ def test_the_sweep_keeps_the_files_an_unreadable_incremental_step_references(tmp
     out = load(path=os.path.join(d, step_dir_name(3)), no_dist=True)
     assert torch.equal(out["frozen"], frozen) and torch.equal(out["w"], make_tensor((16, 8), seed=3))
     assert verify_checkpoint(os.path.join(d, step_dir_name(3))).ok
+
+
+def test_the_sweep_keeps_the_files_a_symlinked_incremental_step_references(tmp_path):
+    d = str(tmp_path / "run")
+    moved = os.path.join(d, "step3-moved")  # not a step name: beside the steps, so "../step_00000001" resolves
+    frozen = make_tensor((256, 256), seed=7)
+    with CheckpointManager(d, incremental=True, keep_latest=1) as mgr:
+        for s in (1, 2, 3):  # steps 2 and 3 read "frozen" from step 1's file
+            mgr.save(s, {"frozen": frozen, "w": make_tensor((16, 8), seed=s)})
+        mgr.wait()
+    os.rename(os.path.join(d, step_dir_name(3)), moved)  # step 3 moved aside and linked back
+    os.symlink(moved, os.path.join(d, step_dir_name(3)))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with CheckpointManager(d, incremental=True, keep_latest=1) as mgr:
+            mgr.save(4, {"frozen": frozen, "w": make_tensor((16, 8), seed=4)})
+            mgr.wait()
+    out = load(path=os.path.join(d, step_dir_name(3)), no_dist=True)  # through the link: still whole
+    assert torch.equal(out["frozen"], frozen) and torch.equal(out["w"], make_tensor((16, 8), seed=3))
+    assert any("a symbolic link, never walked" in str(w.message) for w in said), [str(w.message) for w in said]

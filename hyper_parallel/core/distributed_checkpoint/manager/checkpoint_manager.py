@@ -40,8 +40,9 @@ committed steps, the data files their ``.metadata`` does not name (debris of an 
 save). A step whose ``.metadata`` exists but cannot be read (corrupt, nested too deeply, or
 written by a newer version) is neither counted nor deleted nor overwritten: a warning names
 it at start, and ``save`` of that step refuses (:class:`CheckpointError` naming the file and
-why) until it is moved away. What such a step names is unknown, so while one is there the
-sweep, retention and failed-save cleanup delete nothing of the step directories present at
+why) until it is moved away. What such a step names is unknown (and so is what a step
+directory that is a symbolic link names: the manager never walks one), so while one is there
+the sweep, retention and failed-save cleanup delete nothing of the step directories present at
 start (they stay whole; steps this run saves are retired as usual).
 
 **Failed saves.** The coordinator removes what a save that did not commit left in its step
@@ -600,16 +601,19 @@ class CheckpointManager:
             infos, listing, parsed = scan(self._root)
             for step, meta in parsed.items():
                 self._retention.learn(step, meta)
-            unreadable = [i for i in infos if i.state == "unreadable"]
-            if unreadable:  # what it names is unknown: keep every step directory there is now
+            # a step whose .metadata cannot be read, or that is a symbolic link (never walked), may
+            # name files of any step directory here: keep them all, whole, while it is here
+            unknown = [f"step {i.step} ({i.error})" for i in infos if i.state == "unreadable"]
+            unknown += [f"{self._root.step_path(n)} (a symbolic link, never walked)" for n in self._root.linked_steps()]
+            if unknown:
                 self._retention.doubt(listing)
-                names = ", ".join(f"step {i.step} ({i.error})" for i in unreadable[:4])
+                one = len(unknown) == 1
                 warnings.warn(
-                    f"CheckpointManager: {names}{' ...' if len(unreadable) > 4 else ''}: unreadable, so ignored and "
-                    f"left in place; while {'it is' if len(unreadable) == 1 else 'they are'} here the manager deletes "
-                    f"nothing {'it' if len(unreadable) == 1 else 'they'} might reference: the start-up sweep and "
-                    f"retention keep all {len(listing)} step directories present now, whole (`hyper-dcp verify` "
-                    "it, or move it away and restart)", stacklevel=4)
+                    f"CheckpointManager: {', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''}: unreadable, "
+                    f"so ignored and left in place; while {'it is' if one else 'they are'} here the manager deletes "
+                    f"nothing {'it' if one else 'they'} might reference: the start-up sweep and retention keep all "
+                    f"{len(listing)} step directories present now, whole (`hyper-dcp verify` "
+                    f"{'it' if one else 'them'}, or move {'it' if one else 'them'} away and restart)", stacklevel=4)
             for info in infos:
                 name = step_dir_name(info.step)
                 if self._retention.in_doubt(name):

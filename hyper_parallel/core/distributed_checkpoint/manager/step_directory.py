@@ -95,6 +95,14 @@ class LocalDirectory:
     def make_root(self) -> None:
         os.makedirs(self.path, exist_ok=True)
 
+    def linked_steps(self) -> list[str]:
+        """Step-named entries that are symbolic links: :meth:`listing` never walks them, so
+        what their ``.metadata`` names is unknown to the manager."""
+        try:
+            return sorted(e.name for e in os.scandir(self.path) if step_of(e.name) is not None and e.is_symlink())
+        except FileNotFoundError:
+            return []
+
     def check_step(self, name: str) -> None:
         """Raise if the step's path is a symbolic link: the manager never writes through one."""
         step = self.step_path(name)
@@ -248,6 +256,10 @@ class FsspecDirectory:
         for f in files:
             with contextlib.suppress(FileNotFoundError):
                 self._call(f"deleting {name}/{f}", self.fs.rm_file, self._key(name, f))
+
+    def linked_steps(self) -> list[str]:
+        """Object stores have no symbolic links."""
+        return []
 
     def check_step(self, name: str) -> None:
         """Object stores have no symbolic links: nothing to refuse."""
