@@ -27,6 +27,7 @@ from ..backends.fsspec import BoundedCalls, FsspecReader, FsspecWriter, open_fil
 from ..backends.locations import is_url, local_path
 from ..backends.protocol import StorageReader, StorageWriter
 from ..base.errors import CheckpointError, NotACheckpointError
+from ..engine.commit import Listed  # a listing in the shape the debris check reads
 from ..format import metadata as md
 from ..format.validation import step_of  # the format's naming rule (``dirs``)
 from .ownership import (
@@ -44,16 +45,6 @@ PathLike = str | os.PathLike
 
 
 # ----------------------------------------------------------------------------- storage
-
-
-class Listed:
-    """A file listing in the shape :func:`commit.unreferenced_files` reads."""
-
-    def __init__(self, names: Iterable[str]):
-        self.names = sorted(names)
-
-    def list_files(self) -> list[str]:
-        return self.names
 
 
 class LocalDirectory:
