@@ -1,22 +1,37 @@
 """Chaos soak: a training job with a CheckpointManager (async, incremental, local tier) that a
-driver keeps breaking (SIGKILLed ranks, stalled ranks, full disks, failing storage calls) and
-restarting on a random world size; every resume is checked bit for bit.
+driver keeps breaking (SIGKILLed ranks, stalled ranks, full disks, failing storage calls,
+bits flipped in local-tier copies) and restarting on a random world size, while the job
+writes part of its state behind torch's version counter; every resume is checked bit for bit.
 
 The job (``--world-size`` picked at random from ``--sizes`` at every start, ranks as 2
 simulated nodes: ``node_rank = rank * 2 // world_size``, one local directory per node):
 
 - its state is FSDP-style ``Shard(0)`` DTensors (fp32, bf16 and int64, uneven shards, one
-  tensor that changes every 8 steps and one never, so incremental saves reference earlier
-  steps' files) plus plain values (the step, bytes, a numpy array, a dict of floats);
+  tensor that changes every 8 steps and three "frozen" ones that change only through rare
+  sparse writes, so incremental saves reference earlier steps' files) plus plain values (the
+  step, bytes, a numpy array, a dict of floats);
 - each step applies an update to the previous state (elementwise, in exact arithmetic:
   multiples of 1/256 well inside float32's range, integers for bf16/int64), so the state at
   step k is a pure function of k, whatever the world size and wherever the job restarted:
-  :func:`expected` computes it in closed form, and the first run (fault-free, every step
-  checked against it) shows that the closed form is the fault-free run's state;
+  ``Job.state(k)`` (:func:`_value`) computes it in closed form, and the first runs
+  (fault-free, every step checked against it) show that the closed form is the fault-free
+  run's state;
+- part of the update is written behind torch's version counter, at random steps that are a
+  pure function of the step number (:func:`behind_plan`, :func:`sparse_write`): a tensor's
+  whole update, or a few of its rows (the rest by ordinary in-place ops), through
+  ``t.data[rows] += delta`` or through a numpy view of ``dt.to_local()`` (bf16 through an
+  int16 view), and, at one step in four, a sparse write (one element, or 2 to 4 rows) of one
+  of the frozen tensors through either path: the write a counter-trusting incremental save
+  committed stale. The values are the same as with ordinary ops, so the closed form holds
+  (the frozen tensors' sum of sparse writes is kept between calls, :func:`_sparse_total`).
+  With ``--incremental-check version_counter`` (the opt-in that trusts the counter) the soak
+  reports wrong committed steps (and resumes of them): the frozen tensors are each larger than a
+  save's spot check, and its rotating full hash takes about one of them per save;
 - ``CheckpointManager(dir, save_interval_steps=4, keep_latest=2, async_save=True,
-  incremental=True, local_dir=node dir, local_interval_steps=1, replicas=2)``, ``timeout``
-  ``--timeout`` seconds; each start ``load``s (local tier or durable) and checks the state
-  it got against :func:`expected` for that step, then trains ``--steps`` steps.
+  incremental=True, local_dir=node dir, local_interval_steps=1, replicas=2)`` (the default
+  ``incremental_check="content"``), ``timeout`` ``--timeout`` seconds; each start ``load``s
+  (local tier or durable) and checks the state it got against the closed form for that step,
+  then trains ``--steps`` steps.
 
 The faults (one per start, at a random moment: a random step of the run plus a random delay
 within the step, or during the manager's start and recovery):
@@ -34,7 +49,19 @@ within the step, or during the manager's start and recovery):
   halfway through the file), ``commit`` (before, or *after* the rename: a storage that raises
   although the commit took effect), ``read_committed``, ``remove``, ``read_metadata``,
   ``read_into``, ``file_size``, the manager's start-up ``listing`` and metadata reads, its
-  deletions), picked at random, on the n-th call of that kind.
+  deletions), picked at random, on the n-th call of that kind;
+- ``local_bitflip``: while the job is stopped, before a start (on the last start's world
+  size), one bit of one local-tier shard file of a random node is flipped
+  (:func:`flip_local_bit`): a file of the node's newest step 3 times in 4; in its header half
+  the time (the first 8 + N bytes: the length and the JSON header, whose manifest holds every
+  non-tensor value), else in one payload of it (the node's own copy, which its ranks read, 3
+  times in 4; else a replica). The start must resume with exactly the closed-form values (from
+  another replica, an older local step or the durable tier) and train on without an error:
+  a failure of that start counts as unexpected. Recovery's warnings (rank 0 names each copy
+  that failed its check) are captured to see whether the flipped copy was left out.
+
+``--first`` forces the kinds of the first faults (``local_bitflip:header`` names the region
+too), e.g. so that a short run certainly covers a kind.
 
 Reported: faults injected (by kind; a storage fault whose call never came is not counted),
 starts and resumes (by source), committed steps lost (a start resuming before the newest
@@ -42,12 +69,17 @@ step committed in the durable directory when it began), wrong values (a resume, 
 of the fault-free runs, that differs from :func:`expected` by one bit), hangs (a rank still
 alive ``--timeout`` + ``--grace`` seconds after its fault, or long past the run's expected end),
 errors that are not clear (a survivor raising something other than a ``CheckpointError`` or
-the injected ``OSError``), failures with no fault fired, and the time survivors took to raise.
+the injected ``OSError``), failures with no fault fired, and the time survivors took to raise;
+the bit flips (the flipped copy left out, by region, or never read; what loaded instead),
+the resumes whose recovery left out a local copy that failed its check, and how many shard
+updates the completed starts wrote behind the version counter (by path).
 
 Usage::
 
     python benchmarks/bench_chaos.py                     # full soak (~25 min on 2 cores)
     python benchmarks/bench_chaos.py --faults 8 --steps 6   # a smoke run (under a minute)
+    python benchmarks/bench_chaos.py --kinds local_bitflip --faults 14 --steps 4   # bit flips only
+    python benchmarks/bench_chaos.py --faults 4 --incremental-check version_counter  # reports stale steps
 """
 
 from __future__ import annotations
@@ -88,10 +120,13 @@ SPECS = (
     ("model.layers.0.bias", (1001,), "float32", 1),
     ("model.layers.1.weight", (509, 96), "bfloat16", 1),
     ("model.embed.weight", (2003, 32), "float32", 8),
-    ("model.frozen.weight", (517, 64), "float32", 0),
+    ("model.frozen.0.weight", (2053, 64), "float32", 0),
+    ("model.frozen.1.weight", (2053, 64), "float32", 0),
+    ("model.frozen.2.weight", (2053, 64), "float32", 0),
     ("optim.exp_avg", (1001, 96), "float32", 1),
     ("optim.count", (1001,), "int64", 1),
 )
+_SHAPES = {spec[0]: spec[1] for spec in SPECS}
 
 
 def _ids(shape: tuple[int, ...], row0: int, rows: int):
@@ -117,31 +152,173 @@ def _changes(period: int, k: int) -> int:
     return 0 if period == 0 else k // period
 
 
-def _value(spec: tuple, ids, n: int):
-    """A tensor's value after ``n`` updates (closed form)."""
+def _value(spec: tuple, ids, k: int):
+    """A tensor's value at step ``k`` (closed form): ``_changes`` updates, plus (the tensor
+    that never changes otherwise) the sparse writes of every step up to ``k``."""
     import torch
 
-    name, _, dtype, _ = spec
+    name, _, dtype, period = spec
     salt = SPECS.index(spec) + 1
+    n = _changes(period, k)
     if dtype == "float32":
-        return ((_base(ids, salt) + n * _inc(ids, salt)).to(torch.float64) / 256).to(torch.float32)
+        units = _base(ids, salt) + n * _inc(ids, salt)
+        if name in FROZEN:
+            units = units + _sparse_total(k)[name].reshape(-1)[ids]
+        return (units.to(torch.float64) / 256).to(torch.float32)
     if dtype == "bfloat16":
         return (torch.remainder(_base(ids, salt) + n * _inc(ids, salt), 256) - 128).to(torch.bfloat16)
     return ids + n  # int64
 
 
-def _update(spec: tuple, local, ids) -> None:
-    """One update, in place (what a training step does to the tensor): exact arithmetic."""
+# ----------------------------------------------------------------------------- writes behind torch's version counter
+
+# The tensors that "never change" (period 0) change only through sparse writes (one element,
+# or a few rows of one of them) at random steps, always behind torch's version counter: the
+# case a counter-trusting incremental save committed stale. There are several, each larger
+# than a save's spot check, so that the opt-in ``incremental_check="version_counter"`` (whose
+# rotating full hash takes about one of them per save) commits some of them stale: run the
+# soak with it and it reports wrong committed steps.
+FROZEN = tuple(spec[0] for spec in SPECS if spec[3] == 0)
+BEHIND_P = 0.3  # chance that one tensor's update at one step is written behind the counter
+SPARSE_P = 0.25  # chance that a step writes one of FROZEN
+
+
+def behind_plan(k: int, name: str, rows: int) -> tuple[str, int, int] | None:
+    """How the update of tensor ``name`` (``rows`` global rows) at step ``k`` is written:
+    None (all through ordinary in-place ops, which move the version counter), or ``(path,
+    lo, hi)``: global rows ``[lo, hi)`` (all of them, or 1 to 8) through ``path`` (``"data"``:
+    ``t.data[...]``; ``"numpy"``: a numpy view of ``dt.to_local()``), the rest ordinarily.
+    A pure function of the step (the same on every rank, at every world size)."""
+    rnd = random.Random(f"behind-{k}-{name}")
+    if rnd.random() >= BEHIND_P:
+        return None
+    path = rnd.choice(("data", "numpy"))
+    if rnd.random() < 0.5:
+        return path, 0, rows
+    lo = rnd.randrange(rows)
+    return path, lo, min(rows, lo + rnd.randint(1, 8))
+
+
+def sparse_write(k: int) -> tuple[str, str, int, int, int | None, int] | None:
+    """The sparse write of one of ``FROZEN`` at step ``k``, or None: ``(name, path, lo, hi,
+    col, delta)``: rows ``[lo, hi)`` (``col``: only that column of one row) of tensor
+    ``name`` get ``delta`` / 256 added, through ``path`` (as in :func:`behind_plan`)."""
+    rnd = random.Random(f"sparse-{k}")
+    if rnd.random() >= SPARSE_P:
+        return None
+    name = rnd.choice(FROZEN)
+    rows, cols = _SHAPES[name]
+    path = rnd.choice(("data", "numpy"))
+    lo = rnd.randrange(rows)
+    if rnd.random() < 0.5:
+        hi, col = lo + 1, rnd.randrange(cols)
+    else:
+        hi, col = min(rows, lo + rnd.randint(2, 4)), None
+    return name, path, lo, hi, col, rnd.choice((-3, -2, -1, 1, 2, 3))
+
+
+_SPARSE_CACHE: dict[str, Any] = {"k": None, "total": None}
+
+
+def _sparse_total(k: int) -> dict[str, Any]:
+    """What the sparse writes of steps 1..k added to each of ``FROZEN`` (int64, units of
+    1/256, its global shape); kept between calls (steps are mostly asked in ascending order)."""
     import torch
 
-    _, _, dtype, _ = spec
+    c = _SPARSE_CACHE
+    if c["k"] is None or k < c["k"]:
+        c["k"], c["total"] = 0, {name: torch.zeros(_SHAPES[name], dtype=torch.int64) for name in FROZEN}
+    for j in range(c["k"] + 1, k + 1):
+        w = sparse_write(j)
+        if w is not None:
+            name, _, lo, hi, col, delta = w
+            if col is None:
+                c["total"][name][lo:hi] += delta
+            else:
+                c["total"][name][lo, col] += delta
+    c["k"] = k
+    return c["total"]
+
+
+def _write_rows(dt, local, new, lo: int, hi: int, path: str, add: bool) -> None:
+    """Rows ``[lo, hi)`` of the local shard ``local`` (of DTensor ``dt``) become ``new``'s:
+    ``add``: ``new`` is a delta added (float32, int64), else the new value (bf16);
+    ``path``: ``"op"`` (in-place ops: the counter moves), ``"data"`` or ``"numpy"`` (behind it)."""
+    import torch
+
+    if hi <= lo:
+        return
+    if path == "op":
+        if add:
+            local[lo:hi].add_(new[lo:hi])
+        else:
+            local[lo:hi].copy_(new[lo:hi])
+    elif path == "data":  # p.data[i] += x: .data is an alias with a version counter of its own
+        if add:
+            local.data[lo:hi] += new[lo:hi]
+        else:
+            local.data[lo:hi] = new[lo:hi]
+    else:  # numpy view of the shard (bf16 through an int16 view: numpy has no bfloat16)
+        view = dt.to_local()
+        if view.dtype == torch.bfloat16:
+            view.view(torch.int16).numpy()[lo:hi] = new.view(torch.int16).numpy()[lo:hi]
+        elif add:
+            view.numpy()[lo:hi] += new.numpy()[lo:hi]
+        else:
+            view.numpy()[lo:hi] = new.numpy()[lo:hi]
+
+
+def _update(spec: tuple, dt, ids, k: int, row0: int) -> str | None:
+    """Step ``k``'s update of one tensor, in place, exact arithmetic, part of it (or all, per
+    :func:`behind_plan`) written behind torch's version counter; returns that path or None.
+    ``row0``: the local shard's first global row."""
+    import torch
+
+    name, shape, dtype, _ = spec
     salt = SPECS.index(spec) + 1
+    local = dt._local_tensor
+    add = dtype != "bfloat16"
     if dtype == "float32":
-        local.add_((_inc(ids, salt).to(torch.float64) / 256).to(torch.float32))
+        new = (_inc(ids, salt).to(torch.float64) / 256).to(torch.float32)
     elif dtype == "bfloat16":
-        local.copy_(torch.remainder(local.to(torch.int64) + 128 + _inc(ids, salt), 256) - 128)
+        new = (torch.remainder(local.to(torch.int64) + 128 + _inc(ids, salt), 256) - 128).to(torch.bfloat16)
     else:
-        local.add_(1)
+        new = torch.ones_like(local)
+    rows = local.shape[0] if local.dim() else 0
+    plan = behind_plan(k, name, shape[0])
+    if plan is None:
+        _write_rows(dt, local, new, 0, rows, "op", add)
+        return None
+    path, lo, hi = plan
+    lo, hi = min(max(lo - row0, 0), rows), min(max(hi - row0, 0), rows)  # this shard's part
+    _write_rows(dt, local, new, 0, lo, "op", add)
+    _write_rows(dt, local, new, lo, hi, path, add)
+    _write_rows(dt, local, new, hi, rows, "op", add)
+    return path if hi > lo else None
+
+
+def _sparse_update(name: str, dt, k: int, row0: int) -> str | None:
+    """Step ``k``'s sparse write of tensor ``name`` (this shard's part of it, if it is the one
+    written), behind the counter."""
+    import torch
+
+    w = sparse_write(k)
+    if w is None or w[0] != name:
+        return None
+    _, path, lo, hi, col, delta = w
+    local = dt._local_tensor
+    rows = local.shape[0]
+    lo, hi = min(max(lo - row0, 0), rows), min(max(hi - row0, 0), rows)
+    if hi <= lo:
+        return None
+    d = torch.tensor(delta / 256, dtype=torch.float32)
+    if col is None:
+        _write_rows(dt, local, d.expand(local.shape).contiguous(), lo, hi, path, True)
+    elif path == "data":
+        local.data[lo, col] += d
+    else:
+        dt.to_local().numpy()[lo, col] += d.numpy()
+    return path
 
 
 def plain_values(k: int) -> dict[str, Any]:
@@ -171,7 +348,7 @@ def verify_committed(directory: str, step: int) -> list[str]:
         name, shape, _, period = spec
         group, key = name.split(".", 1)
         t = got.get(group, {}).get(key)
-        full = _value(spec, _ids(shape, 0, shape[0]), _changes(period, step))
+        full = _value(spec, _ids(shape, 0, shape[0]), step)
         if not (isinstance(t, torch.Tensor) and t.dtype == full.dtype and t.shape == full.shape
                 and torch.equal(t.contiguous().view(torch.uint8), full.view(torch.uint8))):
             bad.append(name)
@@ -199,7 +376,9 @@ class Job:
 
     def __init__(self, mesh):
         self.mesh = mesh
-        self.ids = {spec[0]: _ids(spec[1], *_shard(spec, mesh)) for spec in SPECS}
+        self.shards = {spec[0]: _shard(spec, mesh) for spec in SPECS}
+        self.ids = {spec[0]: _ids(spec[1], *self.shards[spec[0]]) for spec in SPECS}
+        self.behind: Counter = Counter()  # writes behind the version counter, by path (and "sparse")
 
     def state(self, k: int | None) -> dict[str, Any]:
         """The state at step ``k`` (closed form); None: a load target full of sentinels."""
@@ -211,7 +390,7 @@ class Job:
         for spec in SPECS:
             name, shape, dtype, period = spec
             ids = self.ids[name]
-            local = _value(spec, ids, _changes(period, k)) if k is not None else torch.full(
+            local = _value(spec, ids, k) if k is not None else torch.full(
                 ids.shape, -7, dtype=getattr(torch, dtype))
             tensors[name] = DTensor.from_local(local, self.mesh, [Shard(0)], shape=torch.Size(shape),
                                                stride=torch.empty(shape, device="meta").stride(), run_check=False)
@@ -223,12 +402,18 @@ class Job:
                 "optim": {n[6:]: v for n, v in tensors.items() if n.startswith("optim.")}, **plain}
 
     def advance(self, state: dict[str, Any], k: int) -> None:
-        """Step ``k``: update the state of step ``k - 1`` in place."""
+        """Step ``k``: update the state of step ``k - 1`` in place (part of it, at random
+        steps, behind torch's version counter: :func:`behind_plan`, :func:`sparse_write`)."""
         for spec in SPECS:
             name, _, _, period = spec
+            group, key = name.split(".", 1)
+            row0 = self.shards[name][0]
             if period and k % period == 0:
-                group, key = name.split(".", 1)
-                _update(spec, state[group][key]._local_tensor, self.ids[name])
+                path = _update(spec, state[group][key], self.ids[name], k, row0)
+                if path is not None:
+                    self.behind[path] += 1
+            elif name in FROZEN and _sparse_update(name, state[group][key], k, row0) is not None:
+                self.behind["sparse"] += 1
         state.update(plain_values(k))
 
     def differences(self, state: dict[str, Any], k: int) -> list[str]:
@@ -368,6 +553,11 @@ def _clear(exc: BaseException) -> bool:
     return isinstance(exc, CheckpointError) or (isinstance(exc, OSError) and "chaos: injected" in str(exc))
 
 
+# What the manager's warnings say when recovery leaves out a local copy that failed its check
+# (its header at listing, a payload as it is read): rank 0 warns, naming each file.
+REFUSED_MARKS = ("failed its integrity check", "failed their integrity check", "damaged copies")
+
+
 def rank_main(rank: int, ws: int, cfg: dict, log: EventLog) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -379,17 +569,21 @@ def rank_main(rank: int, ws: int, cfg: dict, log: EventLog) -> None:
     log("phase", phase="start")
     mgr = manager_class(injector)(
         cfg["dir"], save_interval_steps=cfg["durable_every"], keep_latest=2, async_save=True, incremental=True,
-        timeout=cfg["timeout"], local_dir=os.path.join(cfg["nodes"], f"node{node}"), local_interval_steps=1,
-        local_keep=2, replicas=2, node_rank=node, replication_timeout=cfg["timeout"] / 2)
+        incremental_check=cfg["incremental_check"], timeout=cfg["timeout"],
+        local_dir=os.path.join(cfg["nodes"], f"node{node}"), local_interval_steps=1, local_keep=2, replicas=2,
+        node_rank=node, replication_timeout=cfg["timeout"] / 2)
     try:
         log("phase", phase="load")
         state = job.state(None)
-        k = mgr.load(state)
+        with warnings.catch_warnings(record=True) as caught:  # the worker ignores warnings: see these
+            warnings.simplefilter("always")
+            k = mgr.load(state)
+        refused = [str(w.message)[:3000] for w in caught if any(m in str(w.message) for m in REFUSED_MARKS)]
         rec = mgr.local_tier.last_recovery
         source = "fresh" if k is None else rec.source if rec is not None else "durable"
         if k is None:
             k, state = 0, job.state(0)
-        log("resumed", step=k, source=source, wrong=job.differences(state, k))
+        log("resumed", step=k, source=source, wrong=job.differences(state, k), refused=refused)
         log("phase", phase="train")
         for step in range(k + 1, k + cfg["steps"] + 1):
             time.sleep(cfg["step_s"])  # the forward and backward pass
@@ -402,7 +596,7 @@ def rank_main(rank: int, ws: int, cfg: dict, log: EventLog) -> None:
             log("step", step=step)
         log("phase", phase="wait")
         mgr.wait()
-        log("done", step=k + cfg["steps"], wrong=job.differences(state, k + cfg["steps"]))
+        log("done", step=k + cfg["steps"], wrong=job.differences(state, k + cfg["steps"]), behind=dict(job.behind))
         log("phase", phase="close")
         mgr.close()
     except BaseException:
@@ -527,19 +721,93 @@ class Disk:
         self.mounts = []
 
 
+def local_files(disk: Disk) -> list[tuple[int, int, str]]:
+    """``(node, step, path)`` of every committed local-tier shard file of both nodes."""
+    from hyper_parallel.core.distributed_checkpoint.manager.local_format import parse_shard_file_name
+
+    out = []
+    for node in (0, 1):
+        base = os.path.join(disk.nodes, f"node{node}")
+        for root, _, names in sorted(os.walk(base)):
+            for name in sorted(names):
+                parsed = parse_shard_file_name(name)
+                if parsed is not None:
+                    out.append((node, parsed[0], os.path.join(root, name)))
+    return out
+
+
+def flip_local_bit(disk: Disk, seed: int, region: str) -> dict | None:
+    """Flip one bit of one local-tier file of one node (the job is stopped); what was flipped,
+    or None (no local file). The file: of the node's newest step 3 times in 4 (the one the
+    next start would load), else of any step it holds; a payload flip hits the node's own
+    copy 3 times in 4 (the one its ranks read; a replica is read only when that is missing).
+    ``region``: ``"header"`` (the first 8 + N bytes: the length and the JSON header with the
+    manifest, which holds every non-tensor value) or ``"payload"`` (a byte of one tensor,
+    array or bytes payload, picked from the manifest)."""
+    rnd = random.Random(seed)
+    files = local_files(disk)
+    if not files:
+        return None
+    node = rnd.choice(sorted({f[0] for f in files}))
+    mine = [f for f in files if f[0] == node]
+    newest = max(f[1] for f in mine)
+    step = newest if rnd.random() < 0.75 else rnd.choice(sorted({f[1] for f in mine}))
+    cands = sorted(f[2] for f in mine if f[1] == step)
+    facts = {}
+    for path in cands:  # the files are whole (or an earlier flip damaged them: then guess)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            size = os.fstat(f.fileno()).st_size
+            text = f.read(n) if 0 < n <= size - 8 else b""
+        try:
+            man = json.loads(json.loads(text)["__metadata__"]["hp_local"])
+            owner_node = man["rank"] * 2 // man["world_size"]
+            spans = [(key, rec["start"], rec["nbytes"]) for key, rec in sorted(man["entries"].items())
+                     if rec.get("nbytes")]
+        except (ValueError, KeyError, TypeError, ZeroDivisionError):
+            owner_node, spans = None, [("?", 0, max(0, size - 8 - n))]
+        facts[path] = (n, size, owner_node == node, spans)
+    if region == "payload" and rnd.random() < 0.75 and any(facts[p][2] for p in cands):
+        cands = [p for p in cands if facts[p][2]]
+    path = rnd.choice(cands)
+    n, size, own, spans = facts[path]
+    entry = None
+    if region == "header" or not any(nb for _, _, nb in spans) or 8 + n >= size:
+        region, offset = "header", rnd.randrange(min(size, 8 + n) or 1)
+    else:
+        entry, start, nbytes = rnd.choice([sp for sp in spans if sp[2]])
+        offset = 8 + n + start + rnd.randrange(nbytes)
+    bit = rnd.randrange(8)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ (1 << bit)]))
+    return {"node": node, "step": step, "newest": step == newest, "own_copy": own,
+            "file": os.path.relpath(path, disk.nodes), "region": region, "entry": entry,
+            "offset": offset, "bit": bit, "header_bytes": 8 + n, "size": size}
+
+
 def committed_steps(directory: str) -> list[int]:
     from hyper_parallel.core.distributed_checkpoint import list_steps
 
     return [i.step for i in list_steps(directory) if i.state == "committed"]
 
 
+KINDS = {"kill": 50, "storage": 25, "disk_full": 18, "stall": 7, "local_bitflip": 15}  # relative weights
+
+
 def plan_fault(rng: random.Random, sizes: list[int], last_ws: int, disk: Disk,
-               args: argparse.Namespace) -> tuple[int, dict]:
-    """The next start's world size and fault: its kind, its victims, and when it strikes."""
+               args: argparse.Namespace, forced: str | None = None) -> tuple[int, dict]:
+    """The next start's world size and fault: its kind, its victims, and when it strikes.
+    ``forced``: the kind (``local_bitflip:header``/``:payload`` names the region too)."""
     ws = rng.choice(sizes)
     kinds = [k for k in args.kinds.split(",") if k]
-    weights = {"kill": 50, "storage": 25, "disk_full": 18, "stall": 7}
-    kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
+    kind = rng.choices(kinds, [KINDS[k] for k in kinds])[0]
+    detail = None
+    if forced:
+        kind, _, detail = forced.partition(":")
     # when: during the manager's start and recovery, or at a random step of the run (+ up to a step more)
     trigger = {"phase": rng.choice(["start", "load"])} if rng.random() < 0.3 else {"step": rng.randint(1, args.steps)}
     trigger["delay_s"] = rng.uniform(0, 0.15)
@@ -553,6 +821,14 @@ def plan_fault(rng: random.Random, sizes: list[int], last_ws: int, disk: Disk,
         fault["wipe_node"] = node if scope == "node" and rng.random() < 0.5 else None
     elif kind == "stall":
         fault["victims"] = [rng.randrange(ws)]
+    elif kind == "local_bitflip":
+        # between starts, while the job is stopped; the next start on the world size of the
+        # last one (whose files the flip most likely hits) must load the right values
+        ws = last_ws if last_ws in sizes else ws
+        fault["region"] = detail or rng.choice(["header", "payload"])
+        fault["seed"] = rng.getrandbits(32)
+        # a disk kept full through this start may fail it: that is not the flip's doing
+        fault["disk_still_full"] = disk.full_until is not None
     elif kind == "disk_full":
         fault["where"] = "durable" if disk.mode == "inject" or rng.random() < 0.6 else f"node{rng.randrange(2)}"
         # the space comes back after the next start (which must cope with a full disk too)
@@ -589,11 +865,15 @@ def run_once(n: int, ws: int, fault: dict | None, args: argparse.Namespace, disk
     os.makedirs(logs_dir)
     store = os.path.join(logs_dir, "store")
     cfg = {"dir": disk.dir, "nodes": disk.nodes, "logs": logs_dir, "timeout": args.timeout, "steps": args.steps,
-           "durable_every": 4, "step_s": args.step_s, "check_every_step": fault is None,
+           "durable_every": 4, "step_s": args.step_s,
+           "check_every_step": fault is None or fault["kind"] == "local_bitflip",
+           "incremental_check": args.incremental_check,
            "storage_fault": (fault or {}).get("storage_fault")}
     from benchmarks.bench_chaos import _worker as worker  # by its module name: the forkserver imported it
 
     committed_before = committed_steps(disk.dir)
+    if fault is not None and fault["kind"] == "local_bitflip":
+        fault["flip"] = flip_local_bit(disk, fault["seed"], fault["region"])
     started = time.monotonic()
     procs = [ctx.Process(target=worker, args=(r, ws, store, cfg), daemon=True) for r in range(ws)]
     for p in procs:
@@ -673,7 +953,7 @@ def summarize(n: int, ws: int, fault: dict | None, logs: list[list[dict]], procs
     done = [any(e["ev"] == "done" for e in log) for log in logs]
     steps = [max([e["step"] for e in log if e["ev"] == "step"], default=None) for log in logs]
     victims = set(fault.get("victims", [])) if fault else set()
-    struck = fault is not None and (struck_at is not None or bool(fired))
+    struck = fault is not None and (struck_at is not None or bool(fired) or bool(fault.get("flip")))
     record: dict[str, Any] = {
         "run": n, "ws": ws, "fault": fault, "struck": struck, "wall_s": round(wall, 2), "hang": hang,
         "committed_before": committed_before[-1] if committed_before else None, "filled_bytes": filled,
@@ -688,6 +968,19 @@ def summarize(n: int, ws: int, fault: dict | None, logs: list[list[dict]], procs
             record["wrong"]["disagree"] = sorted(got)
         newest = committed_before[-1] if committed_before else 0
         record["lost"] = max(0, newest - min(got))
+    # local copies that failed their check and were left out (rank 0's warnings name each file)
+    record["refused"] = [m for e in resumed if e is not None for m in e.get("refused", [])]
+    flip = (fault or {}).get("flip")
+    if flip:
+        record["flip_detected"] = any(flip["file"] in m for m in record["refused"])
+        if ok_resumes:  # what loaded instead of the flipped copy
+            at, src = min(got), record["source"][0]
+            record["flip_outcome"] = (
+                "not read" if not record["flip_detected"] else src if src != "local"
+                else "another copy" if at == flip["step"] else "an older local step" if at < flip["step"]
+                else "a newer local step")
+    behind = [e.get("behind", {}) for log in logs for e in log if e["ev"] == "done"]
+    record["behind"] = dict(sum((Counter(b) for b in behind), Counter()))
     drift = [e for log in logs for e in log if e["ev"] in ("drift",) or (e["ev"] == "done" and e["wrong"])]
     if drift:
         record.setdefault("wrong", {})["fault_free_run"] = drift[:3]
@@ -702,7 +995,9 @@ def summarize(n: int, ws: int, fault: dict | None, logs: list[list[dict]], procs
                       and fault["kind"] in ("kill", "stall")
                       and record["errors"][r]["after_fault_s"] > LATE_TIMEOUTS * args.timeout + 5]
     # a failure is expected only once a fault struck; anything else is a bug (or a missed fault)
-    record["unexpected_failure"] = bool(errors or not all(done) or hang) and not struck
+    # (a flipped bit in a local copy must cost nothing: another copy or the durable tier loads)
+    tolerated = struck and not (fault["kind"] == "local_bitflip" and not fault.get("disk_still_full"))
+    record["unexpected_failure"] = bool(errors or not all(done) or hang) and not tolerated
     return record
 
 
@@ -718,19 +1013,29 @@ def main() -> None:
                         help="seconds past the timeout a rank may take to exit before it counts as a hang")
     parser.add_argument("--start-budget", type=float, default=40.0, help="seconds a start may take to begin training")
     parser.add_argument("--step-budget", type=float, default=2.0, help="seconds a step may take (saves included)")
-    parser.add_argument("--kinds", default="kill,storage,disk_full,stall")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds drawn from (of {', '.join(KINDS)})")
+    parser.add_argument("--first", default="",
+                        help="kinds of the first faults, in order (then drawn at random), e.g. "
+                             "local_bitflip:header,local_bitflip:payload")
     parser.add_argument("--disk", choices=("auto", "tmpfs", "inject"), default="auto",
                         help="disk-full faults: a small tmpfs filled up (root), or an injected ENOSPC")
+    parser.add_argument("--incremental-check", choices=("content", "version_counter"), default="content",
+                        help="the manager's incremental_check (version_counter: the opt-in that trusts torch's "
+                             "version counter, which the writes behind it defeat; the soak should then fail)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", default=None, help="working directory (default: a temporary one, removed)")
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--json", default=None, help="write every start's record and the figures here")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    first = [k for k in args.first.split(",") if k]
+    for k in [k for k in args.kinds.split(",") if k] + [f.partition(":")[0] for f in first]:
+        if k not in KINDS:
+            parser.error(f"unknown fault kind {k!r} (kinds: {', '.join(KINDS)})")
     rng = random.Random(args.seed)
     made_work = args.work is None
     args.work = args.work or tempfile.mkdtemp(prefix="hp-chaos-")
-    disk = Disk(args.work, args.disk, durable_mib=24, node_mib=16)
+    disk = Disk(args.work, args.disk, durable_mib=48, node_mib=32)
     ctx = _context()
     records: list[dict] = []
     began = time.monotonic()
@@ -741,7 +1046,9 @@ def main() -> None:
             report_line(records[-1])
         n = 2
         while sum(r["struck"] for r in records) < args.faults and time.monotonic() - began < args.minutes * 60:
-            ws, fault = plan_fault(rng, sizes, records[-1]["ws"], disk, args)
+            planned = sum(1 for r in records if r["fault"] is not None)
+            ws, fault = plan_fault(rng, sizes, records[-1]["ws"], disk, args,
+                                   first[planned] if planned < len(first) else None)
             records.append(run_once(n, ws, fault, args, disk, ctx))
             report_line(records[-1])
             n += 1
@@ -762,14 +1069,21 @@ def main() -> None:
 
 def report_line(r: dict) -> None:
     f = r["fault"]
+    flip = (f or {}).get("flip")
     what = "no fault" if f is None else f["kind"] + (f" {f.get('scope', '')} {f.get('victims', '')}" if "victims" in f
                                                       else f" {f.get('where', '')}" if f["kind"] == "disk_full"
+                                                      else f" {f['region']} (no local file)"
+                                                      if f["kind"] == "local_bitflip" and not flip
+                                                      else f" {flip['region']} node{flip['node']} step {flip['step']}"
+                                                      f"{'' if flip['own_copy'] else ' replica'}"
+                                                      if f["kind"] == "local_bitflip"
                                                       else f" {f['storage_fault']['op']}/{f['storage_fault']['when']}"
                                                       f" #{f['storage_fault']['nth']} r{f['storage_fault']['rank']}")
     flags = [k for k in ("hang", "unexpected_failure", "late") if r.get(k)] + (
         ["WRONG"] if r.get("wrong") else []) + ([f"LOST {r['lost']}"] if r.get("lost") else []) + (
         [f"WRONG COMMITTED {r['wrong_committed']}"] if r.get("wrong_committed") else []) + (
-        ["kept full"] if (r["fault"] or {}).get("keep_full") else [])
+        ["kept full"] if (r["fault"] or {}).get("keep_full") else []) + (
+        ["copy refused" + (" (the flipped one)" if r.get("flip_detected") else "")] if r.get("refused") else [])
     print(f"run {r['run']:4d} ws={r['ws']} {what:<44} struck={int(r['struck'])} resumed={r.get('resumed')} "
           f"{r.get('source')} reached={max((s for s in r['reached'] if s is not None), default=None)} "
           f"errors={sorted({e['type'] for e in r['errors'].values()})} {r['wall_s']:.1f}s {' '.join(flags)}",
@@ -787,18 +1101,34 @@ def figures_of(records: list[dict], seconds: float, disk_mode: str, args: argpar
         kinds[f["kind"] if f["kind"] != "kill" else f"kill_{f['scope']}"] += 1
         if f["kind"] == "storage":
             kinds[f"storage:{f['storage_fault']['op']}/{f['storage_fault']['when']}"] += 1
+        if f["kind"] == "local_bitflip":
+            kinds[f"local_bitflip:{f['flip']['region']}"] += 1
     after = [e["after_fault_s"] for r in struck if r["fault"]["kind"] == "kill" for rank, e in r["errors"].items()
              if e["after_fault_s"] is not None and int(rank) not in r["fault"]["victims"]]
     stall_after = [e["after_fault_s"] for r in struck if r["fault"]["kind"] == "stall"
                    for rank, e in r["errors"].items()
                    if e["after_fault_s"] is not None and int(rank) not in r["fault"]["victims"]]
     resumes = [r for r in records if "resumed" in r]
+    flips = [r for r in struck if r["fault"]["kind"] == "local_bitflip"]
+    refused = [r for r in resumes if r.get("refused")]
     return {
         "seconds": round(seconds, 1), "disk_full_by": disk_mode, "starts": len(records),
         "faults_struck": len(struck), "faults_by_kind": dict(sorted(kinds.items())),
         "faults_planned_not_struck": sum(1 for r in records if r["fault"] is not None and not r["struck"]),
         "resumes": len(resumes), "resumes_by_source": dict(Counter(s for r in resumes for s in r["source"])),
         "resumes_by_world_size": dict(Counter(r["ws"] for r in resumes)),
+        # local-tier bit flips: the flipped copy named in a warning (left out), or never read
+        # (a replica whose own copy was read, a step older than the one loaded); and every
+        # resume whose recovery left out a copy that failed its check, by what loaded instead
+        "local_bitflips": len(flips),
+        "local_bitflips_detected": {reg: sum(1 for r in flips if r["fault"]["flip"]["region"] == reg
+                                             and r.get("flip_detected")) for reg in ("header", "payload")},
+        "local_bitflips_not_read": sum(1 for r in flips if not r.get("flip_detected")),
+        "local_bitflip_loaded_instead": dict(Counter(r.get("flip_outcome", "no resume") for r in flips)),
+        "resumes_after_refused_copy": len(refused),
+        "resumes_after_refused_copy_by_source": dict(Counter(s for r in refused for s in r["source"])),
+        "refused_runs": [r["run"] for r in refused],
+        "writes_behind_counter": dict(sum((Counter(r.get("behind", {})) for r in records), Counter())),
         "committed_steps_lost": sum(r.get("lost", 0) for r in records),
         "starts_losing_committed_steps": [r["run"] for r in records if r.get("lost")],
         "wrong_resumes": sum(1 for r in records if r.get("wrong")),
@@ -836,6 +1166,13 @@ def print_figures(fig: dict, args: argparse.Namespace) -> None:
     print("  faults by kind: " + ", ".join(f"{k} {v}" for k, v in fig["faults_by_kind"].items()))
     print(f"  resumes {fig['resumes']} (by source {fig['resumes_by_source']}, by world size "
           f"{fig['resumes_by_world_size']}); steps redone per fault {fig['steps_redone_per_fault']}")
+    print(f"  local-tier bit flips {fig['local_bitflips']}: the flipped copy refused (header / payload) "
+          f"{fig['local_bitflips_detected']['header']} / {fig['local_bitflips_detected']['payload']}, never read "
+          f"{fig['local_bitflips_not_read']}; what loaded: {fig['local_bitflip_loaded_instead']}")
+    print(f"  resumes whose recovery left out a local copy that failed its check {fig['resumes_after_refused_copy']} "
+          f"(resumed from {fig['resumes_after_refused_copy_by_source']})")
+    print(f"  shard updates written behind the version counter (completed starts, all ranks): "
+          f"{fig['writes_behind_counter']}")
     print(f"  survivors raised after a kill (s): {fig['survivor_error_s_after_kill']}; after a stall: "
           f"{fig['survivor_error_s_after_stall']}")
     print(f"  committed durable steps loaded whole by the driver and checked bit for bit: "
