@@ -24,7 +24,7 @@ from helpers import bits
 from multiprocess import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hyper_parallel.core.distributed_checkpoint import FileSystemWriter, async_save, load, save
+from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer, AsyncSaveError, FileSystemWriter, load, save
 from hyper_parallel.core.distributed_checkpoint.base.errors import (
     CheckpointError,
     RankFailedError,
@@ -87,9 +87,14 @@ def test_an_immutable_directory_is_a_checkpoint_exception_and_keeps_the_old_chec
 def test_an_async_save_alone_reports_the_same_error(tmp_path):
     blocker = tmp_path / "f"
     blocker.write_text("")
-    resp = async_save({"w": torch.ones(3)}, checkpoint_id=str(blocker / "ckpt"), no_dist=True)
-    with pytest.raises(CheckpointException) as info:
-        resp.result()
+    ckpt = AsyncCheckpointer()  # its own: the default one would report the failure again to a later test
+    try:
+        resp = ckpt.save({"w": torch.ones(3)}, checkpoint_id=str(blocker / "ckpt"), no_dist=True)
+        with pytest.raises(CheckpointException) as info:
+            resp.result()
+    finally:
+        with contextlib.suppress(AsyncSaveError):
+            ckpt.close()
     chain = [info.value]
     while chain[-1].__cause__ is not None:
         chain.append(chain[-1].__cause__)
