@@ -57,7 +57,9 @@ within the step, or during the manager's start and recovery):
   non-tensor value), else in one payload of it (the node's own copy, which its ranks read, 3
   times in 4; else a replica). The start must resume with exactly the closed-form values (from
   another replica, an older local step or the durable tier) and train on without an error:
-  a failure of that start counts as unexpected. Recovery's warnings (rank 0 names each copy
+  a failure of that start counts as unexpected (as does any start's failure before its fault
+  struck, unless the disk was kept full from the last fault and every error is that disk's
+  ENOSPC, named clearly). Recovery's warnings (rank 0 names each copy
   that failed its check) are captured to see whether the flipped copy was left out.
 
 ``--first`` forces the kinds of the first faults (``local_bitflip:header`` names the region
@@ -811,7 +813,8 @@ def plan_fault(rng: random.Random, sizes: list[int], last_ws: int, disk: Disk,
     # when: during the manager's start and recovery, or at a random step of the run (+ up to a step more)
     trigger = {"phase": rng.choice(["start", "load"])} if rng.random() < 0.3 else {"step": rng.randint(1, args.steps)}
     trigger["delay_s"] = rng.uniform(0, 0.15)
-    fault: dict[str, Any] = {"kind": kind, "trigger": trigger}
+    # a disk kept full from the last fault through this start may fail it before this fault strikes
+    fault: dict[str, Any] = {"kind": kind, "trigger": trigger, "disk_still_full": disk.full_until is not None}
     if kind == "kill":
         scope = rng.choices(["rank", "node", "all"], [6, 3, 1])[0]
         node = rng.randrange(2)
@@ -827,8 +830,6 @@ def plan_fault(rng: random.Random, sizes: list[int], last_ws: int, disk: Disk,
         ws = last_ws if last_ws in sizes else ws
         fault["region"] = detail or rng.choice(["header", "payload"])
         fault["seed"] = rng.getrandbits(32)
-        # a disk kept full through this start may fail it: that is not the flip's doing
-        fault["disk_still_full"] = disk.full_until is not None
     elif kind == "disk_full":
         fault["where"] = "durable" if disk.mode == "inject" or rng.random() < 0.6 else f"node{rng.randrange(2)}"
         # the space comes back after the next start (which must cope with a full disk too)
@@ -996,7 +997,11 @@ def summarize(n: int, ws: int, fault: dict | None, logs: list[list[dict]], procs
                       and record["errors"][r]["after_fault_s"] > LATE_TIMEOUTS * args.timeout + 5]
     # a failure is expected only once a fault struck; anything else is a bug (or a missed fault)
     # (a flipped bit in a local copy must cost nothing: another copy or the durable tier loads)
-    tolerated = struck and not (fault["kind"] == "local_bitflip" and not fault.get("disk_still_full"))
+    # A start on a disk kept full from the last fault may fail before its own fault strikes, with
+    # the full disk's error and nothing else (every error clear and naming ENOSPC).
+    full_disk_only = bool(fault and fault.get("disk_still_full") and errors and all(
+        e["clear"] and "No space left on device" in e["message"] for e in record["errors"].values()))
+    tolerated = full_disk_only or (struck and fault["kind"] != "local_bitflip")
     record["unexpected_failure"] = bool(errors or not all(done) or hang) and not tolerated
     return record
 
