@@ -19,6 +19,11 @@ accepted, and which way it maps:
 
 Names nothing maps stay as they are; two names mapped to one is an error naming both.
 
+The seed's form, ``TopologyMapper(target_to_checkpoint_fqn={...})``, is the same class; its
+:meth:`TopologyMapper.compute_required_shards` plans one tensor's reads in torch DCP's
+``ReadItem`` terms (which are the seed's): for each chunk a rank holds, the overlap with every
+saved chunk of the mapped name.
+
 Example — stage 1 of a PP=2 model whose stages hold 4 layers each::
 
     mapper = TopologyMapper(rules=[(r"^layers\\.(\\d+)\\.", lambda m: f"layers.{int(m[1]) + 4}.")])
@@ -27,9 +32,15 @@ Example — stage 1 of a PP=2 model whose stages hold 4 layers each::
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from ..base.box import Box, uncovered
 
 __all__ = ["TopologyMapper", "MapperLike", "as_topology_mapper", "rename_keys"]
 
@@ -74,6 +85,76 @@ class TopologyMapper:
                 return pattern.sub(replacement, fqn, count=1)
         return fqn
 
+    def compute_required_shards(self, target_fqn: str, checkpoint_md: Any,
+                                local_chunks: Sequence[Any]) -> list[ReadItem]:
+        """The reads that fill this rank's chunks of ``target_fqn`` from the checkpoint.
+
+        Args:
+            target_fqn: the name on the load side; the reads come from :meth:`map_fqn` of it.
+            checkpoint_md: the saved tensor's record (``TensorStorageMetadata``): its ``chunks``,
+                each with global ``offsets`` and ``sizes``.
+            local_chunks: the chunks this rank holds (``offsets``/``sizes`` in the global tensor).
+
+        Returns:
+            One torch ``ReadItem`` (type TENSOR) per overlap of a local chunk ``i`` with a saved
+            chunk ``j``, local chunks in order, then saved chunks in order: ``dest_index`` is
+            ``MetadataIndex(target_fqn, local offsets, i)`` and ``dest_offsets`` the overlap's
+            start inside the local chunk; ``storage_index`` is ``MetadataIndex(checkpoint name,
+            saved offsets, j)`` and ``storage_offsets`` its start inside the saved chunk;
+            ``lengths`` its sizes. Empty when there are no local or no saved chunks.
+
+        Raises:
+            ValueError: ``target_fqn`` is not a non-empty string; a local chunk meets no saved
+                chunk ("no intersection"), or the saved chunks leave part of it unread ("not
+                fully covered": loading would leave that part as it was). Messages name the
+                tensor, the chunk and what is missing.
+
+        Example — a checkpoint saved with TP=4, rank 0 of TP=2 needing rows ``[0, 4)``::
+
+            items = TopologyMapper().compute_required_shards("w", md, [ChunkStorageMetadata((0,), (4,))])
+            # two items: rows [0, 2) from saved chunk 0 and [2, 4) from saved chunk 1
+        """
+        if not isinstance(target_fqn, str) or not target_fqn:
+            raise ValueError(f"compute_required_shards needs the target name as a non-empty string, "
+                             f"found {target_fqn!r}")
+        saved = list(getattr(checkpoint_md, "chunks", None) or [])
+        if not local_chunks or not saved:
+            return []
+        checkpoint_fqn = self.map_fqn(target_fqn)
+        saved_boxes = [Box(tuple(c.offsets), tuple(c.sizes)) for c in saved]
+        items: list[ReadItem] = []
+        for i, chunk in enumerate(local_chunks):
+            local = Box(tuple(chunk.offsets), tuple(chunk.sizes))
+            overlaps: list[Box] = []
+            for j, box in enumerate(saved_boxes):
+                if box.ndim != local.ndim:
+                    raise ValueError(f"{target_fqn!r}: local chunk {i} {local} has {local.ndim} dims, saved chunk "
+                                     f"{j} {box} of {checkpoint_fqn!r} has {box.ndim}; the checkpoint holds a "
+                                     "tensor of another shape under that name")
+                cut = local.intersect(box)
+                if cut is None:
+                    continue
+                overlaps.append(cut)
+                items.append(ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(target_fqn, local.offsets, i),
+                    dest_offsets=_relative(cut, local),
+                    storage_index=MetadataIndex(checkpoint_fqn, box.offsets, j),
+                    storage_offsets=_relative(cut, box),
+                    lengths=cut.sizes,
+                ))
+            if not overlaps and local.numel:
+                raise ValueError(f"{target_fqn!r}: local chunk {i} {local} has no intersection with any saved chunk "
+                                 f"of {checkpoint_fqn!r} ({len(saved_boxes)} saved); check the mapping and the "
+                                 "tensor's global shape")
+            left = uncovered(local, overlaps)
+            if left:
+                missing = sum(math.prod(b.sizes) for b in left)
+                raise ValueError(f"{target_fqn!r}: local chunk {i} {local} is not fully covered by the saved chunks "
+                                 f"of {checkpoint_fqn!r}: {missing} elements in {', '.join(map(str, left[:4]))}"
+                                 f"{' ...' if len(left) > 4 else ''} were not saved")
+        return items
+
     def __call__(self, fqn: str) -> str:
         return self.map_fqn(fqn)
 
@@ -88,6 +169,11 @@ class TopologyMapper:
                 raise ValueError(f"two target names map to checkpoint name {c!r}: {inv[c]!r} and {t!r}")
             inv[c] = t
         return inv
+
+
+def _relative(inner: Box, outer: Box) -> tuple[int, ...]:
+    """Where ``inner`` starts inside ``outer``."""
+    return tuple(a - b for a, b in zip(inner.offsets, outer.offsets, strict=True))
 
 
 # What ``topology_mapper=`` accepts (see as_topology_mapper).
