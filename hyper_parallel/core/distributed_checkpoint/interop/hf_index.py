@@ -19,7 +19,15 @@ from collections.abc import Iterable
 from ..base.errors import CheckpointError, MetadataError
 from ..format import metadata as md
 
-HF_INDEX = "model.safetensors.index.json"
+try:  # torch's names for the keys its Hugging Face writer puts in a safetensors header
+    from torch.distributed.checkpoint._hf_utils import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY
+except ImportError:  # a torch without them: the same strings its files carry
+    DCP_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+    SAVED_OFFSETS_KEY = "saved_offsets"
+
+# How every index file's name ends (``model.safetensors.index.json``).
+SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
+HF_INDEX = "model" + SAFETENSORS_INDEX_SUFFIX
 HF_SINGLE = "model.safetensors"
 MAX_INDEX_BYTES = 256 << 20
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # transformers' shard names

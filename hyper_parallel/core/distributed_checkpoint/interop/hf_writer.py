@@ -79,12 +79,13 @@ from ..transfer.plan_writer import PlanWriter
 from ..transfer.row_exchange import regroup_rows
 from ..transfer.saver import WriteResult
 from .hf_export import swap_in_export, temporary_name
+from .hf_index import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY
 
 __all__ = ["HuggingFaceStorageWriter"]
 
 # torch's names (torch/distributed/checkpoint/_hf_utils.py)
-_SHARDING_INFO = "DCP_SHARDING_INFO"
-_SAVED_OFFSETS = "saved_offsets"
+_SHARDING_INFO = DCP_SHARDING_INFO_KEY
+_SAVED_OFFSETS = SAVED_OFFSETS_KEY
 _TORCH_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
 
 

@@ -64,14 +64,24 @@ from ..format import metadata as md
 from ..format.data_file import UncheckedIndex
 from ..format.safetensors import HEAD, LocalFiles, SafetensorsHeader, parse_header, read_header
 from ..format.validation import validate_file_name
-from .hf_index import HF_INDEX, HF_SINGLE, MAX_INDEX_BYTES, SHARD_NAME, parse_weight_map, unindexed_shards
+from .hf_index import (
+    DCP_SHARDING_INFO_KEY,
+    HF_INDEX,
+    HF_SINGLE,
+    MAX_INDEX_BYTES,
+    SAFETENSORS_INDEX_SUFFIX,
+    SAVED_OFFSETS_KEY,
+    SHARD_NAME,
+    parse_weight_map,
+    unindexed_shards,
+)
 
 # torch's HuggingFaceStorageWriter records each tensor's place in the whole tensor here (a
 # JSON string: {name: {"saved_offsets": [...]}}); a non-zero offset means a shard.
-_TORCH_SHARDING = "DCP_SHARDING_INFO"
-_SAVED_OFFSETS = "saved_offsets"
+_TORCH_SHARDING = DCP_SHARDING_INFO_KEY
+_SAVED_OFFSETS = SAVED_OFFSETS_KEY
 _SUFFIX = ".safetensors"
-_INDEX_SUFFIX = ".safetensors.index.json"
+_INDEX_SUFFIX = SAFETENSORS_INDEX_SUFFIX
 _TORCH_SHARD_NAME = re.compile(r"shard-(\d+)-model-\d+-of-\d+\.safetensors")
 
 
