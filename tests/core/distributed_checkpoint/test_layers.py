@@ -45,7 +45,7 @@ PATHS = {
     "standard_planner": ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner"],
     "saver": ["save_checkpoint"],
     "loader": ["load_checkpoint"],
-    "storage": ["StorageWriter", "StorageReader"],
+    "storage": ["StorageWriter", "StorageReader", "StorageInfo", "METADATA_FILE_NAME"],
     "filesystem_storage": ["FileSystemWriter", "FileSystemReader"],
     "metadata": ["Metadata", "CHUNK_INFO", "ChunkInfo", "BytesStorageMetadata", "ChunkStorageMetadata",
                  "MetadataIndex", "TensorProperties", "TensorStorageMetadata"],
@@ -67,7 +67,12 @@ PATHS = {
     "state_dict": ["get_state_dict", "set_state_dict", "StateDictOptions"],
     "logger": ["DCP_LOGGER_NAME"],
     "logging_handlers": ["DCP_LOGGER_NAME"],
-    "hf_storage": ["HuggingFaceStorageReader"],
+    "hf_storage": ["HuggingFaceStorageReader", "DCP_SHARDING_INFO_KEY", "SAFETENSORS_INDEX_SUFFIX",
+                   "SAVED_OFFSETS_KEY"],
+    # the seed's newer paths (issue 43)
+    "versioning": ["CURRENT_CHECKPOINT_VERSION", "migrate_metadata", "_MIGRATION_RULES"],
+    "topology_mapper": ["TopologyMapper"],
+    "checkpoint_io": ["save_checkpoint_file", "load_checkpoint_file"],
 }
 
 
