@@ -18,7 +18,16 @@ with ``torch_npu`` installed) is passed to torch unchanged.
       fully_shard(model, mesh=mesh)
 
 - ``DTensor``, ``Shard``, ``Replicate``, ``Partial``: ``torch.distributed.tensor``'s.
-- :func:`get_platform`: HyperParallel's platform object (rank, world size, barrier, groups).
+- :func:`get_platform`: HyperParallel's platform object (rank, world size, barrier, groups);
+  ``hyper_parallel.platform.platform`` holds it (resettable) and ``EXISTING_COMM_GROUPS``.
+- :class:`SkipDTensorDispatch`: a context manager in which DTensor operators run on the local
+  shards (HyperParallel wraps optimizer steps in it).
+- ``Layout``: HyperParallel's DTensor layout (``hyper_parallel.core.dtensor.layout``), loaded
+  on first access.
+
+Additive HyperParallel names on torch's classes (installed when this package is imported):
+``DeviceMesh.rank_list``, ``DTensor.from_local_with_layout`` and
+``FSDPModule.set_reduce_op_type`` (see the modules above for what each maps to in torch).
 
 HyperParallel's module paths exist as aliases of the same torch objects:
 ``hyper_parallel.core.dtensor.{device_mesh, placement_types, dtensor}``,
@@ -27,11 +36,14 @@ HyperParallel's module paths exist as aliases of the same torch objects:
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .core.dtensor.device_mesh import init_device_mesh
+from .core.dtensor.dtensor import SkipDTensorDispatch
+from .core.fully_shard.api import fully_shard
 from .platform import get_platform
 
 __version__ = "0.1.0"
@@ -45,4 +57,15 @@ __all__ = [
     "Replicate",
     "Partial",
     "get_platform",
+    "SkipDTensorDispatch",
+    "Layout",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``hyper_parallel.Layout`` on first access (it imports the checkpoint package)."""
+    if name == "Layout":
+        from .core.dtensor.layout import Layout
+
+        return Layout
+    raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")

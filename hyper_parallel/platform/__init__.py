@@ -12,7 +12,9 @@ torch, and its methods are thin calls into ``torch.distributed``::
 
 :meth:`TorchPlatform.create_group` and meshes over some ranks
 (``init_device_mesh(..., rank_list=)``) create their groups with only the member ranks
-taking part; see :func:`member_group`.
+taking part; see :func:`member_group`. The current platform object (resettable, chosen by
+``HYPER_PARALLEL_PLATFORM``) and the group registry ``EXISTING_COMM_GROUPS`` live in
+:mod:`hyper_parallel.platform.platform`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["get_platform", "TorchPlatform", "PlatformType", "member_group"]
+__all__ = ["get_platform", "set_platform", "TorchPlatform", "PlatformType", "member_group",
+           "EXISTING_COMM_GROUPS"]
 
 
 class PlatformType(enum.Enum):
@@ -125,9 +128,19 @@ class TorchPlatform:
 
     @staticmethod
     def create_group(rank_list: Sequence[int], group_name: str | None = None) -> Any:
-        """The process group of ``rank_list``; only its members call this (see :func:`member_group`)."""
+        """The process group of ``rank_list``; only its members call this (see :func:`member_group`).
+
+        The group is recorded in ``EXISTING_COMM_GROUPS`` under ``tuple(rank_list)``.
+        """
         del group_name  # torch names groups itself
-        return member_group(rank_list)
+        group = member_group(rank_list)
+        EXISTING_COMM_GROUPS[tuple(int(r) for r in rank_list)] = group
+        return group
+
+    @staticmethod
+    def get_group_rank(group: Any) -> int:
+        """This process's rank inside ``group`` (-1 when it is not a member)."""
+        return dist.get_rank(group) if dist.is_initialized() else 0
 
     @staticmethod
     def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
@@ -137,10 +150,54 @@ class TorchPlatform:
     def is_tensor(obj: Any) -> bool:
         return isinstance(obj, torch.Tensor)
 
+    @staticmethod
+    def get_tensor_storage_size(tensor: torch.Tensor) -> int:
+        """Bytes the tensor's elements take when serialized (numel times element size)."""
+        return tensor.numel() * tensor.element_size()
 
-_PLATFORM = TorchPlatform()
+    @staticmethod
+    def get_op_name(func: Any) -> str:
+        """A stable name for an operator: ``aten::add.Tensor`` for aten ops, else ``__name__``."""
+        name = getattr(func, "_name", None) or getattr(func, "__name__", None)
+        return str(name) if name is not None else str(func)
+
+    @staticmethod
+    def parameters_dict(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        """``{fully qualified name: parameter}`` of ``module`` (HyperParallel's name for
+        ``dict(module.named_parameters())``, which MindSpore spells ``parameters_dict()``)."""
+        return dict(module.named_parameters())
+
+    @staticmethod
+    def get_cells_and_names(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        """``(name, submodule)`` pairs, the module itself first (MindSpore calls modules cells)."""
+        return list(module.named_modules())
+
+    @staticmethod
+    def get_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+        return list(module.modules())
+
+    @staticmethod
+    def search_parameter_by_name(module: torch.nn.Module, param_name: str) -> tuple[str, Any] | None:
+        """``(name, parameter)`` for ``param_name`` in ``module``, or None when it has none."""
+        param = dict(module.named_parameters()).get(param_name)
+        return None if param is None else (param_name, param)
+
+    @staticmethod
+    def get_param_local_shape(param: torch.Tensor) -> tuple[int, ...]:
+        """The shape this rank holds: a DTensor's local shard, else the tensor's shape."""
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return tuple(local.shape)
+
+    @staticmethod
+    def get_param_local_data(param: torch.Tensor) -> torch.Tensor:
+        """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
+        return param.to_local() if hasattr(param, "to_local") else param
+
+    @staticmethod
+    def get_param_type_size(param: torch.Tensor) -> int:
+        return param.element_size()
 
 
-def get_platform() -> TorchPlatform:
-    """The platform object (always torch here; ``HYPER_PARALLEL_PLATFORM`` is not consulted)."""
-    return _PLATFORM
+# The platform module (``hyper_parallel.platform.platform``) holds the resettable instance and
+# the group registry; imported last because it builds on the classes above.
+from .platform import EXISTING_COMM_GROUPS, get_platform, set_platform  # noqa: E402

@@ -4,6 +4,19 @@
 without ``rank_list`` it is torch's ``init_device_mesh`` (every rank of the job calls it, and
 the mesh covers them all); with ``rank_list`` it builds a torch ``DeviceMesh`` over those
 ranks only, and only they call it.
+
+HyperParallel's additions, kept additive so that ``DeviceMesh`` stays torch's own class:
+
+- ``mesh.rank_list``: the global ranks of the mesh this rank sees, flat and row-major
+  (``tuple(mesh.mesh.flatten().tolist())``). Installed on torch's ``DeviceMesh`` as a read-only
+  property when this module is imported (torch defines no such attribute).
+- ``_DEVICE_MESH_MAP``: the meshes :func:`_create_device_mesh` built, keyed by device type,
+  shape, names and ranks, so that every HyperParallel ``Layout`` over the same ranks shares one
+  mesh (and its process groups). Tests ``.clear()`` it.
+- ``DeviceMesh(device_type, ranks, mesh_dim_names=..., _init_backend=False)`` is torch's
+  constructor: it creates no process group, but torch still asks the default group for this
+  process's rank unless ``_rank=`` is given. :func:`_create_device_mesh` passes ``_rank`` for
+  you when no process group exists (``dist.get_rank()`` if that answers, else 0).
 """
 
 from __future__ import annotations
@@ -20,6 +33,51 @@ from torch.distributed.device_mesh import init_device_mesh as _torch_init_device
 from ...platform import member_group
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
+
+_DEVICE_MESH_MAP: dict[tuple, DeviceMesh] = {}
+
+
+def _rank_list(self: DeviceMesh) -> tuple[int, ...]:
+    """The global ranks of this mesh (this rank's view of it), flat in row-major order."""
+    return tuple(int(r) for r in self.mesh.flatten().tolist())
+
+
+if not hasattr(DeviceMesh, "rank_list"):
+    DeviceMesh.rank_list = property(_rank_list)  # type: ignore[attr-defined]
+
+
+def _own_rank() -> int:
+    """This process's rank for a mesh without process groups: the default group's, else 0."""
+    try:
+        return int(dist.get_rank())
+    except (RuntimeError, ValueError):
+        return 0
+
+
+def _create_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None,
+                        rank_list: Sequence[int] | None = None, init_backend: bool = True) -> DeviceMesh:
+    """The (cached) torch ``DeviceMesh`` of ``rank_list`` arranged as ``mesh_shape``.
+
+    With ``init_backend`` (and a process group), the mesh gets its process groups: over the
+    whole job through torch's ``init_device_mesh``, over some ranks through
+    :func:`init_device_mesh`'s ``rank_list`` path (only members may call it then). Without
+    (or with no process group), the mesh is bookkeeping only: ranks and coordinates, no groups,
+    usable for layouts and chunk geometry. Meshes are cached in ``_DEVICE_MESH_MAP``.
+    """
+    shape = tuple(int(s) for s in mesh_shape)
+    ranks = tuple(range(math.prod(shape))) if rank_list is None else tuple(int(r) for r in rank_list)
+    names = tuple(mesh_dim_names) if mesh_dim_names else None
+    groups = bool(init_backend) and dist.is_initialized()
+    key = (device_type, shape, names, ranks, groups)
+    mesh = _DEVICE_MESH_MAP.get(key)
+    if mesh is None:
+        if groups:
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=names, rank_list=ranks)
+        else:
+            mesh = DeviceMesh(device_type, torch.tensor(ranks, dtype=torch.int).reshape(shape),
+                              mesh_dim_names=names, _init_backend=False, _rank=_own_rank())
+        _DEVICE_MESH_MAP[key] = mesh
+    return mesh
 
 
 def _check_args(mesh_shape: tuple[int, ...], mesh_dim_names: Sequence[str] | None) -> tuple[str, ...] | None:

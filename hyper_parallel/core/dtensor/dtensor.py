@@ -3,8 +3,114 @@
 ``DTensor.from_local(local, mesh, placements)``, ``.to_local()``, ``.full_tensor()`` and
 ``.redistribute()`` are torch's. HyperParallel's ``DTensor.layout`` attribute does not exist
 here (use ``.device_mesh`` and ``.placements``).
+
+Added for HyperParallel code (torch's ``DTensor`` class stays the same object):
+``DTensor.from_local_with_layout(local, layout)`` (installed on torch's class as a static
+method, since torch has no such name) and :class:`SkipDTensorDispatch`.
 """
 
-from torch.distributed.tensor import DTensor, distribute_module, distribute_tensor
+from __future__ import annotations
 
-__all__ = ["DTensor", "distribute_tensor", "distribute_module"]
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_module, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["DTensor", "distribute_tensor", "distribute_module", "SkipDTensorDispatch", "from_local_with_layout"]
+
+
+def _op_names(op: Any) -> set[str]:
+    """The names an operator answers to in ``no_skip``: ``aten.add.Tensor``, ``add.Tensor``, ``add``."""
+    if isinstance(op, str):
+        return {op}
+    names = {str(getattr(op, "__name__", op))}
+    full = getattr(op, "_name", None)  # "aten::add" on an OpOverload
+    if full:
+        names |= {full, full.replace("::", "."), full.split("::")[-1]}
+    schema = getattr(op, "_schema", None)
+    if schema is not None:
+        names.add(f"{schema.name.split('::')[-1]}.{schema.overload_name}" if schema.overload_name
+                  else schema.name.split("::")[-1])
+    return names
+
+
+class _LocalTensorMode(TorchDispatchMode):
+    """Runs each aten op on the local shards of its DTensor arguments (results are plain tensors)."""
+
+    def __init__(self, no_skip: frozenset[str]):
+        super().__init__()
+        self._no_skip = no_skip
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self._no_skip and (_op_names(func) | _op_names(func.overloadpacket)) & self._no_skip:
+            return func(*args, **kwargs)
+        args, kwargs = tree_map_only(DTensor, lambda t: t._local_tensor, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+class SkipDTensorDispatch:
+    """Within the block, operators on DTensors run on their local shards, without DTensor's dispatch.
+
+    HyperParallel wraps optimizer steps and hand-written parameter updates in it: each rank
+    updates its own shard (``p.add_(g)`` writes into ``p``'s local tensor) with no sharding
+    propagation and no collectives. Operators return plain tensors (local results), so code in
+    the block must not expect DTensors back. ``no_skip`` lists operators that still go through
+    DTensor dispatch: callables (``torch.zeros_like``, ``torch.ops.aten.add.Tensor``) or names
+    (``"aten.add.Tensor"``, ``"add"``).
+
+    Implemented as a torch ``TorchDispatchMode``: it sees every aten op below autograd, unwraps
+    DTensor arguments to ``_local_tensor`` and calls the op. Torch's FSDP2 works inside it
+    (its unsharded parameters are plain tensors already).
+
+    Example::
+
+        with SkipDTensorDispatch():
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-lr)     # each rank updates its shard in place
+    """
+
+    def __init__(self, no_skip: Iterable[Any] | None = None):
+        names: set[str] = set()
+        for op in no_skip or ():
+            names |= _op_names(op)
+        self._no_skip = frozenset(names)
+        self._mode: _LocalTensorMode | None = None
+
+    def __enter__(self) -> SkipDTensorDispatch:
+        self._mode = _LocalTensorMode(self._no_skip)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(exc_type, exc, tb)
+
+
+def from_local_with_layout(local_tensor: torch.Tensor, layout: Any, *, run_check: bool = False) -> DTensor:
+    """HyperParallel's ``DTensor.from_local_with_layout``: a DTensor from this rank's shard and a layout.
+
+    ``layout`` is a :class:`hyper_parallel.core.dtensor.layout.Layout` with placements set; its
+    tensor meta (``set_tensor_meta``), when set, gives the global shape and stride, which torch
+    otherwise infers from the local shard (wrong for uneven or empty shards).
+
+    Raises:
+        ValueError: the layout has no placements.
+    """
+    placements = getattr(layout, "placements", None)
+    if not placements:
+        raise ValueError("from_local_with_layout needs a layout with placements: call layout.set_placements")
+    meta = getattr(layout, "tensor_meta", None)
+    shape, stride = (meta[0], meta[1]) if meta is not None else (None, None)
+    return DTensor.from_local(local_tensor, layout.mesh, placements, run_check=run_check, shape=shape,
+                              stride=stride)
+
+
+if not hasattr(DTensor, "from_local_with_layout"):
+    DTensor.from_local_with_layout = staticmethod(from_local_with_layout)  # type: ignore[attr-defined]
