@@ -32,14 +32,14 @@ LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "limits", "alignment", "box", "dtypes", "gc_pause", "sizes", "atomic_file", "protowire",
               "priority", "overrides", "coordination"]},
     {"state": ["flatten", "topology_mapper", "train_state", "version_stamp"]},
-    {"sharding": ["placements", "grid", "layout", "strategy", "records", "mindspore_strategy", "layout_files",
+    {"sharding": ["ragged", "placements", "grid", "layout", "strategy", "records", "mindspore_strategy", "layout_files",
                   "shard_lookup"]},
     {"format": ["values", "chunk_info", "validation", "sealed_json", "metadata", "versioning", "chunks",
                 "storage_info", "safetensors", "data_file"]},
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "placed_writes", "fsspec", "resolve",
                   "torch_storage"],
      "planning": ["planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot", "leaves", "global_plan",
-                  "standard_planner", "chunk_reads", "torch_planners"]},
+                  "standard_planner", "chunk_reads", "torch_planners", "ragged_items"]},
     {"transfer": ["host_copy", "streams", "unchanged", "chunk_checks", "saver", "row_exchange", "plan_writer", "loader",
                   "shared_reads"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "step_siblings", "commit",
@@ -199,7 +199,7 @@ def picture() -> str:
         "flowchart TD",
         '  faces["faces: __init__, api, planner, standard_planner, saver, loader, storage,<br/>'
         'filesystem_storage, metadata, reshard, async_staging, offline_transform, layout, util,<br/>'
-        'the seed\'s newer: versioning, topology_mapper, checkpoint_io,<br/>'
+        'the seed\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged,<br/>'
         "torch DCP's: state_dict_saver, state_dict_loader, filesystem, format_utils, optimizer, planner_helpers,<br/>"
         'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage"]',
     ]

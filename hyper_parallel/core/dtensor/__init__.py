@@ -9,7 +9,7 @@ package's layouts.
 
 from .device_mesh import DeviceMesh, init_device_mesh
 from .dtensor import DTensor, SkipDTensorDispatch, distribute_module, distribute_tensor
-from .placement_types import Partial, Placement, Replicate, Shard
+from .placement_types import Partial, Placement, RaggedShard, Replicate, Shard
 
 __all__ = ["DeviceMesh", "init_device_mesh", "DTensor", "SkipDTensorDispatch", "distribute_tensor", "distribute_module",
-           "Placement", "Shard", "Replicate", "Partial"]
+           "Placement", "Shard", "Replicate", "Partial", "RaggedShard"]

@@ -6,7 +6,10 @@ here (use ``.device_mesh`` and ``.placements``).
 
 Added for HyperParallel code (torch's ``DTensor`` class stays the same object):
 ``DTensor.from_local_with_layout(local, layout)`` (installed on torch's class as a static
-method, since torch has no such name) and :class:`SkipDTensorDispatch`.
+method, since torch has no such name) and :class:`SkipDTensorDispatch`. The seed's
+``DTensor.from_local(local, mesh, placements, shape=global_shape)`` without ``stride`` (torch
+raises "Please pass both shape and stride") gets the contiguous stride of ``shape``: torch's
+``from_local`` is wrapped for that one case and otherwise called as it is.
 """
 
 from __future__ import annotations
@@ -111,6 +114,34 @@ def from_local_with_layout(local_tensor: torch.Tensor, layout: Any, *, run_check
     return DTensor.from_local(local_tensor, layout.mesh, placements, run_check=run_check, shape=shape,
                               stride=stride)
 
+
+def _contiguous_stride(shape: Iterable[int]) -> tuple[int, ...]:
+    out: list[int] = []
+    step = 1
+    for n in reversed(tuple(shape)):
+        out.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _wrap_from_local(original: Any) -> Any:
+    """Torch's ``from_local``, with ``stride`` defaulting to the contiguous stride of a given ``shape``."""
+
+    def from_local(local_tensor: torch.Tensor, device_mesh: Any = None, placements: Any = None, *,
+                   run_check: bool = False, shape: Any = None, stride: Any = None, **kwargs: Any) -> DTensor:
+        if shape is not None and stride is None:
+            stride = _contiguous_stride(shape)
+        return original(local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride,
+                        **kwargs)
+
+    from_local.__doc__ = original.__doc__
+    from_local.__wrapped__ = original  # type: ignore[attr-defined]
+    from_local._hyper_parallel_shape_only = True  # type: ignore[attr-defined]
+    return from_local
+
+
+if not getattr(DTensor.from_local, "_hyper_parallel_shape_only", False):
+    DTensor.from_local = staticmethod(_wrap_from_local(DTensor.from_local))  # type: ignore[method-assign]
 
 if not hasattr(DTensor, "from_local_with_layout"):
     DTensor.from_local_with_layout = staticmethod(from_local_with_layout)  # type: ignore[attr-defined]

@@ -1,8 +1,16 @@
-"""``hyper_parallel.core.dtensor.placement_types``: torch's placement classes.
+"""``hyper_parallel.core.dtensor.placement_types``: torch's placement classes, and HyperParallel's
+``RaggedShard``.
 
-HyperParallel's ``RaggedShard`` has no torch counterpart and is not provided.
+``Placement``, ``Shard``, ``Replicate`` and ``Partial`` are torch's own classes. ``RaggedShard``
+(a flat, uneven shard of a tensor's leading dims) has no torch counterpart: it is defined in
+:mod:`hyper_parallel.core.distributed_checkpoint.sharding.ragged` as a subclass of torch's
+``Placement``, which torch's ``DTensor.from_local(local_flat, mesh, (RaggedShard(...),),
+shape=..., stride=...)`` accepts as it is; the checkpoint saves and loads such DTensors as
+ordinary boxes. Torch's own redistribution does not know it.
 """
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial"]
+from ..distributed_checkpoint.sharding.ragged import RaggedShard
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "RaggedShard"]

@@ -73,6 +73,10 @@ PATHS = {
     "versioning": ["CURRENT_CHECKPOINT_VERSION", "migrate_metadata", "_MIGRATION_RULES"],
     "topology_mapper": ["TopologyMapper"],
     "checkpoint_io": ["save_checkpoint_file", "load_checkpoint_file"],
+    "ragged_utils": ["_decompose_flat_interval", "compute_ragged_boxes", "create_ragged_write_items",
+                     "get_ragged_box_tensor"],
+    "ragged": ["_decompose_flat_interval", "compute_ragged_boxes", "create_ragged_write_items",
+               "get_ragged_box_tensor"],
 }
 
 

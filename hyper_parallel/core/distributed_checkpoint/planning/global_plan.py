@@ -6,7 +6,10 @@ the same plan, in O(tensors): a DTensor is stored as the grid of its layout
 turns by box id; copies of a tensor on disjoint sub-meshes of one shape (TP+DP) are stacked
 into one storage layout with a leading replica dim; a tensor held whole by several ranks
 (plain tensors, numpy arrays, bytes, a replicated single box) goes to the least-loaded
-holder, largest first. A rank's own writes are worked out only when asked for.
+holder, largest first. A RaggedShard tensor (:mod:`..sharding.ragged`) is stored as a table of
+the boxes of every rank's flat run (its entry keeps no layout: the format has no name for the
+placement), each run written by one of its replicas, taking turns by run. A rank's own writes
+are worked out only when asked for.
 
 What it is not: the planner protocol (:mod:`.planner`) nor a rank's local plan
 (:mod:`.standard_planner`); the column bands per box are the planner's ``tiles``.
@@ -23,7 +26,8 @@ from typing import Any
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
 from ..sharding.grid import Grid
-from ..sharding.records import record_position, record_ranks
+from ..sharding.ragged import flat_range_boxes, ragged_from_name, ragged_mesh_dim, rank_flat_range
+from ..sharding.records import record_position, record_ranks, storable_layout
 from .planner import EntrySpec, SavePlan, WriteItem
 
 __all__ = ["GlobalPlan"]
@@ -66,6 +70,7 @@ class GlobalPlan(Sequence):
         self.entries: dict[str, EntrySpec] = {}
         self.grids: dict[str, Grid] = {}
         self.owner: dict[str, int] = {}
+        self.ragged: dict[str, _RaggedRuns] = {}
         single: list[tuple[int, str, tuple]] = []  # (bytes, key, holder set): one box, many holders
         for key, spec in merged.items():
             if spec.kind == "object":
@@ -75,12 +80,18 @@ class GlobalPlan(Sequence):
             tiles = tiles_of(key, spec)
             nbytes = math.prod(spec.shape or ()) * md.itemsize(spec.dtype)
             if spec.layout is None or self.size == 1:  # held whole (a process alone holds everything)
+                if spec.layout is not None and storable_layout(spec.layout) is None:  # a RaggedShard's record
+                    spec = EntrySpec(spec.kind, spec.path, spec.dtype, spec.shape, None)
                 self.entries[key] = _with_store(spec, None)
                 self.grids[key] = Grid(spec.shape or (), (1,), ["R"], None, tiles)
                 hs = tuple(sorted(holders[key]))
                 single.append((nbytes, key, ("groups", hs)))
                 continue
             lay = spec.layout if key not in submeshes else _stacked(key, spec.layout, list(submeshes[key]))
+            if storable_layout(lay) is None:  # RaggedShard: a table of its runs' boxes
+                self.ragged[key] = _RaggedRuns(key, tuple(spec.shape or ()), lay)
+                self.entries[key] = EntrySpec(spec.kind, spec.path, spec.dtype, spec.shape, None, None)
+                continue
             try:
                 grid = Grid(spec.shape or (), lay["mesh_shape"], lay["placements"], lay.get("rank_list"), tiles)
             except ValueError as exc:
@@ -145,6 +156,10 @@ class GlobalPlan(Sequence):
                 if self.owner[key] == rank:
                     objects.append(key)
                 continue
+            runs = self.ragged.get(key)
+            if runs is not None:
+                items.extend(runs.writes(rank, md.itemsize(spec.dtype)))
+                continue
             store, grid = spec.store, self.grids[key]
             if store.writer is not None:
                 box = 0 if store.writer == rank else None
@@ -159,6 +174,53 @@ class GlobalPlan(Sequence):
             size = md.itemsize(spec.dtype)
             items.extend(WriteItem(key, sub_box, sub_box.numel * size, sub) for sub, sub_box in grid.band_subs(box))
         return SavePlan(self.entries, items, objects)
+
+
+class _RaggedRuns:
+    """The boxes of every rank's run of a RaggedShard tensor, numbered 0..n-1 in run order
+    (the table's rows), and which replica writes each run."""
+
+    def __init__(self, key: str, shape: tuple[int, ...], layout: dict[str, Any]):
+        names = layout["placements"]
+        self.key = key
+        self.mesh_dim = m = ragged_mesh_dim(names, key)
+        placement = ragged_from_name(names[m])
+        self.mesh_shape = tuple(layout["mesh_shape"])
+        self.layout = layout
+        if len(placement.local_units) != self.mesh_shape[m]:
+            raise UnsupportedValueError(f"{key!r}: RaggedShard local_units {placement.local_units} needs one entry "
+                                        f"per rank of mesh dim {m} ({self.mesh_shape[m]} ranks)")
+        self.runs: list[tuple[int, list]] = []  # per index on the mesh dim: (first sub id, boxes)
+        sub = 0
+        for j in range(self.mesh_shape[m]):
+            try:
+                boxes = flat_range_boxes(shape, *rank_flat_range(shape, placement, j, key))
+            except ValueError as exc:
+                raise UnsupportedValueError(str(exc)) from None
+            self.runs.append((sub, boxes))
+            sub += len(boxes)
+        self.replicas = math.prod(self.mesh_shape) // self.mesh_shape[m]
+        self.offset = zlib.crc32(key.encode()) % self.replicas
+
+    def writes(self, rank: int, itemsize: int) -> list[WriteItem]:
+        """The write items of ``rank``: the boxes of its run if it is that run's writer."""
+        pos = record_position(self.layout, rank)
+        if pos is None:
+            return []
+        coord = []
+        for n in reversed(self.mesh_shape):
+            pos, c = divmod(pos, n)
+            coord.append(c)
+        coord.reverse()
+        j = coord[self.mesh_dim]
+        q = 0  # the replica index: the coordinates of the other mesh dims, row-major
+        for d, (c, n) in enumerate(zip(coord, self.mesh_shape, strict=True)):
+            if d != self.mesh_dim:
+                q = q * n + c
+        if q != (self.offset + j) % self.replicas:
+            return []
+        first, boxes = self.runs[j]
+        return [WriteItem(self.key, b, b.numel * itemsize, first + i) for i, b in enumerate(boxes)]
 
 
 def _same_but_ranks(a: EntrySpec, b: EntrySpec) -> bool:

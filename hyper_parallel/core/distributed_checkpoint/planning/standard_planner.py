@@ -36,7 +36,8 @@ from ..format.chunk_info import check_chunk_info
 from ..format.chunks import overlapping
 from ..format.values import is_json_value, json_culprit
 from ..sharding.grid import parse_placement
-from ..sharding.records import dtensor_box, layout_record
+from ..sharding.ragged import RaggedPiece, ragged_mesh_dim
+from ..sharding.records import dtensor_box, is_ragged_dtensor, layout_record, ragged_piece
 from ..state.flatten import renamed_path
 from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
 from ..state.version_stamp import VersionStamp, stamp_of
@@ -277,6 +278,14 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._stamps = {}
         for key, value in self._values.items():
             path = self._path(key)
+            if is_ragged_dtensor(value):  # its flat run, as the ordinary boxes that hold the same elements
+                self._check_saveable(key, value._local_tensor)
+                piece = ragged_piece(value, key)
+                entries[key] = EntrySpec("tensor", path, dtype_name(value.dtype), tuple(value.shape),
+                                         layout_record(value, group_rank))
+                if piece is not None:
+                    self._hold_ragged(items, key, piece)
+                continue
             if isinstance(value, DTensor):
                 self._check_saveable(key, value._local_tensor)
                 box = dtensor_box(value, key)
@@ -319,6 +328,20 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         if stamped:  # read now, before any byte is: a write after this makes the stamp older, never newer
             given = self._given_stamps
             self._stamps[key] = stamp_of(tensor) if given is None else given.get(id(tensor))
+
+    def _hold_ragged(self, items: list[WriteItem], key: str, piece: RaggedPiece) -> None:
+        """Hold a RaggedShard DTensor's local run: one write item per box (the global plan
+        decides which rank writes each; sub ids are the global plan's)."""
+        local = piece.flat
+        staged = self._staged(local)
+        if staged is not None:  # a streamed or banded stand-in has no flat data to view
+            raise UnsupportedValueError(f"{key!r}: a RaggedShard DTensor cannot be staged in bands or streamed; "
+                                        "save it without a staging memory budget")
+        size = local.element_size()
+        items.extend(WriteItem(key, box, box.numel * size, i) for i, box in enumerate(piece.boxes))
+        self._held[key] = (None, piece)
+        given = self._given_stamps
+        self._stamps[key] = stamp_of(local) if given is None else given.get(id(local))
 
     def source_stamp(self, item: WriteItem) -> VersionStamp | None:
         """The stamp of the tensor (a DTensor's local tensor) the caller holds for ``item``'s
@@ -378,6 +401,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         shape = tuple(spec.shape or ())
         if spec.kind != "tensor" or len(shape) < 2 or not math.prod(shape) or self.max_tiles <= 1:
             return 1
+        if spec.layout is not None and ragged_mesh_dim(spec.layout["placements"]) is not None:
+            return 1  # a RaggedShard tensor is stored as its runs' boxes, never in bands
         boxes = cols = 1
         if spec.layout is not None:
             for m, name in zip(spec.layout["mesh_shape"], spec.layout["placements"], strict=False):
@@ -439,6 +464,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def resolve_data(self, item: WriteItem) -> torch.Tensor | Any:
         box, value = self._held[item.key]
+        if isinstance(value, RaggedPiece):
+            return value.view(item.box)
         if isinstance(value, StreamedTensor):
             return value.region(item.box.relative_to(box))
         if isinstance(value, BandedSnapshot):
@@ -468,6 +495,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._alloc_lock = threading.Lock()
         self._results: dict[str, Any] = {}
         self._convert: dict[str, torch.Tensor] = {}  # key -> target tensor filled from a temporary
+        self._ragged: dict[str, tuple[RaggedPiece, Box]] = {}  # RaggedShard targets read via their bounding box
         self._lossy: list[str] = []  # conversions to a lesser kind of number (complex -> real, float -> int)
 
     def create_local_load_plan(self) -> LoadPlan:
@@ -562,6 +590,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             raise self._mismatch(key, entry, target)
         local = target._local_tensor if isinstance(target, DTensor) else target
         check_writable(key, local)
+        if is_ragged_dtensor(target):
+            return self._ragged_destination(key, target, dtype)
         box = dtensor_box(target, key) if isinstance(target, DTensor) else Box.full(shape)
         if target.dtype != dtype and number_kind(target.dtype) < number_kind(dtype):
             self._lossy.append(f"{key!r} ({entry.dtype} -> {str(target.dtype).removeprefix('torch.')})")
@@ -570,6 +600,25 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             self._convert[key] = local
             return box, (box.sizes, dtype)
         return box, local
+
+    def _ragged_destination(self, key: str, target: DTensor, dtype: torch.dtype) -> tuple[Box | None, Any]:
+        """A RaggedShard target: its run is one box (filled in place) or several, read into
+        a temporary of their bounding box (only the runs' regions are read, see
+        :meth:`_reads`) and copied into the flat local tensor by :meth:`finish_load`."""
+        piece = ragged_piece(target, key)
+        if piece is None:
+            return None, None
+        local = piece.flat
+        if not local.is_contiguous():
+            raise StateDictMismatchError(f"{key!r}: the RaggedShard target's local tensor is not contiguous and cannot "
+                                         "be filled in place; load into a contiguous local tensor")
+        if len(piece.boxes) == 1 and target.dtype == dtype:
+            return piece.boxes[0], piece.view(piece.boxes[0])
+        lo = tuple(min(b.offsets[d] for b in piece.boxes) for d in range(len(target.shape)))
+        hi = tuple(max(b.offsets[d] + b.sizes[d] for b in piece.boxes) for d in range(len(target.shape)))
+        bbox = Box(lo, tuple(h - o for o, h in zip(lo, hi, strict=True)))
+        self._ragged[key] = (piece, bbox)
+        return bbox, (bbox.sizes, dtype)
 
     def _mismatch(self, key: str, entry: md.Entry, target: Any) -> StateDictMismatchError:
         found = describe(target)
@@ -581,6 +630,12 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         )
 
     def _reads(self, key: str, entry: md.Entry, box: Box) -> list[ReadItem]:
+        ragged = self._ragged.get(key)
+        if ragged is not None:  # only the run's boxes inside the bounding box
+            return [r for b in ragged[0].boxes for r in self._box_reads(key, entry, b)]
+        return self._box_reads(key, entry, box)
+
+    def _box_reads(self, key: str, entry: md.Entry, box: Box) -> list[ReadItem]:
         reads = []
         covered = 0
         for ref in overlapping(self.metadata, entry, box, self.rank):
@@ -618,7 +673,12 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         out = dict(self._results)
         for key in list(self._dest):
             tensor = self.resolve_target(key)
-            if key in self._convert:
+            if key in self._ragged:  # the runs' boxes of the bounding box into the flat local tensor
+                piece, bbox = self._ragged[key]
+                with torch.no_grad():
+                    for b in piece.boxes:
+                        piece.view(b).copy_(tensor[b.relative_to(bbox)])
+            elif key in self._convert:
                 with torch.no_grad():
                     self._convert[key].copy_(tensor)  # the saved dtype into the target's
             kind = self.metadata.entries[key].kind

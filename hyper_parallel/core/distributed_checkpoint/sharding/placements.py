@@ -1,5 +1,8 @@
 """Torch placements by name: ``R``, ``S(dim)``, ``_S(dim,split_factor)`` (and ``P(op)``, refused).
 
+HyperParallel's ``RaggedShard`` has the in-memory name ``RS(dims;local_units)`` (:mod:`.ragged`);
+metadata never records it (a RaggedShard tensor is saved as a table of ordinary boxes).
+
 The one grammar of placement names, as checkpoint metadata records them: conversion to and
 from torch's ``Shard``/``Replicate``/``_StridedShard`` objects, and the bare parse that the
 chunk grid uses without torch objects. Not here: what a set of placements means for a
@@ -12,6 +15,8 @@ import re
 from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .ragged import RaggedShard, ragged_from_name, ragged_name
 
 try:  # torch >= 2.5
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -47,12 +52,15 @@ def is_strided(p: Any) -> bool:
 
 
 def is_placement(p: Any) -> bool:
-    """True for a torch placement object (``Shard``, ``Replicate``, ``Partial``, ``_StridedShard``)."""
-    return isinstance(p, (Shard, Replicate, Partial)) or is_strided(p)
+    """True for a placement object (``Shard``, ``Replicate``, ``Partial``, ``_StridedShard``, ``RaggedShard``)."""
+    return isinstance(p, (Shard, Replicate, Partial, RaggedShard)) or is_strided(p)
 
 
 def placement_to_name(p: Any) -> str:
-    """The short name of a placement, as checkpoint metadata records it: ``S(0)``, ``R``, ``_S(0,2)``."""
+    """The short name of a placement, as checkpoint metadata records it: ``S(0)``, ``R``, ``_S(0,2)``
+    (and ``RS(0;1,3)`` for a RaggedShard, in memory only)."""
+    if isinstance(p, RaggedShard):
+        return ragged_name(p)
     if is_strided(p):
         return f"_S({p.dim},{p.split_factor})"
     if isinstance(p, Shard):
@@ -61,7 +69,7 @@ def placement_to_name(p: Any) -> str:
         return "R"
     if isinstance(p, Partial):
         return f"P({getattr(p, 'reduce_op', 'sum')})"
-    raise ValueError(f"unknown placement {p!r}; expected Shard, Replicate or _StridedShard")
+    raise ValueError(f"unknown placement {p!r}; expected Shard, Replicate, _StridedShard or RaggedShard")
 
 
 def placement_from_name(name: str) -> Any:
@@ -71,6 +79,9 @@ def placement_from_name(name: str) -> Any:
         ValueError: the name is not one of those (``P(...)`` — a Partial — is refused: a
             checkpoint never holds partial values).
     """
+    ragged = ragged_from_name(name)
+    if ragged is not None:
+        return ragged
     parts = split_placement_name(name)
     if parts is None:
         raise ValueError(f"placement {name!r} is not one of 'R', 'S(<dim>)', '_S(<dim>,<split_factor>)'")

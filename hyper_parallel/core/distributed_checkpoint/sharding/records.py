@@ -4,8 +4,10 @@ A layout record is the JSON-able dict an entry of ``.metadata`` keeps for a DTen
 ``mesh_shape``, ``mesh_dim_names``, ``placements`` (by name) and, only when the mesh is not
 simply ranks 0..N-1 of the saving group, ``rank_list`` (row-major). This module makes a
 record from a DTensor (:func:`layout_record`), finds the box this rank holds
-(:func:`dtensor_box`), and answers the two questions the save's global plan asks of a
-record: which ranks it spans and where a rank sits in it.
+(:func:`dtensor_box`; for a RaggedShard DTensor, the boxes of its flat run: :func:`ragged_piece`),
+says which records may be written to metadata (:func:`storable_layout`), and answers the two
+questions the save's global plan asks of a record: which ranks it spans and where a rank sits
+in it.
 
 What it is not: the metadata schema that validates records (:mod:`..format.metadata`),
 nor the chunk grid derived from them (:mod:`.grid`).
@@ -22,8 +24,10 @@ from ..base.box import Box
 from ..base.errors import UnsupportedValueError
 from .grid import shared_grid
 from .placements import placement_to_name
+from .ragged import RaggedPiece, flat_range_boxes, is_ragged, ragged_from_name, ragged_mesh_dim, rank_flat_range
 
-__all__ = ["mesh_ranks", "layout_record", "dtensor_box", "record_ranks", "record_position"]
+__all__ = ["mesh_ranks", "layout_record", "dtensor_box", "ragged_piece", "is_ragged_dtensor", "storable_layout",
+           "record_ranks", "record_position"]
 
 
 _MESH_RANKS: dict[int, tuple[Any, list[int]]] = {}
@@ -61,8 +65,64 @@ def layout_record(t: DTensor, group_rank: dict[int, int] | None = None) -> dict[
     return rec
 
 
+def is_ragged_dtensor(t: object) -> bool:
+    """True for a DTensor with a RaggedShard placement."""
+    return isinstance(t, DTensor) and any(is_ragged(p) for p in t.placements)
+
+
+def storable_layout(layout: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``layout`` as ``.metadata`` may record it: None for a RaggedShard layout (its tensor is
+    stored as a table of ordinary boxes, and the format has no name for the placement)."""
+    if layout is None or not any(ragged_from_name(p) is not None for p in layout.get("placements", ())):
+        return layout
+    return None
+
+
+def ragged_piece(t: DTensor, key: str) -> RaggedPiece | None:
+    """This rank's part of a RaggedShard DTensor: its flat local tensor and the global boxes
+    that hold the same elements, in order; None if the rank holds nothing.
+
+    Raises:
+        UnsupportedValueError: the placements are not one RaggedShard plus Replicate, the
+            shape does not divide into the units, or the local tensor's size is not the run's.
+    """
+    try:
+        m = ragged_mesh_dim(t.placements, key)
+    except ValueError as exc:
+        raise UnsupportedValueError(str(exc)) from None
+    if m is None:
+        raise UnsupportedValueError(f"{key!r}: not a RaggedShard DTensor (placements {list(t.placements)})")
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
+        return None
+    p = t.placements[m]
+    if len(p.local_units) != t.device_mesh.shape[m]:
+        raise UnsupportedValueError(f"{key!r}: RaggedShard local_units {p.local_units} needs one entry per rank of "
+                                    f"mesh dim {m} ({t.device_mesh.shape[m]} ranks)")
+    shape = tuple(t.shape)
+    try:
+        start, end = rank_flat_range(shape, p, coord[m], key)
+    except ValueError as exc:
+        raise UnsupportedValueError(str(exc)) from None
+    local = t._local_tensor
+    if local.numel() != end - start:
+        raise UnsupportedValueError(
+            f"{key!r}: local tensor of {local.numel()} elements, but RaggedShard {p} gives rank {coord[m]} of mesh "
+            f"dim {m} the flat range [{start}, {end}) ({end - start} elements) of shape {list(shape)}")
+    return RaggedPiece(local, flat_range_boxes(shape, start, end)) if end > start else None
+
+
 def dtensor_box(t: DTensor, key: str) -> Box | None:
-    """The global box of this rank's local shard, or None if the rank holds nothing."""
+    """The global box of this rank's local shard, or None if the rank holds nothing.
+
+    Raises:
+        UnsupportedValueError: a Partial placement; a RaggedShard (its run is several boxes:
+            use :func:`ragged_piece`); a strided shard that is no box.
+    """
+    if is_ragged_dtensor(t):
+        raise UnsupportedValueError(
+            f"{key!r}: a RaggedShard DTensor's local run is several boxes, not one; this path supports only "
+            "Shard/Replicate layouts (save and load it with save()/load(), which store it as ordinary boxes)")
     if any(p.is_partial() for p in t.placements):
         raise UnsupportedValueError(
             f"{key!r}: DTensor has Partial placement {list(t.placements)}; its local values are "

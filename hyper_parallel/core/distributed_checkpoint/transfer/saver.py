@@ -51,6 +51,7 @@ from ..format.data_file import (
 from ..format.validation import check_shape
 from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..sharding.grid import Grid
+from ..sharding.records import storable_layout
 from .chunk_checks import ChunkChecks
 from .host_copy import copy_fed, copy_into, gather_fed, side_by_side
 from .streams import StreamFence
@@ -493,7 +494,9 @@ def _build_metadata(entries: dict[str, EntrySpec], results: list[WriteResult], s
     for key, spec in entries.items():
         if spec.kind != "object":  # what the reader would refuse is never written (e.g. an import's [-1, 0])
             check_shape(tuple(spec.shape or ()), "the checkpoint being written", key)
-        entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, spec.layout, objects.get(key), spec.store)
+        # a RaggedShard layout has no name in the format: its boxes are a table, its entry has no layout
+        entry = md.Entry(key, spec.kind, spec.path, spec.dtype, spec.shape, storable_layout(spec.layout),
+                         objects.get(key), spec.store)
         if spec.kind != "object" and spec.store is None:
             entry.store = _table(key, spec, sorted(rows.get(key, [])), file_index)
         elif key in reused:
