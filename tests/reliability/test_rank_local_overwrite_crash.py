@@ -65,3 +65,12 @@ def test_a_rank_killed_during_a_rank_local_overwrite_leaves_no_loadable_mix(tmp_
     # a save from every rank afterwards makes one checkpoint again
     run_ranks(_save, 2, path, A * 2, None)
     assert torch.equal(load(path=path)["w"], A * 2)
+
+
+def test_a_rank_local_save_over_a_damaged_fragment_overwrites_it(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save({"w": A}, checkpoint_id=path, use_collectives=False, no_dist=True)
+    with open(os.path.join(path, ".metadata-r00000"), "wb") as f:
+        f.write(b"{damaged")
+    save({"w": -A}, checkpoint_id=path, use_collectives=False, no_dist=True)  # not refused for what it replaces
+    assert torch.equal(load(path=path)["w"], -A)

@@ -70,7 +70,12 @@ def save_rank_local(state_dict: Any, where: str | None, writer: StorageWriter | 
         return fragment_of(build_metadata(entries, results, save_id, world, user_metadata or {}), rank, world)
 
     previous_fragment = writer.read_committed(name)
-    replacing = md.Metadata.from_json(previous_fragment).save_id if previous_fragment is not None else None
+    replacing = None
+    if previous_fragment is not None:
+        try:
+            replacing = md.Metadata.from_json(previous_fragment).save_id
+        except CheckpointError:  # a damaged fragment is overwritten all the same, marked as one being replaced
+            replacing = "unreadable"
     if replacing is not None:
         mark_in_progress(writer, rank, replacing)  # a kill from here on leaves the old fragment marked
     try:
