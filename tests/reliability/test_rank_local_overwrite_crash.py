@@ -69,8 +69,8 @@ def test_a_rank_killed_during_a_rank_local_overwrite_leaves_no_loadable_mix(tmp_
 
 def test_a_rank_local_save_over_a_damaged_fragment_overwrites_it(tmp_path):
     path = str(tmp_path / "ckpt")
-    save({"w": A}, checkpoint_id=path, use_collectives=False, no_dist=True)
-    with open(os.path.join(path, ".metadata-r00000"), "wb") as f:
+    run_ranks(_save, 2, path, A, None)
+    with open(os.path.join(path, ".metadata-r00001"), "wb") as f:
         f.write(b"{damaged")
-    save({"w": -A}, checkpoint_id=path, use_collectives=False, no_dist=True)  # not refused for what it replaces
+    run_ranks(_save, 2, path, -A, None)  # not refused for the fragment it replaces
     assert torch.equal(load(path=path)["w"], -A)
