@@ -421,3 +421,22 @@ def _describe(exc: BaseException) -> str:
     tb = traceback.extract_tb(exc.__traceback__)
     where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
     return f"{type(exc).__name__}: {exc}{where}"
+
+
+def all_gather_object(obj: Any, world_size: int, use_collectives: bool) -> list[Any]:
+    """Every rank's ``obj``, in rank order (HyperParallel's ``utils.all_gather_object``).
+
+    With ``use_collectives`` and more than one rank it is ``torch.distributed.all_gather_object``
+    on the default group; otherwise ``[obj]``, so a rank-local step can run the same code
+    without a process group. Unlike :meth:`Coordinator.exchange` it carries no errors: a rank
+    that raises before calling it leaves the others waiting, as any plain collective does.
+
+    Example::
+
+        plans = all_gather_object(local_plan, dist.get_world_size(), use_collectives=True)
+    """
+    if not use_collectives or world_size <= 1:
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out

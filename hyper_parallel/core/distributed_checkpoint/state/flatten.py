@@ -248,27 +248,33 @@ def unflatten(items: dict[tuple[PathPart, ...], Any]) -> dict[str, Any]:
     """Rebuild the nested structure from ``{path: value}`` (paths as recorded on save)."""
     root: dict[Any, Any] = {}
     for path, value in items.items():
-        node: Any = root
-        for part, nxt in zip(path[:-1], path[1:], strict=False):
-            k = _container_key(part)
-            if isinstance(node, dict):
-                if k not in node:
-                    node[k] = [] if isinstance(nxt, tuple) and nxt[0] in ("i", "t") else {}
-                node = node[k]
-            else:
-                while len(node) <= k:
-                    node.append(None)
-                if node[k] is None:
-                    node[k] = [] if isinstance(nxt, tuple) and nxt[0] in ("i", "t") else {}
-                node = node[k]
-        k = _container_key(path[-1])
+        set_at(root, path, value)
+    return _restore_tuples(items, root)
+
+
+def set_at(root: Any, path: tuple[PathPart, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` inside ``root``, making the dicts and lists on the way (a list
+    for an index part, padded with None up to the index; tuples stay lists: see :func:`unflatten`)."""
+    node: Any = root
+    for part, nxt in zip(path[:-1], path[1:], strict=False):
+        k = _container_key(part)
         if isinstance(node, dict):
-            node[k] = value
+            if k not in node:
+                node[k] = [] if isinstance(nxt, tuple) and nxt[0] in ("i", "t") else {}
+            node = node[k]
         else:
             while len(node) <= k:
                 node.append(None)
-            node[k] = value
-    return _restore_tuples(items, root)
+            if node[k] is None:
+                node[k] = [] if isinstance(nxt, tuple) and nxt[0] in ("i", "t") else {}
+            node = node[k]
+    k = _container_key(path[-1])
+    if isinstance(node, dict):
+        node[k] = value
+    else:
+        while len(node) <= k:
+            node.append(None)
+        node[k] = value
 
 
 def _container_key(part: PathPart) -> Any:
