@@ -42,7 +42,7 @@ LAYERS: list[dict[str, list[str]]] = [
                   "standard_planner", "chunk_reads", "torch_planners", "ragged_items",
                   "chunk_lists", "ownership"]},
     {"transfer": ["host_copy", "streams", "unchanged", "chunk_checks", "saver", "row_exchange", "plan_writer", "loader",
-                  "shared_reads"]},
+                  "shared_reads", "broadcasts"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "step_siblings", "commit",
                 "streaming_writer", "scope", "targets", "plan_exchange", "rank_local_save", "checkpoint"]},
     {"asynchronous": ["buffers", "response", "streamed_staging", "process_hooks", "torch_stagers", "checkpointer",
@@ -200,7 +200,7 @@ def picture() -> str:
         "flowchart TD",
         '  faces["faces: __init__, api, planner, standard_planner, saver, loader, storage,<br/>'
         'filesystem_storage, metadata, reshard, async_staging, offline_transform, layout, util,<br/>'
-        'the seed\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged,<br/>'
+        'the seed\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged, broadcast,<br/>'
         "torch DCP's: state_dict_saver, state_dict_loader, filesystem, format_utils, optimizer, planner_helpers,<br/>"
         'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage"]',
     ]

@@ -4,12 +4,22 @@ A face over :mod:`.planning.planner`, where the save and load protocols are docu
 DCP's plan-item enums and payload records (``WriteItemType``, ``LoadItemType``,
 ``TensorWriteData``, ``BytesIOWriteData``) are torch's own, re-exported as plain data: they
 describe torch's plans (e.g. the read items of :func:`.planner_helpers.create_read_items_for_chunk_list`);
-our plans carry boxes instead (:class:`WriteItem`, :class:`ReadItem`).
+our plans carry boxes instead (:class:`WriteItem`, :class:`ReadItem`). :class:`BroadcastSource`
+marks a replicated shard one rank reads and broadcasts (see :mod:`.broadcast`).
 """
 
 from torch.distributed.checkpoint.planner import BytesIOWriteData, LoadItemType, TensorWriteData, WriteItemType
 
-from .planning.planner import EntrySpec, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from .planning.planner import (
+    BroadcastSource,
+    EntrySpec,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+)
 
-__all__ = ["EntrySpec", "WriteItem", "SavePlan", "ReadItem", "LoadPlan", "SavePlanner", "LoadPlanner",
-           "WriteItemType", "LoadItemType", "TensorWriteData", "BytesIOWriteData"]
+__all__ = ["EntrySpec", "WriteItem", "SavePlan", "ReadItem", "LoadPlan", "BroadcastSource", "SavePlanner",
+           "LoadPlanner", "WriteItemType", "LoadItemType", "TensorWriteData", "BytesIOWriteData"]

@@ -3,13 +3,14 @@ tests import from it: ``_MAX_BROADCASTS_IN_FLIGHT``, the number of broadcasts it
 keeps going at once, which they use to size their state dicts ("several times as many shared
 tensors as the pipeline allows in flight").
 
-Nothing here reads it. Our shared reads (:mod:`.shared_reads`) send each replicated slab with
-point-to-point messages in rounds bounded by bytes (``batch_bytes`` per rank), not by a count
-of messages, so a state dict of any size exercises the same code.
+It is the limit of :mod:`.transfer.broadcasts` (the seed's read-and-broadcast pipeline, face
+``distributed_checkpoint.broadcast``). Our own ``load`` shares replicated data through
+:mod:`.transfer.shared_reads` instead, with point-to-point messages in rounds bounded by bytes
+(``batch_bytes`` per rank), not by a count of messages.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from .transfer.broadcasts import MAX_BROADCASTS_IN_FLIGHT as _MAX_BROADCASTS_IN_FLIGHT
 
-_MAX_BROADCASTS_IN_FLIGHT = 8  # HyperParallel's value; only sizes its tests here
+__all__ = ["_MAX_BROADCASTS_IN_FLIGHT"]

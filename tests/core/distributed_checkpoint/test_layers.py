@@ -41,7 +41,8 @@ PUBLIC = [
 # Import paths of the seed, the docs and HyperParallel's code and tests: module -> names it must hold.
 PATHS = {
     "api": ["save", "load"],
-    "planner": ["SavePlanner", "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "EntrySpec"],
+    "planner": ["SavePlanner", "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "EntrySpec",
+                "BroadcastSource"],
     "standard_planner": ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner"],
     "saver": ["save_checkpoint"],
     "loader": ["load_checkpoint"],
@@ -78,6 +79,9 @@ PATHS = {
     "checkpoint_io": ["save_checkpoint_file", "load_checkpoint_file"],
     "ragged_utils": ["_decompose_flat_interval", "compute_ragged_boxes", "create_ragged_write_items",
                      "get_ragged_box_tensor"],
+    "broadcast": ["BroadcastSource", "broadcast_shard", "wait_broadcasts", "broadcast_groups_for_load",
+                  "BroadcastBatcher", "read_and_broadcast", "_MAX_BROADCASTS_IN_FLIGHT",
+                  "DEFAULT_BROADCAST_BATCH_BYTES"],
     "ragged": ["_decompose_flat_interval", "compute_ragged_boxes", "create_ragged_write_items",
                "get_ragged_box_tensor"],
 }
