@@ -2,7 +2,13 @@
 
 A face over :mod:`.planning.torch_planners`: ``DefaultSavePlanner``/``DefaultLoadPlanner`` with
 torch's signatures; torch's plan-building functions are there only to say what to use instead.
+``_create_default_local_metadata`` (private, imported by torch's tests) is torch's own: it
+describes a state dict as torch's ``Metadata``.
 """
+
+from torch.distributed.checkpoint.default_planner import (
+    _create_default_local_metadata as _create_default_local_metadata,  # torch's private helper
+)
 
 from .planning.torch_planners import (
     DefaultLoadPlanner,

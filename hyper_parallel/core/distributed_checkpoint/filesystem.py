@@ -4,9 +4,12 @@ A face. ``FileSystemWriter``/``FileSystemReader`` are ours (:mod:`.backends.file
 torch's constructor arguments. ``FileSystemBase``/``FileSystem`` (torch's file-operations
 abstraction) and ``SerializationFormat`` (torch's enum) are torch's own, re-exported as plain
 protocol and data: our writer accepts ``serialization_format=`` and always writes safetensors.
+``_StorageInfo`` is torch's private record of where a torch-written item lies (torch's tests
+and code reading torch checkpoints import it from here).
 """
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, SerializationFormat
+from torch.distributed.checkpoint.filesystem import _StorageInfo as _StorageInfo  # torch's private record
 
 from .backends.filesystem import FileSystemReader, FileSystemWriter
 

@@ -56,7 +56,16 @@ from .plan_exchange import (
     warn_divergent_plain,
 )
 from .rank_local_save import save_rank_local
-from .scope import PathLike, bound_calls, check_one_location, distributed, mesh_group, part_guard, resolve_path
+from .scope import (
+    PathLike,
+    bound_calls,
+    check_one_location,
+    distributed,
+    mesh_group,
+    part_guard,
+    resolve_path,
+    storage_in_path_slot,
+)
 from .targets import apply_loaded, asked_for, check_all_asked_for, check_keys, materialize_meta
 
 __all__ = ["save", "load"]
@@ -166,6 +175,7 @@ def save(
 
         save(model.state_dict(), "/ckpt/step100")
     """
+    path, storage_writer = storage_in_path_slot(path, storage_writer, "storage_writer")  # torch's save(sd, writer)
     # torch DCP's planner and storage objects stand for ours with their options
     storage_writer, planner = as_our_writer(storage_writer), as_our_planner(planner, "save")
     where = resolve_path(path, checkpoint_id, storage_writer)
@@ -350,6 +360,7 @@ def load(
     """
     if isinstance(state_dict, (str, os.PathLike)) and path is None and checkpoint_id is None:
         state_dict, path = None, state_dict
+    path, storage_reader = storage_in_path_slot(path, storage_reader, "storage_reader")  # torch's load(sd, reader)
     if strict not in (True, False, "all"):
         raise ValueError(f"strict must be True, False or 'all', found {strict!r}")
     if broadcast_groups is not None and broadcast_replicated_tensors is False:

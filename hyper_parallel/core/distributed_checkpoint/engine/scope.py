@@ -34,6 +34,23 @@ __all__ = ["PathLike", "resolve_path", "bound_calls", "distributed", "mesh_group
 PathLike = str | os.PathLike
 
 
+_STORAGE_METHODS = {"storage_writer": ("write_file", "write_data"),  # ours, torch's
+                    "storage_reader": ("read_into", "read_data")}
+
+
+def storage_in_path_slot(path: Any, storage: Any, kind: str) -> tuple[Any, Any]:
+    """``(path, storage)`` with a storage object passed positionally moved to its keyword: torch
+    DCP still accepts ``save(sd, FileSystemWriter(p))`` / ``load(sd, reader)`` (its second
+    positional argument is the storage; ours is the path). ``kind``: ``"storage_writer"`` or
+    ``"storage_reader"``. Raises TypeError when a storage object comes both ways."""
+    if path is None or isinstance(path, (str, os.PathLike)) or not any(
+            callable(getattr(path, m, None)) for m in _STORAGE_METHODS[kind]):
+        return path, storage
+    if storage is not None:
+        raise TypeError(f"a {type(path).__name__} was passed positionally and {kind}= too; pass one")
+    return None, path
+
+
 def resolve_path(path: PathLike | None, checkpoint_id: PathLike | None, storage: Any) -> str | None:
     """Where the checkpoint is. With a storage object too, ``checkpoint_id`` wins, as in torch
     DCP: the storage is pointed there (its ``reset``); one that cannot be and is elsewhere is
