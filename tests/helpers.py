@@ -157,8 +157,8 @@ class RecordingReader(_storage_reader_base()):
     def __init__(self, inner: Any):
         self.inner, self.reads = inner, []
 
-    def read_metadata(self) -> bytes:
-        return self.inner.read_metadata()
+    def read_metadata_bytes(self) -> bytes:
+        return self.inner.read_metadata_bytes()
 
     def file_size(self, name: str) -> int:
         return self.inner.file_size(name)

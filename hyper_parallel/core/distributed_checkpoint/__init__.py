@@ -6,7 +6,6 @@ on-disk format.
 """
 
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, TensorStorageMetadata
 
 # torch's submodules are attributes of the package after `import torch.distributed.checkpoint as
 # dcp` (code writes `dcp.staging.DefaultStager`); the faces of the same names are ours.
@@ -49,7 +48,7 @@ from .base.errors import (
     UnsupportedValueError,
 )
 from .engine.checkpoint import load, save
-from .format.metadata import Metadata
+from .format.records import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from .interop.deprecated_calls import load_state_dict, save_state_dict
 from .interop.hf_writer import HuggingFaceStorageWriter
 from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
@@ -70,7 +69,8 @@ from .offline_transform import (
     parse_checkpoint_from_huggingface,
     save_state_dict_as_huggingface_format,
 )
-from .planning.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from .planning.planner import LoadPlanner, SavePlanner
+from .planning.records import LoadPlan, ReadItem, SavePlan, WriteItem
 from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .planning.torch_planners import DefaultLoadPlanner, DefaultSavePlanner
 from .sharding.layout import Layout, TensorLayout

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_group
 
-from .planning.planner import BroadcastSource
+from .planning.records import BroadcastSource
 from .transfer import broadcasts as _impl
 from .transfer.broadcasts import (
     DEFAULT_BROADCAST_BATCH_BYTES,

@@ -1,20 +1,26 @@
-"""Checkpoint metadata (seed path ``distributed_checkpoint.metadata``).
+"""Checkpoint metadata records (torch DCP's and HyperParallel's path ``distributed_checkpoint.metadata``).
 
-A face over :mod:`.format.metadata` and :mod:`.format.chunk_info`. It also carries HyperParallel's names: torch DCP's
-metadata classes (what ``Metadata.state_dict_metadata`` holds), ``CHUNK_INFO`` and ``ChunkInfo``.
+A face. ``Metadata``, ``MetadataIndex``, ``TensorProperties``, ``TensorStorageMetadata`` accept
+torch's form and HyperParallel's (:mod:`.format.records` tabulates the differences);
+``ChunkStorageMetadata``, ``BytesStorageMetadata``, ``StorageMeta`` are torch's own. ``CHUNK_INFO``
+and ``ChunkInfo`` are HyperParallel's marks on a plain tensor saying which part of a global tensor
+it holds. Our own on-disk document is not this ``Metadata``: it is
+``format.metadata.Metadata`` (``METADATA_FILE``, ``FORMAT_NAME``, ``FORMAT_VERSION`` describe it),
+and ``read_metadata()`` of our readers gives the torch-shaped view of it.
 """
 
-from torch.distributed.checkpoint.metadata import (
+from .format.chunk_info import CHUNK_INFO, ChunkInfo
+from .format.metadata import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
+from .format.records import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
+    dtype_element_size,
 )
-
-from .format.chunk_info import CHUNK_INFO, ChunkInfo
-from .format.metadata import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, Metadata
 
 __all__ = [
     "Metadata",
@@ -29,4 +35,5 @@ __all__ = [
     "StorageMeta",
     "TensorProperties",
     "TensorStorageMetadata",
+    "dtype_element_size",
 ]

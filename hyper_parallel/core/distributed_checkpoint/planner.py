@@ -1,24 +1,24 @@
-"""Plans and the planner protocols (seed path ``distributed_checkpoint.planner``).
+"""Plans and the planner protocols (torch DCP's and HyperParallel's path ``distributed_checkpoint.planner``).
 
-A face over :mod:`.planning.planner`, where the save and load protocols are documented. Torch
-DCP's plan-item enums and payload records (``WriteItemType``, ``LoadItemType``,
-``TensorWriteData``, ``BytesIOWriteData``) are torch's own, re-exported as plain data: they
-describe torch's plans (e.g. the read items of :func:`.planner_helpers.create_read_items_for_chunk_list`);
-our plans carry boxes instead (:class:`WriteItem`, :class:`ReadItem`). :class:`BroadcastSource`
-marks a replicated shard one rank reads and broadcasts (see :mod:`.broadcast`).
+A face. The plan records (``WriteItem``, ``ReadItem``, ``SavePlan``, ``LoadPlan``, ``WriteItemType``,
+``LoadItemType``, ``TensorWriteData``, ``BytesIOWriteData``, ``BroadcastSource``) are the ones torch
+DCP code and HyperParallel code build, one class for both forms (:mod:`.planning.records` says
+where the forms differ and what each caller gets). ``SavePlanner``/``LoadPlanner`` are this
+library's planner protocols (:mod:`.planning.planner`), which plan in boxes; a planner written
+on torch's protocol runs too (see ``save``/``load``).
 """
 
-from torch.distributed.checkpoint.planner import BytesIOWriteData, LoadItemType, TensorWriteData, WriteItemType
-
-from .planning.planner import (
+from .planning.planner import EntrySpec, LoadPlanner, SavePlanner
+from .planning.records import (
     BroadcastSource,
-    EntrySpec,
+    BytesIOWriteData,
+    LoadItemType,
     LoadPlan,
-    LoadPlanner,
     ReadItem,
     SavePlan,
-    SavePlanner,
+    TensorWriteData,
     WriteItem,
+    WriteItemType,
 )
 
 __all__ = ["EntrySpec", "WriteItem", "SavePlan", "ReadItem", "LoadPlan", "BroadcastSource", "SavePlanner",

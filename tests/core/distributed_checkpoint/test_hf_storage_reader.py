@@ -154,7 +154,7 @@ def test_reader_reused_after_files_are_rewritten_reads_new_offsets(tmp_path):
 
 def test_file_changed_after_metadata_was_read_is_detected(tmp_path):
     write_hf(str(tmp_path), [{"a": make_tensor((4, 4), seed=13)}])
-    meta = md.Metadata.from_json(HuggingFaceStorageReader(tmp_path).read_metadata())
+    meta = md.Metadata.from_json(HuggingFaceStorageReader(tmp_path).read_metadata_bytes())
     write_hf(str(tmp_path), [{"a": make_tensor((4, 4), seed=13), "b": make_tensor((2,), seed=14)}])
     with pytest.raises(CorruptCheckpointError, match="model.safetensors changed"):
         HuggingFaceStorageReader(tmp_path).file_index(meta.files[0])
@@ -162,7 +162,7 @@ def test_file_changed_after_metadata_was_read_is_detected(tmp_path):
 
 def test_metadata_presents_one_table_chunk_per_tensor(tmp_path):
     write_hf(str(tmp_path), [{"a": make_tensor((4, 2), seed=15)}, {"b": torch.zeros(0, 2)}])
-    meta = md.Metadata.from_json(HuggingFaceStorageReader(tmp_path, 4).read_metadata())  # 4 header threads
+    meta = md.Metadata.from_json(HuggingFaceStorageReader(tmp_path, 4).read_metadata_bytes())  # 4 header threads
     assert [f.name for f in meta.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     sdm = meta.state_dict_metadata
     assert [tuple(c.sizes) for c in sdm["a"].chunks] == [(4, 2)] and sdm["b"].chunks == []
@@ -344,7 +344,7 @@ def test_damaged_input_is_a_clear_error(tmp_path, make, error, match):
 def test_file_truncated_after_its_header_was_read_is_an_error(tmp_path):
     _good(str(tmp_path))
     reader = HuggingFaceStorageReader(tmp_path)
-    raw = reader.read_metadata()
+    raw = reader.read_metadata_bytes()
     p = tmp_path / "model.safetensors"
     os.truncate(p, os.path.getsize(p) - 4)
     with pytest.raises(CorruptCheckpointError, match="changed since the load read its header"):

@@ -114,7 +114,7 @@ class CountingDirectory(LocalDirectory):
 
     def reader(self, name):
         reader = super().reader(name)
-        read_into, read_metadata = reader.read_into, reader.read_metadata
+        read_into, read_metadata = reader.read_into, reader.read_metadata_bytes
 
         def counted_read_into(file, offset, buf):
             self._count(f"{name}/{file}", memoryview(buf).nbytes)
@@ -125,7 +125,7 @@ class CountingDirectory(LocalDirectory):
             self._count(f"{name}/.metadata", len(data))
             return data
 
-        reader.read_into, reader.read_metadata = counted_read_into, counted_read_metadata
+        reader.read_into, reader.read_metadata_bytes = counted_read_into, counted_read_metadata
         return reader
 
 

@@ -63,7 +63,7 @@ def test_reads_of_part_of_a_row_take_each_columns_scale(tmp_path, block, shape):
     want = reference(w8, scale, block, torch.float32).flatten()
     reader = QuantizedHuggingFaceStorageReader(tmp_path, block_size=block)
     reader.set_up(0, True)
-    meta = md.Metadata.from_json(reader.read_metadata())
+    meta = md.Metadata.from_json(reader.read_metadata_bytes())
     record = next(f for f in meta.files if f.name.startswith("dequantized-"))
     rows, cols = shape
     for first, count in [(1, cols - 2), (cols - 3, 5), (block + 1, min(block, cols - block - 2) or 1),

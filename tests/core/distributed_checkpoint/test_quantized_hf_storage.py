@@ -136,7 +136,7 @@ def test_block_size_other_than_128_and_a_single_file_without_index(tmp_path):
 def test_keys_are_torchs_and_scales_load_raw(tmp_path):
     d = str(tmp_path)
     made = deepseek_like(d)
-    ours = md.Metadata.from_json(QuantizedHuggingFaceStorageReader(d, target_dtype=torch.bfloat16).read_metadata())
+    ours = md.Metadata.from_json(QuantizedHuggingFaceStorageReader(d, target_dtype=torch.bfloat16).read_metadata_bytes())
     theirs = TorchQuantizedReader(d).read_metadata().state_dict_metadata
     assert set(ours.entries) == set(theirs)  # the scale tensors stay keys, as in torch
     for key, (w8, _) in made["quantized"].items():
@@ -169,7 +169,7 @@ def test_file_shrunk_after_metadata_is_an_error_naming_it(tmp_path):
     d = str(tmp_path)
     deepseek_like(d)
     reader = QuantizedHuggingFaceStorageReader(d)
-    meta = md.Metadata.from_json(reader.read_metadata())
+    meta = md.Metadata.from_json(reader.read_metadata_bytes())
     header_end = 8 + int.from_bytes(open(os.path.join(d, FILE1), "rb").read(8), "little")
     os.truncate(os.path.join(d, FILE1), header_end + 10)  # the header stays, the data is gone
     record = next(f for f in meta.files if f.name.startswith("dequantized-"))

@@ -258,7 +258,7 @@ def _two_ranks(rank: int, ws: int, root: str) -> dict[str, str]:
         assert target["step"] == 3
         for k, t in target["model"].items():
             _same(t.to_local(), full(k))
-        meta = md.Metadata.from_json(FileSystemReader(d).read_metadata())
+        meta = md.Metadata.from_json(FileSystemReader(d).read_metadata_bytes())
         for k in TENSORS:
             assert meta.entries[f"model.{k}"].shape == TENSORS[k][0]
 
@@ -323,7 +323,7 @@ def test_two_ranks(two_ranks, check):
 def test_the_saved_checkpoint_is_ordinary_boxes_any_reader_loads(two_ranks):
     root, _ = two_ranks
     d = os.path.join(root, "ragged")
-    meta = md.Metadata.from_json(FileSystemReader(d).read_metadata())
+    meta = md.Metadata.from_json(FileSystemReader(d).read_metadata_bytes())
     for k, (shape, _, dims, units) in TENSORS.items():
         entry = meta.entries[k]
         assert entry.layout is None and isinstance(entry.store, md.TableStore)
@@ -336,7 +336,7 @@ def test_the_saved_checkpoint_is_ordinary_boxes_any_reader_loads(two_ranks):
     whole = load(path=os.path.join(root, "rank_local"))  # the fragments, merged by a one-process reader
     for k in TENSORS:
         _same(whole[k], full(k))
-    rep = md.Metadata.from_json(FileSystemReader(os.path.join(root, "replicated")).read_metadata()).entries["c"]
+    rep = md.Metadata.from_json(FileSystemReader(os.path.join(root, "replicated")).read_metadata_bytes()).entries["c"]
     assert len(rep.store) == len(rep.store.distinct_boxes())  # a replicated run is written once
 
 
@@ -347,7 +347,7 @@ def test_an_offline_reshard_turns_ragged_boxes_into_a_shard_layout(two_ranks, tm
     layout = Layout((2,), ("dp",))
     reshard(os.path.join(root, "ragged"), str(tmp_path / "s0"), dst_mesh=layout,
             rules={k: layout([Shard(0)]) for k in TENSORS})
-    meta = md.Metadata.from_json(FileSystemReader(str(tmp_path / "s0")).read_metadata())
+    meta = md.Metadata.from_json(FileSystemReader(str(tmp_path / "s0")).read_metadata_bytes())
     for k in TENSORS:
         assert meta.entries[k].layout["placements"] == ["S(0)"]
     got = load(path=str(tmp_path / "s0"))

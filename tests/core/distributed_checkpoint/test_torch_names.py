@@ -42,12 +42,10 @@ BUILT_ELSEWHERE = {
 # (by name: the package exports the same objects as its faces). Each entry must still differ
 # (a stale entry fails), so the list stays the truth.
 DELIBERATE = {
-    "Metadata": "our .metadata is JSON of our own format; it is read, not built by callers "
-                "(torch's fields are served: state_dict_metadata holds torch's records)",
-    "WriteItem": "our plans carry boxes, not MetadataIndex (planning/planner.py)",
-    "ReadItem": "our plans carry boxes, not MetadataIndex (planning/planner.py)",
-    "SavePlan": "our planner protocol (planning/planner.py)",
-    "LoadPlan": "our planner protocol (planning/planner.py)",
+    "Metadata": "one class for torch's and HyperParallel's record: version defaults to HyperParallel's '2.0' "
+                "(format/records.py); torch's writer stamps its own",
+    "MetadataIndex": "one class for both: offset defaults to HyperParallel's (), which equals and hashes like "
+                     "torch's None (format/records.py)",
     "WriteResult": "our write results name files and chunk records, not torch's storage_data",
     "AsyncSaveResponse": "returned by async_save, never built by callers; "
                          "result()/done() wait for the commit",

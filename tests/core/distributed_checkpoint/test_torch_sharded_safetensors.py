@@ -151,7 +151,7 @@ def test_plain_targets_are_filled_in_place_with_dtype_conversion(torch_shards):
 
 
 def test_metadata_has_one_table_chunk_per_shard_from_the_saved_offsets(torch_shards):
-    meta = md.Metadata.from_json(TorchShardedSafetensorsReader(torch_shards).read_metadata())
+    meta = md.Metadata.from_json(TorchShardedSafetensorsReader(torch_shards).read_metadata_bytes())
     assert [f.name for f in meta.files] == [SHARD0, SHARD1]
     sdm = meta.state_dict_metadata
     chunks = {k: [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks] for k, v in sdm.items()}

@@ -506,7 +506,7 @@ class FileSystemReader(StorageReader):
         self.path = checkpoint_path(checkpoint_id)
         self._direct = None if self.direct_io is None else self.direct_io and bool(O_DIRECT)
 
-    def read_metadata(self) -> bytes:
+    def read_metadata_bytes(self) -> bytes:
         meta = os.path.join(self.path, METADATA_FILE)
         if not os.path.isdir(self.path):
             raise NotACheckpointError(f"{self.path!r} is not a checkpoint: no such directory")

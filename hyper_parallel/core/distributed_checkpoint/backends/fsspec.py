@@ -254,7 +254,7 @@ class FsspecReader(StorageReader):
     def _missing(self, name: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"data file {self._path(name)!r} is missing; the checkpoint is incomplete")
 
-    def read_metadata(self) -> bytes:
+    def read_metadata_bytes(self) -> bytes:
         try:
             return self._call(f"reading {METADATA_FILE}", self.fs.cat_file, self._path(METADATA_FILE))
         except FileNotFoundError:

@@ -21,8 +21,12 @@ StorageWriter — the saver calls, in this order:
 StorageReader — the loader calls:
 
 0. ``set_up(rank, is_coordinator)`` on every rank.
-1. ``read_metadata()`` on the coordinator; raises :class:`NotACheckpointError` when there
-   is none.
+1. ``read_metadata_bytes()`` on the coordinator: the ``.metadata`` document as stored;
+   raises :class:`NotACheckpointError` when there is none. (``read_metadata()`` is torch's
+   protocol: the same checkpoint described as torch's ``Metadata``, a
+   :class:`~..format.torch_view.TorchView` built from those bytes; the loader never calls it.
+   A reader written before this split, whose ``read_metadata()`` returns the bytes, still works:
+   :func:`stored_metadata` takes either.)
 2. ``file_index(record)`` on every rank, once per data file it reads (from any number of
    threads): the file's index, or None (the default) to have the loader read the file's
    ``__index__`` itself. Readers of foreign files (:mod:`.hf_storage`) build it from the
@@ -40,9 +44,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..base.errors import CorruptCheckpointError
+from ..format.metadata import METADATA_FILE
+from ..format.metadata import Metadata as Document
+from ..format.torch_view import TorchView
 
 if TYPE_CHECKING:  # storage backends need no torch at run time
     from ..format.data_file import FileIndex, UncheckedIndex
@@ -143,8 +150,25 @@ class StorageReader(abc.ABC):
         """Optional: fail (:class:`~.errors.StorageTimeoutError`) a call that gets no answer from
         the storage within ``seconds`` (the load's ``timeout``). Called after ``set_up``."""
 
-    @abc.abstractmethod
-    def read_metadata(self) -> bytes: ...
+    def read_metadata_bytes(self) -> bytes:
+        """The checkpoint's ``.metadata`` document as stored (what the loader parses and the
+        coordinator broadcasts). Raises :class:`NotACheckpointError` when there is none."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither read_metadata_bytes() nor "
+                                  "a read_metadata() returning the .metadata bytes")
+
+    def read_metadata(self) -> Any:
+        """torch DCP's ``StorageReader.read_metadata``: the checkpoint as torch's ``Metadata``
+        (``state_dict_metadata``, ``planner_data``, ``storage_data``, ``storage_meta``), a
+        :class:`~..format.torch_view.TorchView` of our document, built per key on access.
+
+        A checkpoint saved rank-local (fragments, no ``.metadata``) is described by ``load``,
+        which merges the fragments; this raises :class:`NotACheckpointError` for it.
+        """
+        if type(self).read_metadata_bytes is StorageReader.read_metadata_bytes:
+            raise NotImplementedError(f"{type(self).__name__} must implement read_metadata_bytes()")
+        where = getattr(self, "path", None) or getattr(self, "url", None)
+        label = f"{where}/{METADATA_FILE}" if where else METADATA_FILE
+        return TorchView(Document.from_json(self.read_metadata_bytes(), where=label).attach(), checkpoint_id=where)
 
     @abc.abstractmethod
     def file_size(self, name: str) -> int:
@@ -222,4 +246,21 @@ def check_range(reader: StorageReader, name: str, offset: int, length: int, what
             f"data file {where!r}: {what} (bytes {offset}..{offset + length}) lies beyond its end ({size} bytes); "
             "the file is truncated, or the metadata that points there is damaged")
     return size
+
+
+def stored_metadata(reader: StorageReader) -> bytes:
+    """The ``.metadata`` bytes of ``reader``'s checkpoint: ``read_metadata_bytes()``, or, for a
+    reader of ours written before that method existed, the bytes its ``read_metadata()`` returns.
+
+    Raises:
+        NotACheckpointError: the checkpoint has no ``.metadata``.
+        TypeError: the reader gives neither (a torch-protocol reader: it has its own format).
+    """
+    if type(reader).read_metadata_bytes is not StorageReader.read_metadata_bytes:
+        return reader.read_metadata_bytes()
+    got = reader.read_metadata()
+    if isinstance(got, (bytes, bytearray, memoryview)):
+        return bytes(got)
+    raise TypeError(f"{type(reader).__name__}.read_metadata() returned {type(got).__name__}, not the .metadata "
+                    "bytes; implement read_metadata_bytes() on a reader of this library's StorageReader ABC")
 

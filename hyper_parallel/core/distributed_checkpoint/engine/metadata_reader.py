@@ -4,13 +4,13 @@ A collective save commits ``.metadata``; a rank-local save commits one fragment 
 (:mod:`.fragments`), which readers merge into one document. :func:`metadata_bytes` returns
 that document (what a coordinator broadcasts); :func:`read_checkpoint_metadata` parses and
 checks it. A rank-local load reads :func:`own_metadata_bytes` instead: ``.metadata`` where
-there is one, else the rank's own fragment alone. ``StorageReader.read_metadata()`` is the
+there is one, else the rank's own fragment alone. ``StorageReader.read_metadata_bytes()`` is the
 storage's own ``.metadata`` bytes only.
 """
 
 from __future__ import annotations
 
-from ..backends.protocol import StorageReader
+from ..backends.protocol import StorageReader, stored_metadata
 from ..base.errors import NotACheckpointError
 from ..format import metadata as md
 from .fragments import check_not_mixed, check_own_fragment, failed_ranks, fragment_ranks, merge_fragments, read_fragment
@@ -24,7 +24,7 @@ def metadata_bytes(reader: StorageReader, where: str = "checkpoint") -> bytes:
         MetadataError: fragments are missing or disagree (names the ranks).
     """
     try:
-        return reader.read_metadata()
+        return stored_metadata(reader)
     except NotACheckpointError as missing:
         try:
             names = reader.list_files()
@@ -45,7 +45,7 @@ def own_metadata_bytes(reader: StorageReader, rank: int, where: str = "checkpoin
     files: no fragment needed), else this rank's own fragment, checked to be loadable alone.
     """
     try:
-        return reader.read_metadata()
+        return stored_metadata(reader)
     except NotACheckpointError:
         frag = read_fragment(reader, rank, where)
         check_own_fragment(reader, frag, where)

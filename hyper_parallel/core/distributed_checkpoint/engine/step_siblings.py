@@ -87,7 +87,7 @@ def _siblings_of_local(path: str) -> dict[str, list[str]]:
         if not entry.is_dir(follow_symlinks=False):
             continue
         try:
-            raw = FileSystemReader(entry.path).read_metadata()
+            raw = FileSystemReader(entry.path).read_metadata_bytes()
         except NotACheckpointError:  # no .metadata: uncommitted, names nothing
             continue
         except OSError as exc:

@@ -52,18 +52,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from ..base.dtypes import DTYPE_NAMES, is_dtype_name, itemsize, torch_dtype
 from ..base.errors import MetadataError
 from ..base.gc_pause import paused_gc
 from ..base.limits import MAX_ELEMENTS, MAX_TILES, MAX_WORLD
 from ..sharding.grid import Grid, shared_grid
+from .records import BytesStorageMetadata, ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 from .sealed_json import check_seal, seal_json
 from .validation import (
     check_disjoint,
@@ -352,7 +347,7 @@ def entry_grid(entry: Entry) -> Grid | None:
     return grid
 
 
-def _saved_boxes(entry: Entry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def saved_boxes(entry: Entry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The distinct saved boxes ``(offsets, sizes)`` of an entry: a grid's non-empty boxes
     (each column band of one), or a table's boxes once each (replicas share one)."""
     grid = entry_grid(entry)
@@ -362,17 +357,19 @@ def _saved_boxes(entry: Entry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return entry.store.distinct_boxes() if isinstance(entry.store, TableStore) else []
 
 
+def storage_metadata_of(entry: Entry) -> TensorStorageMetadata | BytesStorageMetadata:
+    """torch's record of one saved key: a tensor's size, dtype and distinct saved chunks (sorted
+    by offsets), or a bytes record for any other value."""
+    if entry.kind not in ("tensor", "ndarray"):
+        return BytesStorageMetadata()
+    chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in saved_boxes(entry)]
+    chunks.sort(key=lambda c: tuple(c.offsets))
+    return TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)), torch.Size(entry.shape or ()),
+                                 chunks)
+
+
 def _state_dict_metadata(meta: Metadata) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, e in meta.entries.items():
-        if e.kind not in ("tensor", "ndarray"):
-            out[key] = BytesStorageMetadata()
-            continue
-        chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in _saved_boxes(e)]
-        chunks.sort(key=lambda c: tuple(c.offsets))
-        out[key] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(e.dtype)), torch.Size(e.shape or ()),
-                                         chunks)
-    return out
+    return {key: storage_metadata_of(e) for key, e in meta.entries.items()}
 
 
 def _b64(a: np.ndarray, dtype: str) -> str:

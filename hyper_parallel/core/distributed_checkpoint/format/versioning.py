@@ -21,11 +21,11 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata as TorchMetadata
 
 from .metadata import Metadata
+from .records import CURRENT_CHECKPOINT_VERSION
 
 __all__ = ["CURRENT_CHECKPOINT_VERSION", "MIGRATION_RULES", "MigrationRule", "migrate_metadata",
            "effective_version", "metadata_record_types"]
 
-CURRENT_CHECKPOINT_VERSION = "2.0"
 # A record pickled before the version stamp existed has no ``version`` of its own.
 UNSTAMPED_VERSION = "1.0"
 

@@ -15,7 +15,7 @@ Two kinds of directory, one reader each (what makes one kind valid makes the oth
 No conversion step, no copy.
 
 How foreign files fit the loader: the reader *presents* the directory as a checkpoint of
-this library. Its ``read_metadata`` parses the safetensors headers and returns a format-v2
+this library. Its ``read_metadata_bytes`` parses the safetensors headers and returns a format-v2
 ``.metadata`` in which every tensor is one table-stored chunk (its whole box) in one file
 record per safetensors file (for torch's shards: one table chunk per shard, each file's shard
 of a key having id 0 in that file); each record's "index" is the file's JSON header (offset
@@ -125,7 +125,7 @@ class _LocalFiles(LocalFiles, StorageReader):
     (validated plain names) or are fixed.
     """
 
-    def read_metadata(self) -> bytes:
+    def read_metadata_bytes(self) -> bytes:
         raise NotImplementedError("a Hugging Face directory has no .metadata")
 
     @property
@@ -239,7 +239,7 @@ class HuggingFaceStorageReader(StorageReader):
         weight_map = parse_weight_map(raw, where)
         return sorted(set(weight_map.values())), weight_map
 
-    def read_metadata(self) -> bytes:
+    def read_metadata_bytes(self) -> bytes:
         """Describe the directory as a format-v2 ``.metadata`` (coordinator only; see the module docstring)."""
         names, weight_map = self.weight_files()
         for name in names if weight_map is not None else ():
@@ -369,7 +369,7 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
             validate_file_name(name, self.path)
         return names, None
 
-    def read_metadata(self) -> bytes:
+    def read_metadata_bytes(self) -> bytes:
         """Describe the shards as a format-v2 ``.metadata`` (coordinator only): a table chunk per shard."""
         names, _ = self.weight_files()
         headers = self._read_headers(names)

@@ -223,10 +223,10 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
 
     # ------------------------------------------------------------------ metadata
 
-    def read_metadata(self) -> bytes:
+    def read_metadata_bytes(self) -> bytes:
         """The plain reader's metadata, each quantized weight moved into its virtual file as
         a ``target_dtype`` tensor (coordinator only)."""
-        meta = md.Metadata.from_json(super().read_metadata(), where=self._where(".metadata"))
+        meta = md.Metadata.from_json(super().read_metadata_bytes(), where=self._where(".metadata"))
         holder = self._tensor_files()
         scales = {s for _, s in self._pairs}
         for key in sorted(holder):

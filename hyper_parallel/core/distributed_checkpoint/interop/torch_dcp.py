@@ -299,7 +299,7 @@ def _previous_files(dst: str) -> set[str]:
     """Data files of a checkpoint about to be replaced: ``*.distcp``, and ours when it is ours."""
     names = {f for f in os.listdir(dst) if f.endswith(DISTCP_SUFFIX)}
     try:
-        names |= set(md.Metadata.from_json(FileSystemReader(dst).read_metadata()).file_names())
+        names |= set(md.Metadata.from_json(FileSystemReader(dst).read_metadata_bytes()).file_names())
     except (CheckpointError, OSError):
         pass  # torch's pickle (never unpickled here), or no checkpoint
     return names

@@ -75,7 +75,7 @@ class LocalDirectory:
 
     def step_metadata(self, name: str) -> bytes:
         """The bytes of step directory ``name``'s ``.metadata`` (NotACheckpointError: none)."""
-        return FileSystemReader(self.step_path(name)).read_metadata()
+        return FileSystemReader(self.step_path(name)).read_metadata_bytes()
 
     def writer(self, name: str) -> StorageWriter:
         return FileSystemWriter(self.step_path(name))

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..base.box import Box
+from ..format.records import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from .records import LoadItemType, ReadItem
 
 __all__ = ["create_read_items_for_chunk_list"]
 

@@ -99,26 +99,6 @@ class ReadItem:
     region: Box
 
 
-@dataclass(frozen=True)
-class BroadcastSource:
-    """Who reads a replicated shard for whom: ``src_rank`` reads it from storage once and
-    broadcasts it to the other ranks of ``group_ranks`` (global ranks, ``src_rank`` among them).
-
-    A planner puts one on each read of a shard several ranks hold whole and the same, so that
-    storage serves those bytes once; :mod:`..transfer.broadcasts` carries out the sends. Every
-    rank of the group must mark the shard with the same record, or their broadcasts disagree.
-    The record does not check that ``src_rank`` is in ``group_ranks`` (HyperParallel's does not
-    either); the backend's broadcast refuses one that is not.
-    """
-
-    group_ranks: tuple[int, ...]
-    src_rank: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "group_ranks", tuple(int(r) for r in self.group_ranks))
-        object.__setattr__(self, "src_rank", int(self.src_rank))
-
-
 @dataclass
 class LoadPlan:
     """A rank's reads, plus each target's global box (what its local tensor holds)."""

@@ -14,14 +14,13 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import WriteItem as TorchWriteItem
-from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
 from ..base.errors import UnsupportedValueError
+from ..format.records import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from ..sharding.ragged import flat_range_boxes
 from ..sharding.records import is_ragged_dtensor, ragged_piece
+from .records import WriteItem, WriteItemType
 
 __all__ = ["RaggedCheckpointBox", "decompose_flat_interval", "compute_ragged_boxes", "create_ragged_write_items",
            "get_ragged_box_tensor"]
@@ -74,11 +73,11 @@ def create_ragged_write_items(fqn: str, tensor: DTensor) -> list[Any]:
     ``properties``: the dtype, ``size``: the global shape)."""
     properties = TensorProperties(dtype=tensor.dtype)
     size = torch.Size(tensor.shape)
-    return [TorchWriteItem(index=MetadataIndex(fqn=fqn, offset=torch.Size(box.offsets), index=None),
-                           type=WriteItemType.TENSOR,
-                           tensor_data={"chunk": ChunkStorageMetadata(offsets=torch.Size(box.offsets),
-                                                                      sizes=torch.Size(box.sizes)),
-                                        "properties": properties, "size": size})
+    return [WriteItem(index=MetadataIndex(fqn=fqn, offset=torch.Size(box.offsets), index=None),
+                      type=WriteItemType.TENSOR,
+                      tensor_data={"chunk": ChunkStorageMetadata(offsets=torch.Size(box.offsets),
+                                                                 sizes=torch.Size(box.sizes)),
+                                   "properties": properties, "size": size})
             for box in compute_ragged_boxes(tensor)]
 
 

@@ -1,7 +1,7 @@
 """Replicated shards read once and broadcast: the load's read-and-broadcast pipeline.
 
 When several ranks hold the same whole shard (a ``Replicate`` placement, a data-parallel
-copy), a planner marks each read of it with a :class:`~..planning.planner.BroadcastSource`:
+copy), a planner marks each read of it with a :class:`~..planning.records.BroadcastSource`:
 one rank of the group reads the shard from storage and broadcasts it to the others. This
 module carries that out, in the shape HyperParallel's ``broadcast`` module has:
 
@@ -41,8 +41,8 @@ from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.tensor import DTensor
 
 from ....platform.platform import EXISTING_COMM_GROUPS
-from ..planning.planner import BroadcastSource
 from ..planning.ragged_items import get_ragged_box_tensor
+from ..planning.records import BroadcastSource
 from ..sharding.ragged import is_ragged
 
 __all__ = ["MAX_BROADCASTS_IN_FLIGHT", "DEFAULT_BROADCAST_BATCH_BYTES", "BroadcastOps", "MarkedRead",
