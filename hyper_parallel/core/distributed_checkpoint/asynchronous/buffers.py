@@ -34,6 +34,7 @@ from ..base.errors import CheckpointError
 from ..format.data_file import ALIGNED_PAYLOAD_MIN
 from ..planning.staged_bands import BandedSnapshot
 from ..sharding.grid import band_columns
+from ..sharding.sharded_tensor import host_snapshot, is_sharded_tensor
 
 __all__ = ["StagingStats", "StagingBuffer", "BufferPool", "StagingRing",
            "tensor_spec", "copy_value", "copy_into", "wrap_dtensor"]
@@ -65,6 +66,8 @@ class StagingStats:
 
 def tensor_spec(value: Any) -> tuple | None:
     """What fixes a leaf's place in a staging buffer, or None for a value copied otherwise."""
+    if is_sharded_tensor(value):  # its local shards, copied by copy_value
+        return None
     if isinstance(value, DTensor):
         local = value._local_tensor
         return ("dtensor", local.dtype, tuple(local.shape), local.device.type, value.device_mesh,
@@ -86,6 +89,8 @@ def copy_value(value: Any) -> Any:
         return value
     if isinstance(value, bytearray):
         return bytes(value)
+    if is_sharded_tensor(value):
+        return host_snapshot(value)
     return copy.deepcopy(value)
 
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
+from ..sharding.sharded_tensor import local_tensors
 from ..state.flatten import update_in_place
 from ..state.version_stamp import mark_written
 
@@ -106,7 +107,8 @@ def apply_loaded(flat: Any, values: dict[str, Any], planner: Any, materialized: 
             leaf.set(value)
     for leaf in flat.leaves.values():  # filled in place, some straight from storage: torch must know
         if id(leaf) in filled:
-            mark_written(leaf.value)
+            for tensor in local_tensors(leaf.value):  # a ShardedTensor's data lives in its local shards
+                mark_written(tensor)
     missing = {(original(k) if original is not None else k) or k for k in getattr(planner, "missing_keys", ())}
     replaced = {id(leaf) for leaf in materialized}
     for key, leaf in flat.leaves.items():  # the tensors that replace meta targets, loaded in place

@@ -87,6 +87,7 @@ from ..base.limits import MAX_NDIM
 from ..format.safetensors import METADATA_KEY, PAD_PREFIX, encode_header, header_length, pad_entry, tensor_entry
 from ..format.values import decode_value, encode_value, is_json_value, json_culprit
 from ..sharding.records import dtensor_box, layout_record
+from ..sharding.sharded_tensor import is_sharded_tensor
 from ..state.flatten import Flat
 from ..state.version_stamp import mark_written
 
@@ -175,6 +176,10 @@ def describe(flat: Flat, cache: dict | None = None) -> tuple[list[LocalEntry], l
     entries, values = [], []
     for key, leaf in flat.leaves.items():
         value = leaf.value
+        if is_sharded_tensor(value):
+            raise UnsupportedValueError(
+                f"{key!r}: a ShardedTensor cannot be kept in the local tier (it stores one tensor or DTensor shard "
+                "per key); keep the local tier off for this state, or convert it to a DTensor first")
         if isinstance(value, DTensor):
             offsets, layout = _dtensor_facts(value, key, cache)
             local = value._local_tensor

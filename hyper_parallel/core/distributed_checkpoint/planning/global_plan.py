@@ -8,8 +8,9 @@ into one storage layout with a leading replica dim; a tensor held whole by sever
 (plain tensors, numpy arrays, bytes, a replicated single box) goes to the least-loaded
 holder, largest first. A RaggedShard tensor (:mod:`..sharding.ragged`) is stored as a table of
 the boxes of every rank's flat run (its entry keeps no layout: the format has no name for the
-placement), each run written by one of its replicas, taking turns by run. A rank's own writes
-are worked out only when asked for.
+placement), each run written by one of its replicas, taking turns by run. A ShardedTensor
+(:mod:`..sharding.sharded_tensor`) is stored alike, as a table of its shards, each written by
+the rank that holds it. A rank's own writes are worked out only when asked for.
 
 What it is not: the planner protocol (:mod:`.planner`) nor a rank's local plan
 (:mod:`.standard_planner`); the column bands per box are the planner's ``tiles``.
@@ -28,6 +29,7 @@ from ..format import metadata as md
 from ..sharding.grid import Grid
 from ..sharding.ragged import flat_range_boxes, ragged_from_name, ragged_mesh_dim, rank_flat_range
 from ..sharding.records import record_position, record_ranks, storable_layout
+from ..sharding.sharded_tensor import is_shard_table, table_shards
 from .planner import EntrySpec, SavePlan, WriteItem
 
 __all__ = ["GlobalPlan"]
@@ -71,6 +73,7 @@ class GlobalPlan(Sequence):
         self.grids: dict[str, Grid] = {}
         self.owner: dict[str, int] = {}
         self.ragged: dict[str, _RaggedRuns] = {}
+        self.shard_tables: dict[str, list[tuple[int, Any]]] = {}  # ShardedTensor: (writer, box) per row
         single: list[tuple[int, str, tuple]] = []  # (bytes, key, holder set): one box, many holders
         for key, spec in merged.items():
             if spec.kind == "object":
@@ -79,6 +82,10 @@ class GlobalPlan(Sequence):
                 continue
             tiles = tiles_of(key, spec)
             nbytes = math.prod(spec.shape or ()) * md.itemsize(spec.dtype)
+            if is_shard_table(spec.layout):  # a ShardedTensor: a table of its shards, each by its holder
+                self.shard_tables[key] = table_shards(spec.layout)
+                self.entries[key] = EntrySpec(spec.kind, spec.path, spec.dtype, spec.shape, None, None)
+                continue
             if spec.layout is None or self.size == 1:  # held whole (a process alone holds everything)
                 if spec.layout is not None and storable_layout(spec.layout) is None:  # a RaggedShard's record
                     spec = EntrySpec(spec.kind, spec.path, spec.dtype, spec.shape, None)
@@ -160,6 +167,12 @@ class GlobalPlan(Sequence):
             if runs is not None:
                 items.extend(runs.writes(rank, md.itemsize(spec.dtype)))
                 continue
+            shards = self.shard_tables.get(key)
+            if shards is not None:
+                size = md.itemsize(spec.dtype)
+                items.extend(WriteItem(key, box, box.numel * size, row)
+                             for row, (writer, box) in enumerate(shards) if writer == rank)
+                continue
             store, grid = spec.store, self.grids[key]
             if store.writer is not None:
                 box = 0 if store.writer == rank else None
@@ -227,6 +240,8 @@ def _same_but_ranks(a: EntrySpec, b: EntrySpec) -> bool:
     """Same tensor and layout pattern on two different sub-meshes (mesh shapes equal)."""
     if a.layout is None or b.layout is None or (a.kind, a.dtype, a.shape) != (b.kind, b.dtype, b.shape):
         return False
+    if is_shard_table(a.layout) or is_shard_table(b.layout):  # one record for every rank: no sub-meshes
+        return False
     strip = lambda lay: {k: v for k, v in lay.items() if k != "rank_list"}  # noqa: E731
     return strip(a.layout) == strip(b.layout) and record_ranks(a.layout) != record_ranks(b.layout)
 
@@ -254,6 +269,8 @@ def _with_store(spec: EntrySpec, store: md.GridStore | None) -> EntrySpec:
 
 def _spec_text(spec: EntrySpec) -> str:
     text = f"{spec.kind} {spec.dtype} {list(spec.shape) if spec.shape is not None else ''}"
-    if spec.layout is not None:
+    if is_shard_table(spec.layout):
+        text += f" as a ShardedTensor of shards {spec.layout['shards']}"
+    elif spec.layout is not None:
         text += f" on mesh {spec.layout['mesh_shape']} {spec.layout['placements']}"
     return text

@@ -1,8 +1,9 @@
 """Leaves of a state dict as the standard planner stores and fills them.
 
 Save: a leaf (tensor, numpy array, bytes) becomes the tensor a checkpoint stores
-(:func:`numpy_tensor`, :func:`bytes_tensor`), refused by name when the format cannot hold it
-(:func:`check_saveable`). Load: a target leaf is checked for being writable in place
+(:func:`numpy_tensor`, :func:`bytes_tensor`, with ``allow_pickle`` :func:`pickled_tensor`),
+refused by name when the format cannot hold it (:func:`check_saveable`, :func:`refuse_value`:
+the key, the value's type, and whether pickle would take it). Load: a target leaf is checked for being writable in place
 (:func:`check_writable`, :func:`numpy_tensor_view`), its kind named (:func:`kind_of`,
 :func:`describe`, :func:`number_kind`), and a plain (JSON) value filled from the saved one
 (:func:`fill_plain`, :func:`shaped_like` for values saved split into keys of their own).
@@ -13,6 +14,7 @@ What it is not: which rank writes or reads which box (:mod:`.standard_planner`,
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
@@ -22,10 +24,10 @@ from torch.distributed.tensor import DTensor
 from ..base.dtypes import dtype_name
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
-from ..format.values import is_json_value
+from ..format.values import is_json_value, json_culprit
 
-__all__ = ["bytes_tensor", "numpy_tensor", "check_saveable", "check_writable", "numpy_tensor_view",
-           "number_kind", "kind_of", "describe", "part_name", "shaped_like", "fill_plain"]
+__all__ = ["bytes_tensor", "numpy_tensor", "pickled_tensor", "refuse_value", "check_saveable", "check_writable",
+           "numpy_tensor_view", "number_kind", "kind_of", "describe", "part_name", "shaped_like", "fill_plain"]
 
 
 # ---------------------------------------------------------------------- save: values as tensors
@@ -49,13 +51,88 @@ def numpy_tensor(arr: np.ndarray, key: str) -> torch.Tensor:
         ) from None
 
 
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _pickle_error(value: Any) -> Exception | None:
+    """Why pickle refuses ``value`` (None if it takes it)."""
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # PicklingError, TypeError, AttributeError... whatever the object raises
+        return exc
+    return None
+
+
+def _pickle_culprit(key: str, value: Any) -> tuple[str, Any, Exception]:
+    """The innermost item of ``value`` (through dicts, lists, tuples, sets) that pickle
+    refuses, where it sits, and pickle's error; ``value`` itself when no item is to blame."""
+    error = _pickle_error(value)
+    while error is not None:
+        if isinstance(value, dict):
+            items = [(f"{key}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            items = [(f"{key}.{i}", v) for i, v in enumerate(value)]
+        else:
+            break
+        for where, item in items:
+            inner = _pickle_error(item)
+            if inner is not None:
+                key, value, error = where, item, inner
+                break
+        else:
+            break
+    return key, value, error
+
+
+def pickled_tensor(key: str, value: Any) -> torch.Tensor:
+    """``value`` pickled, as the uint8 tensor a ``pickle`` entry stores (``allow_pickle=True``).
+
+    Raises:
+        UnsupportedValueError: pickle refuses it (a lambda, a generator, a lock, an open file...);
+            the message names the innermost item at fault, its type and pickle's reason.
+    """
+    try:
+        return bytes_tensor(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:
+        where, bad, exc = _pickle_culprit(key, value)
+        raise UnsupportedValueError(
+            f"{where!r}: a {_type_name(bad)} cannot be saved, not even with allow_pickle=True: pickle refuses it "
+            f"({type(exc).__name__}: {exc}); leave it out of the state dict, or save what it is made of "
+            "(tensors and plain values) instead") from None
+
+
+def refuse_value(key: str, value: Any) -> UnsupportedValueError:
+    """The error for a value that is no tensor, array, bytes or plain (JSON) value, saved
+    without ``allow_pickle``: it names the innermost item at fault and its type, and offers
+    ``allow_pickle=True`` only when pickle would take that item."""
+    where, bad = json_culprit(value, key) or (key, value)
+    exc = _pickle_error(bad)
+    if exc is not None:
+        return UnsupportedValueError(
+            f"{where!r}: a {_type_name(bad)} cannot be saved: it is no tensor, array, bytes or plain value, and "
+            f"pickle refuses it too ({type(exc).__name__}: {exc}); leave it out of the state dict, or save what it "
+            "is made of (tensors and plain values) instead")
+    return UnsupportedValueError(
+        f"{where!r}: a {_type_name(bad)} can only be saved with pickle; convert it to tensors/plain values (e.g. "
+        "int(x) for a numpy scalar), or pass allow_pickle=True to save (and again to load) if you trust the "
+        "checkpoint")
+
+
 def check_saveable(key: str, t: torch.Tensor) -> None:
     """Refuse, naming the key, a tensor the format cannot hold (torch's own errors would not)."""
-    if t.is_nested or t.layout != torch.strided:
+    try:
+        facts = t.is_nested, t.layout, t.device.type
+    except Exception as exc:  # a tensor subclass that answers no plain tensor question
+        raise UnsupportedValueError(
+            f"{key!r}: a {_type_name(t)} (a torch.Tensor subclass) cannot be saved: it does not answer what a "
+            f"tensor's layout and device are ({type(exc).__name__}: {str(exc)[:200]}); save a plain tensor or "
+            "DTensor holding its values") from None
+    if facts[0] or facts[1] != torch.strided:
         kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
         hint = "its components (t.unbind())" if t.is_nested else "it dense (t.to_dense())"
         raise UnsupportedValueError(f"{key!r}: a {kind} tensor cannot be saved; save {hint}")
-    if t.device.type == "meta":
+    if facts[2] == "meta":
         raise UnsupportedValueError(f"{key!r}: the tensor is on the meta device and holds no data; "
                                     "materialize it (e.g. model.to_empty(device=...) and initialize it) first")
     try:

@@ -34,10 +34,11 @@ from ..base.errors import CorruptCheckpointError, StateDictMismatchError, Unsupp
 from ..format import metadata as md
 from ..format.chunk_info import check_chunk_info
 from ..format.chunks import overlapping
-from ..format.values import is_json_value, json_culprit
+from ..format.values import is_json_value
 from ..sharding.grid import parse_placement
 from ..sharding.ragged import RaggedPiece, ragged_mesh_dim
 from ..sharding.records import dtensor_box, is_ragged_dtensor, layout_record, ragged_piece
+from ..sharding.sharded_tensor import ShardPieces, is_shard_table, is_sharded_tensor, local_pieces, shard_table
 from ..state.flatten import renamed_path
 from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
 from ..state.version_stamp import VersionStamp, stamp_of
@@ -53,6 +54,8 @@ from .leaves import (
     numpy_tensor,
     numpy_tensor_view,
     part_name,
+    pickled_tensor,
+    refuse_value,
     shaped_like,
 )
 from .plan_cache import PLAN_CACHE, CachedSaveResult, PlanCache
@@ -83,8 +86,10 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             honoured where it means the same thing, a state dict whose values are not nested
             containers; one holding a nested container is refused (torch would store it as one
             pickled object), naming the key.
-        flatten_sharded_tensors: torch DCP's option for legacy ``ShardedTensor`` values, which
-            this library does not take; either value is accepted.
+        flatten_sharded_tensors: torch DCP's option for nested legacy ``ShardedTensor`` values
+            (FSDP1 with 2-D parallelism); either value is accepted. A ShardedTensor is saved as its
+            shards (each a chunk of the global tensor) and loads in place; one whose local shards
+            are not plain tensors is refused, naming the key.
         dedup_replicated_tensors: torch DCP's deprecated option (no effect there either);
             ``remove_redundancy``: HyperParallel's name. Replicated chunks are always written
             once.
@@ -286,6 +291,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                 if piece is not None:
                     self._hold_ragged(items, key, piece)
                 continue
+            if is_sharded_tensor(value):  # each local shard a chunk; every rank knows every shard's box
+                self._hold_shards(items, entries, key, path, value, group_rank)
+                continue
             if isinstance(value, DTensor):
                 self._check_saveable(key, value._local_tensor)
                 box = dtensor_box(value, key)
@@ -307,14 +315,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                 self._held[key] = (Box((), ()), value)
                 continue
             elif self.allow_pickle:
-                kind, tensor = "pickle", bytes_tensor(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+                kind, tensor = "pickle", pickled_tensor(key, value)
             else:
-                where, bad = json_culprit(value, key) or (key, value)
-                raise UnsupportedValueError(
-                    f"{where!r}: a {type(bad).__module__}.{type(bad).__qualname__} can only be "
-                    "saved with pickle; convert it to tensors/plain values (e.g. int(x) for a numpy "
-                    "scalar), or pass allow_pickle=True to save (and again to load) if you trust the checkpoint"
-                )
+                raise refuse_value(key, value)
             self._check_saveable(key, tensor)
             shape = tuple(tensor.shape)
             entries[key] = EntrySpec(kind, path, dtype_name(tensor.dtype), shape)
@@ -342,6 +345,29 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._held[key] = (None, piece)
         given = self._given_stamps
         self._stamps[key] = stamp_of(local) if given is None else given.get(id(local))
+
+    def _hold_shards(self, items: list[WriteItem], entries: dict[str, EntrySpec], key: str, path: tuple,
+                     value: Any, group_rank: dict[int, int] | None) -> None:
+        """Hold a ShardedTensor's local shards: one write item per shard (the global plan,
+        from the shard table every rank records alike, numbers them and makes each holder the
+        writer of its own)."""
+        entries[key] = EntrySpec("tensor", path, dtype_name(value.dtype), tuple(value.size()),
+                                 shard_table(value, key, group_rank))
+        pieces = local_pieces(value, key)
+        if pieces is None:
+            return
+        for tensor in pieces.tensors:
+            if self._staged(tensor) is not None:  # a streamed or banded stand-in is no shard's data
+                raise UnsupportedValueError(f"{key!r}: a ShardedTensor cannot be staged in bands or streamed; "
+                                            "save it without a staging memory budget")
+            check_saveable(key, tensor)
+        items.extend(WriteItem(key, box, box.numel * t.element_size(), i)
+                     for i, (box, t) in enumerate(zip(pieces.boxes, pieces.tensors, strict=True)))
+        self._held[key] = (None, pieces)
+        given = self._given_stamps
+        if len(pieces.tensors) == 1:  # one stamp per key: several shards are written whenever saved
+            local = pieces.tensors[0]
+            self._stamps[key] = stamp_of(local) if given is None else given.get(id(local))
 
     def source_stamp(self, item: WriteItem) -> VersionStamp | None:
         """The stamp of the tensor (a DTensor's local tensor) the caller holds for ``item``'s
@@ -401,6 +427,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         shape = tuple(spec.shape or ())
         if spec.kind != "tensor" or len(shape) < 2 or not math.prod(shape) or self.max_tiles <= 1:
             return 1
+        if is_shard_table(spec.layout):
+            return 1  # a ShardedTensor is stored as its shards, never in bands
         if spec.layout is not None and ragged_mesh_dim(spec.layout["placements"]) is not None:
             return 1  # a RaggedShard tensor is stored as its runs' boxes, never in bands
         boxes = cols = 1
@@ -464,7 +492,7 @@ class StandardPlanner(SavePlanner, LoadPlanner):
 
     def resolve_data(self, item: WriteItem) -> torch.Tensor | Any:
         box, value = self._held[item.key]
-        if isinstance(value, RaggedPiece):
+        if isinstance(value, (RaggedPiece, ShardPieces)):
             return value.view(item.box)
         if isinstance(value, StreamedTensor):
             return value.region(item.box.relative_to(box))
@@ -495,7 +523,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         self._alloc_lock = threading.Lock()
         self._results: dict[str, Any] = {}
         self._convert: dict[str, torch.Tensor] = {}  # key -> target tensor filled from a temporary
-        self._ragged: dict[str, tuple[RaggedPiece, Box]] = {}  # RaggedShard targets read via their bounding box
+        # targets of several boxes (a RaggedShard's run, a ShardedTensor's local shards) read via their bounding box
+        self._pieces: dict[str, tuple[RaggedPiece | ShardPieces, Box]] = {}
         self._lossy: list[str] = []  # conversions to a lesser kind of number (complex -> real, float -> int)
 
     def create_local_load_plan(self) -> LoadPlan:
@@ -582,6 +611,10 @@ class StandardPlanner(SavePlanner, LoadPlanner):
             return Box.full(shape), (shape, dtype)
         if entry.kind not in ("tensor", "ndarray") or kind_of(target) not in ("tensor", "ndarray"):
             raise self._mismatch(key, entry, target)
+        if is_sharded_tensor(target):
+            if tuple(target.size()) != shape or (target.dtype != dtype and not self.convert_dtype):
+                raise self._mismatch(key, entry, target)
+            return self._shards_destination(key, entry, target, dtype)
         if isinstance(target, np.ndarray):
             if not target.flags.writeable:
                 raise StateDictMismatchError(f"{key!r}: target numpy array is read-only")
@@ -612,12 +645,36 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         if not local.is_contiguous():
             raise StateDictMismatchError(f"{key!r}: the RaggedShard target's local tensor is not contiguous and cannot "
                                          "be filled in place; load into a contiguous local tensor")
-        if len(piece.boxes) == 1 and target.dtype == dtype:
+        return self._pieces_destination(key, piece, target.dtype, dtype)
+
+    def _shards_destination(self, key: str, entry: md.Entry, target: Any,
+                            dtype: torch.dtype) -> tuple[Box | None, Any]:
+        """A ShardedTensor target: each local shard's tensor is filled in place, from
+        whatever boxes the checkpoint holds (one shard: read straight into it)."""
+        try:
+            pieces = local_pieces(target, key)
+        except UnsupportedValueError as exc:
+            raise StateDictMismatchError(str(exc)) from None
+        if pieces is None:
+            return None, None
+        for tensor in pieces.tensors:
+            check_writable(key, tensor)
+        if target.dtype != dtype and number_kind(target.dtype) < number_kind(dtype):
+            self._lossy.append(f"{key!r} ({entry.dtype} -> {str(target.dtype).removeprefix('torch.')})")
+        return self._pieces_destination(key, pieces, target.dtype, dtype)
+
+    def _pieces_destination(self, key: str, piece: RaggedPiece | ShardPieces, target_dtype: torch.dtype,
+                            dtype: torch.dtype) -> tuple[Box, Any]:
+        """A target of several boxes: one box of the saved dtype is filled in place; several
+        (or another dtype) are read into a temporary of their bounding box (only the boxes'
+        regions are read, see :meth:`_reads`) and copied into place by :meth:`finish_load`."""
+        if len(piece.boxes) == 1 and target_dtype == dtype:
             return piece.boxes[0], piece.view(piece.boxes[0])
-        lo = tuple(min(b.offsets[d] for b in piece.boxes) for d in range(len(target.shape)))
-        hi = tuple(max(b.offsets[d] + b.sizes[d] for b in piece.boxes) for d in range(len(target.shape)))
+        ndim = len(piece.boxes[0].sizes)
+        lo = tuple(min(b.offsets[d] for b in piece.boxes) for d in range(ndim))
+        hi = tuple(max(b.offsets[d] + b.sizes[d] for b in piece.boxes) for d in range(ndim))
         bbox = Box(lo, tuple(h - o for o, h in zip(lo, hi, strict=True)))
-        self._ragged[key] = (piece, bbox)
+        self._pieces[key] = (piece, bbox)
         return bbox, (bbox.sizes, dtype)
 
     def _mismatch(self, key: str, entry: md.Entry, target: Any) -> StateDictMismatchError:
@@ -630,9 +687,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         )
 
     def _reads(self, key: str, entry: md.Entry, box: Box) -> list[ReadItem]:
-        ragged = self._ragged.get(key)
-        if ragged is not None:  # only the run's boxes inside the bounding box
-            return [r for b in ragged[0].boxes for r in self._box_reads(key, entry, b)]
+        pieces = self._pieces.get(key)
+        if pieces is not None:  # only the target's boxes inside the bounding box
+            return [r for b in pieces[0].boxes for r in self._box_reads(key, entry, b)]
         return self._box_reads(key, entry, box)
 
     def _box_reads(self, key: str, entry: md.Entry, box: Box) -> list[ReadItem]:
@@ -673,8 +730,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         out = dict(self._results)
         for key in list(self._dest):
             tensor = self.resolve_target(key)
-            if key in self._ragged:  # the runs' boxes of the bounding box into the flat local tensor
-                piece, bbox = self._ragged[key]
+            if key in self._pieces:  # each box of the bounding box into the target's own memory
+                piece, bbox = self._pieces[key]
                 with torch.no_grad():
                     for b in piece.boxes:
                         piece.view(b).copy_(tensor[b.relative_to(bbox)])

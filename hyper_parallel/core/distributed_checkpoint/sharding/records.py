@@ -25,6 +25,7 @@ from ..base.errors import UnsupportedValueError
 from .grid import shared_grid
 from .placements import placement_to_name
 from .ragged import RaggedPiece, flat_range_boxes, is_ragged, ragged_from_name, ragged_mesh_dim, rank_flat_range
+from .sharded_tensor import is_shard_table
 
 __all__ = ["mesh_ranks", "layout_record", "dtensor_box", "ragged_piece", "is_ragged_dtensor", "storable_layout",
            "record_ranks", "record_position"]
@@ -71,8 +72,11 @@ def is_ragged_dtensor(t: object) -> bool:
 
 
 def storable_layout(layout: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``layout`` as ``.metadata`` may record it: None for a RaggedShard layout (its tensor is
-    stored as a table of ordinary boxes, and the format has no name for the placement)."""
+    """``layout`` as ``.metadata`` may record it: None for a RaggedShard layout and a
+    ShardedTensor's shard table (such a tensor is stored as a table of ordinary boxes, and the
+    format has no name for the placement)."""
+    if is_shard_table(layout):
+        return None
     if layout is None or not any(ragged_from_name(p) is not None for p in layout.get("placements", ())):
         return layout
     return None
