@@ -22,16 +22,97 @@ attribute (``entries``, ``save_id``, ``world_size``, ``files``, ...) is the docu
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
 from . import chunks as chunk_store
 from . import metadata as md
 from .records import CURRENT_CHECKPOINT_VERSION, Metadata, MetadataIndex
 
-__all__ = ["TorchView"]
+__all__ = ["TorchView", "object_leaves", "leaf_value"]
+
+
+def _terminal(value: Any) -> bool:
+    """torch's rule for where flattening stops: a mapping is always entered; a list or tuple is
+    a leaf unless it holds a mapping or a non-leaf list somewhere."""
+    if isinstance(value, Mapping):
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_terminal(v) for v in value)
+    return True
+
+
+def _walk(path: tuple[Any, ...], value: Any, out: dict[str, tuple[Any, ...]], key: str) -> None:
+    if _terminal(value):
+        out[".".join(str(p) for p in path)] = (key, path)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _walk(path + (str(k),), v, out, key)
+    else:
+        for i, v in enumerate(value):
+            _walk(path + (i,), v, out, key)
+
+
+def object_leaves(document: md.Metadata) -> dict[str, tuple[str, tuple[Any, ...]]]:
+    """Where torch's flattening would put the parts of our whole-value entries: a plain value
+    saved as one JSON entry (``"cfg": {"lr": 0.5}``) is, to torch, keys ``"cfg.lr"``...
+
+    Returns flattened key -> (our entry's key, the path from the state dict's root), for the
+    entries whose value torch flattens further (dicts, lists holding dicts); computed once.
+    """
+    got = document.__dict__.get("_torch_leaves")
+    if got is None:
+        got = {}
+        for key, entry in document.entries.items():
+            if entry.kind == "object" and not _terminal(entry.value):
+                _walk(tuple(entry.path), entry.value, got, key)
+        document.__dict__["_torch_leaves"] = got
+    return got
+
+
+def leaf_value(document: md.Metadata, fqn: str) -> tuple[md.Entry, Any] | None:
+    """(our entry, the value) of a key torch's flattening made inside one of our whole-value
+    entries, or None when ``fqn`` is not such a key."""
+    found = object_leaves(document).get(fqn)
+    if found is None:
+        return None
+    key, path = found
+    entry = document.entries[key]
+    value = entry.value
+    for part in path[len(entry.path):]:
+        value = value[part]
+    return entry, value
+
+
+class _TorchKeys(Mapping):
+    """The keys torch sees: ours, with whole-value entries flattened as torch would."""
+
+    def __init__(self, document: md.Metadata) -> None:
+        self._doc = document
+
+    def __contains__(self, key: object) -> bool:
+        leaves = object_leaves(self._doc)
+        return key in leaves or (key in self._doc.entries and not self._split(key))
+
+    def _split(self, key: Any) -> bool:
+        entry = self._doc.entries.get(key)
+        return entry is not None and entry.kind == "object" and not _terminal(entry.value)
+
+    def __iter__(self) -> Iterator[str]:
+        for key in self._doc.entries:
+            if not self._split(key):
+                yield key
+        yield from object_leaves(self._doc)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return key
 
 
 class _LazyMap(MutableMapping):
@@ -136,9 +217,12 @@ class TorchView(Metadata):
 
     def __init__(self, document: md.Metadata, checkpoint_id: Any = None) -> None:
         self.__dict__["document"] = document
+        keys = _TorchKeys(document)
         super().__init__(
-            state_dict_metadata=_LazyMap(document.entries, lambda k: md.storage_metadata_of(document.entries[k])),
-            planner_data=_LazyMap(document.entries, lambda k: tuple(document.entries[k].path)),
+            state_dict_metadata=_LazyMap(keys, lambda k: md.storage_metadata_of(document.entries[k])
+                                         if k in document.entries else BytesStorageMetadata()),
+            planner_data=_LazyMap(keys, lambda k: tuple(document.entries[k].path) if k in document.entries
+                                  else object_leaves(document)[k][1]),
             storage_data=_ChunkLocations(document),
             storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=document.save_id),
             version=CURRENT_CHECKPOINT_VERSION,
