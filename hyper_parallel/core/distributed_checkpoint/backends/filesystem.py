@@ -52,6 +52,7 @@ import numpy as np
 from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.atomic_file import atomic_file, sync_directory, temporary_name
 from ..base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from ..base.torch_options import refuse_private_options
 from ..format.metadata import METADATA_FILE
 from . import direct_io
 from .direct_io import O_DIRECT
@@ -296,6 +297,8 @@ class FileSystemWriter(StorageWriter):
             each as it is closed: what offline tools writing thousands of small files use.
         serialization_format: torch's choice of data-file encoding (its ``SerializationFormat``),
             accepted so torch code runs; our data files are always safetensors, whichever is given.
+        _extensions: torch's private stream transforms: refused unless empty, saying why
+            (:mod:`..base.torch_options`).
 
     Example::
 
@@ -305,7 +308,8 @@ class FileSystemWriter(StorageWriter):
     def __init__(self, path: str | os.PathLike, single_file_per_rank: bool = True, sync_files: bool = True,
                  thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = False,
                  overwrite: bool = True, *, direct_io: bool | None = None, defer_sync: bool = False,
-                 serialization_format: Any = None):
+                 serialization_format: Any = None, _extensions: Any = None):
+        refuse_private_options("FileSystemWriter", _extensions=_extensions)
         del single_file_per_rank, per_thread_copy_ahead, cache_staged_state_dict  # torch's knobs (see above)
         if serialization_format is not None and type(serialization_format).__name__ != "SerializationFormat":
             raise ValueError(f"serialization_format must be torch's SerializationFormat (or None), got "
@@ -474,9 +478,12 @@ class FileSystemReader(StorageReader):
             through the page cache. False: always the page cache. The loader aligns the reads whose bytes it needs (see
             :attr:`read_alignment`) and leaves to the page cache those it reads only partly
             (whole rows of which it wants some columns), which other ranks probably read too.
+        _extension_registry: torch's private registry of stream transforms: refused unless
+            None, saying why (:mod:`..base.torch_options`).
     """
 
-    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None):
+    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, *, _extension_registry: Any = None):
+        refuse_private_options("FileSystemReader", _extension_registry=_extension_registry)
         self.path = checkpoint_path(path)
         self.direct_io = _mode_arg(direct_io)
         if direct_io and not O_DIRECT:

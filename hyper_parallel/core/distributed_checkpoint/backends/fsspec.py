@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ..base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, StorageTimeoutError
+from ..base.torch_options import refuse_private_options
 from ..format.metadata import METADATA_FILE
 from .protocol import Buffer, StorageReader, StorageWriter
 
@@ -97,6 +98,7 @@ class FsspecWriter(StorageWriter):
     """Writes a checkpoint under an fsspec URL; ``storage_options`` go to the filesystem."""
 
     def __init__(self, url: str, **storage_options: Any):
+        refuse_private_options("FsspecWriter", _extensions=storage_options.pop("_extensions", None))
         self.url = url
         self._options = storage_options
         self.fs, self.root = open_filesystem(url, storage_options)
