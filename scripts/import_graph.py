@@ -29,8 +29,8 @@ PICTURE = ROOT / "docs" / "layers.md"
 # Bottom first. A layer is one or more sibling subpackages; inside a subpackage a module may
 # import only the modules listed before it.
 LAYERS: list[dict[str, list[str]]] = [
-    {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "sizes", "atomic_file",
-              "protowire", "priority", "overrides", "coordination"]},
+    {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "sizes",
+              "atomic_file", "protowire", "priority", "overrides", "coordination"]},
     {"state": ["flatten", "nested_paths", "topology_mapper", "train_state", "version_stamp"]},
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",
                   "mindspore_strategy", "layout_files",
