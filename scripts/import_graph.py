@@ -43,7 +43,8 @@ LAYERS: list[dict[str, list[str]]] = [
      "planning": ["records", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot", "leaves",
                   "global_plan",
                   "standard_planner", "chunk_reads", "torch_planners", "ragged_items",
-                  "chunk_lists", "ownership"]},
+                  "chunk_lists", "ownership",
+                  "remap_blocks", "region_buffers", "deferred_reads", "replica_sources", "remap"]},
     {"transfer": ["host_copy", "streams", "unchanged", "chunk_checks", "saver", "row_exchange", "plan_writer", "loader",
                   "torch_reads",
                   "shared_reads", "broadcasts"]},
@@ -204,7 +205,8 @@ def picture() -> str:
         "flowchart TD",
         '  faces["faces: __init__, api, planner, standard_planner, saver, loader, storage,<br/>'
         'filesystem_storage, metadata, reshard, async_staging, offline_transform, layout, util,<br/>'
-        'the seed\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged, broadcast,<br/>'
+        'the seed\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged, broadcast, '
+        'remap_planner,<br/>'
         "torch DCP's: state_dict_saver, state_dict_loader, filesystem, format_utils, optimizer, planner_helpers,<br/>"
         'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage"]',
     ]

@@ -84,6 +84,7 @@ PATHS = {
                   "DEFAULT_BROADCAST_BATCH_BYTES"],
     "ragged": ["_decompose_flat_interval", "compute_ragged_boxes", "create_ragged_write_items",
                "get_ragged_box_tensor"],
+    "remap_planner": ["RemapLoadPlanner", "RemapBlock", "DeferredRead", "_DEFERRED_FQN_PREFIX"],
 }
 
 
