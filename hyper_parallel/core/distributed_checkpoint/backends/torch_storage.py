@@ -68,8 +68,8 @@ def _refuse(obj: Any, role: str) -> None:
     if own:
         raise UnsupportedValueError(
             f"storage_{role}={name} subclasses torch.distributed.checkpoint's {base.__qualname__} and overrides "
-            f"{', '.join(own)}: this library never calls torch's storage hooks, so that code would be silently "
-            f"skipped. Instead, {_OWN[role]}")
+            f"{', '.join(own)}: async_save never calls torch's storage hooks (save and load do), so that code would "
+            f"be silently skipped. Instead, {_OWN[role]}")
     raise UnsupportedValueError(
         f"storage_{role}={name}: of torch.distributed.checkpoint's storage classes only FileSystemWriter/"
         f"FileSystemReader and FsspecWriter/FsspecReader are taken as configuration; use this library's class "

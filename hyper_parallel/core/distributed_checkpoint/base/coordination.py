@@ -312,6 +312,18 @@ class Coordinator:
             raise RankFailedError(phase, {self._name(r): m for r, m in verdict.items()}) from own
         return [p for _, p in gathered] if self.is_coordinator else None
 
+    def scatter(self, objs: Sequence[Any] | None, phase: str = "scatter") -> Any:
+        """The coordinator's ``objs[r]`` on each group rank ``r`` (``objs``: one per rank, given on
+        the coordinator, ignored elsewhere). Each rank receives only its own object."""
+        if not self.distributed:
+            return objs[0] if objs is not None else None
+        if self.is_coordinator and (objs is None or len(objs) != self.world_size):
+            raise CheckpointError(f"checkpoint {phase}: the coordinator has {len(objs or ())} objects to scatter "
+                                  f"to {self.world_size} ranks")
+        return self._collective(phase, lambda: _scatter_object(
+            objs if self.is_coordinator else None, self.world_size, self.rank, self._global(self.coordinator_rank),
+            self.group))
+
     def broadcast(self, obj: Any, phase: str = "broadcast") -> Any:
         """The coordinator's ``obj`` on every rank."""
         return self.broadcast_from(self.coordinator_rank, obj, phase)
@@ -400,6 +412,21 @@ def _gather_object(obj: Any, world_size: int, dst: int, group: Any) -> list[Any]
     dist.gather(mine, outs, dst=dst, group=group)
     _settle([mine, *(outs or [])])
     return [_from_bytes_tensor(o, n) for o, n in zip(outs, sizes, strict=True)] if outs is not None else None
+
+
+def _scatter_object(objs: Sequence[Any] | None, world_size: int, rank: int, src: int, group: Any) -> Any:
+    """``objs[rank]`` of global rank ``src`` on each group rank (every payload padded to the widest)."""
+    payloads = [_to_bytes_tensor(o) for o in objs] if objs is not None else None
+    sizes = (torch.tensor([p.numel() for p in payloads], dtype=torch.int64) if payloads is not None
+             else torch.zeros(world_size, dtype=torch.int64))
+    dist.broadcast(sizes, src=src, group=group)
+    _settle([sizes])
+    width = int(sizes.max().item())
+    out = torch.empty(width, dtype=torch.uint8)
+    ins = [_padded(p, width) for p in payloads] if payloads is not None else None
+    dist.scatter(out, ins, src=src, group=group)
+    _settle([out, *(ins or [])])
+    return _from_bytes_tensor(out, int(sizes[rank].item()))
 
 
 def _broadcast_object(obj: Any, is_src: bool, src: int, group: Any) -> Any:

@@ -27,17 +27,20 @@ import torch.distributed as dist
 from ..backends.locations import location
 from ..backends.protocol import StorageReader, StorageWriter
 from ..backends.resolve import reader_for, writer_for
-from ..backends.torch_storage import as_our_reader, as_our_writer
+from ..backends.torch_format import OwnFormatReader, TorchFormatReader, is_pickle
+from ..backends.torch_storage import as_our_reader, as_our_writer, as_torch_writer, is_torch_reader, is_torch_writer
 from ..base.coordination import Coordinator, as_timeout
-from ..base.errors import CheckpointError, storage_error
+from ..base.errors import CheckpointError, UnsupportedValueError, storage_error
 from ..base.gc_pause import paused_gc
 from ..format import metadata as md
 from ..format.values import check_user_metadata
 from ..planning.per_call import planner_for_call
 from ..planning.plan_cache import CachedSaveResult, announce_plan, cache_scope, cached_plans, plan_digest, remember_plan
 from ..planning.planner import LoadPlanner, SavePlan, SavePlanner
+from ..planning.seed_protocol import is_seed_planner, is_seed_reader
 from ..planning.standard_planner import StandardPlanner
 from ..planning.torch_planners import as_our_planner
+from ..planning.torch_protocol import is_torch_planner, torch_load_planner
 from ..state.flatten import FlatStateDict, flatten, unflatten
 from ..transfer.loader import read_plan
 from ..transfer.plan_writer import PlanWriter
@@ -55,6 +58,7 @@ from .plan_exchange import (
     plain_digests,
     warn_divergent_plain,
 )
+from .protocol_run import run_load, run_save
 from .rank_local_save import save_rank_local
 from .scope import (
     PathLike,
@@ -176,8 +180,16 @@ def save(
         save(model.state_dict(), "/ckpt/step100")
     """
     path, storage_writer = storage_in_path_slot(path, storage_writer, "storage_writer")  # torch's save(sd, writer)
-    # torch DCP's planner and storage objects stand for ours with their options
-    storage_writer, planner = as_our_writer(storage_writer), as_our_planner(planner, "save")
+    # torch DCP's unmodified planner and storage objects stand for ours with their options; those
+    # with code of their own run on torch's protocol
+    storage_writer = as_our_writer(storage_writer, foreign_ok=True)
+    planner = as_our_planner(planner, "save", foreign_ok=True)
+    if is_torch_writer(storage_writer) or is_torch_planner(planner, "save") or is_seed_planner(planner):
+        if state_dict is None:
+            raise ValueError("save() needs a state_dict")
+        return _save_on_torch_protocol(state_dict, path, checkpoint_id, storage_writer, planner, process_group,
+                                       no_dist, use_collectives, coordinator_rank, timeout, sync_files, thread_count,
+                                       user_metadata, incremental)
     where = resolve_path(path, checkpoint_id, storage_writer)
     if state_dict is None:
         raise ValueError("save() needs a state_dict")
@@ -267,6 +279,75 @@ def save(
         done = mine_written[0]
         incremental.committed(mine.entries, done.digests, done.known_reused, meta, done.verdicts, done.stats)
     return meta
+
+
+def _save_on_torch_protocol(state_dict: dict[str, Any], path: PathLike | None, checkpoint_id: PathLike | None,
+                            writer: Any, planner: Any, process_group: Any, no_dist: bool, use_collectives: bool,
+                            coordinator_rank: int, timeout: Any, sync_files: bool, thread_count: int,
+                            user_metadata: Any, incremental: Any) -> Any:
+    """save() of a planner or writer with code of its own: torch's procedure (:mod:`.protocol_run`).
+    A writer of ours (or none) under a torch-protocol planner becomes torch's writer for the same
+    place, so the checkpoint is in torch's format (which load reads in place)."""
+    for name, value in (("user_metadata", user_metadata), ("incremental", incremental)):
+        if value is not None:
+            raise UnsupportedValueError(f"save({name}=...) is this library's format's; a save on torch's protocol "
+                                        f"(planner {type(planner).__name__}, writer {type(writer).__name__}) has "
+                                        "nowhere to keep it")
+    if path is not None and checkpoint_id is not None and os.fspath(path) != os.fspath(checkpoint_id):
+        raise ValueError(f"path={path!r} and checkpoint_id={checkpoint_id!r} disagree; pass one")
+    chosen = path if path is not None else checkpoint_id
+    if not is_torch_writer(writer):  # ours or none: torch's writer of the same place and options
+        chosen = resolve_path(path, checkpoint_id, writer)
+        writer = as_torch_writer(writer, chosen)
+        writer.sync_files = getattr(writer, "sync_files", True) and sync_files
+        writer.thread_count = max(getattr(writer, "thread_count", 1), thread_count)
+    in_flight.wait_for_saves_to(in_flight.place_of(chosen, writer))
+    rank_local = not use_collectives and not no_dist and distributed()
+    if rank_local:
+        rank = dist.get_rank(process_group) if process_group is not None else dist.get_rank()
+        coord = Coordinator(None, True, coordinator_rank, timeout)
+    else:
+        process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
+        coord = Coordinator(process_group, no_dist, coordinator_rank, timeout)
+        rank = coord.rank
+    return run_save(state_dict, writer, planner, coord, checkpoint_id=chosen, use_collectives=not rank_local,
+                    rank=rank)
+
+
+def _load_on_torch_protocol(state_dict: Any, reader: Any, planner: Any, coord: Coordinator, rank: int,
+                            strict: bool | str, allow_pickle: bool, checkpoint_id: Any = None) -> dict[str, Any]:
+    """load() through torch's procedure (:mod:`.protocol_run`): ``planner`` as given when it is on
+    torch's protocol (or HyperParallel's newer one), else torch's default planner with this
+    library's ``strict`` (no target: everything, nested as saved)."""
+    whole = state_dict is None
+    if not (is_torch_planner(planner, "load") or is_seed_planner(planner)):
+        planner = torch_load_planner(planner, whole=whole, strict=strict)
+    target = {} if whole else state_dict
+    return run_load(target, reader, planner, coord, checkpoint_id=checkpoint_id, rank=rank,
+                    allow_pickle=allow_pickle)
+
+
+def _load_with_protocol_reader(state_dict: Any, path: PathLike | None, checkpoint_id: PathLike | None, reader: Any,
+                               planner: Any, process_group: Any, no_dist: bool, strict: bool | str,
+                               coordinator_rank: int, allow_pickle: bool, timeout: Any) -> dict[str, Any]:
+    """load() with a reader on torch's protocol (or HyperParallel's newer one): torch's procedure
+    with that reader; ``checkpoint_id`` given is passed to its ``reset`` as torch does."""
+    if path is not None and checkpoint_id is not None and os.fspath(path) != os.fspath(checkpoint_id):
+        raise ValueError(f"path={path!r} and checkpoint_id={checkpoint_id!r} disagree; pass one")
+    chosen = path if path is not None else checkpoint_id
+    in_flight.wait_for_saves_to(in_flight.place_of(chosen, reader))
+    if isinstance(state_dict, dict) and not state_dict and process_group is None and not (
+            is_torch_planner(planner, "load") or is_seed_planner(planner)):
+        return state_dict
+    process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
+    coord = Coordinator(process_group, no_dist, coordinator_rank, timeout)
+    try:
+        return _load_on_torch_protocol(state_dict, reader, planner, coord, coord.rank, strict, allow_pickle,
+                                       checkpoint_id=None if chosen is None else os.fspath(chosen))
+    finally:
+        close = getattr(reader, "close", None)
+        if callable(close):
+            close()
 
 
 def load(
@@ -365,11 +446,16 @@ def load(
         raise ValueError(f"strict must be True, False or 'all', found {strict!r}")
     if broadcast_groups is not None and broadcast_replicated_tensors is False:
         raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True")
-    storage_reader, planner = as_our_reader(storage_reader), as_our_planner(planner, "load")
+    storage_reader = as_our_reader(storage_reader, foreign_ok=True)
+    planner = as_our_planner(planner, "load", foreign_ok=True)
+    if is_torch_reader(storage_reader) or is_seed_reader(storage_reader):  # its own code: torch's procedure
+        return _load_with_protocol_reader(state_dict, path, checkpoint_id, storage_reader, planner, process_group,
+                                          no_dist, strict, coordinator_rank, allow_pickle, timeout)
+    foreign_planner = is_torch_planner(planner, "load") or is_seed_planner(planner)
     where = resolve_path(path, checkpoint_id, storage_reader)
     # an async save in flight to this place would commit under the reader (and remove the old files)
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_reader))
-    if isinstance(state_dict, dict) and not state_dict and process_group is None:
+    if isinstance(state_dict, dict) and not state_dict and process_group is None and not foreign_planner:
         return state_dict  # nothing to load: no collective (HyperParallel's ranks outside a rank_list mesh)
     rank_local = not use_collectives and not no_dist and distributed()
     if rank_local:
@@ -379,9 +465,11 @@ def load(
         process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
         coord = Coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
         my_rank = coord.rank
-    planner = planner_for_call(planner if planner is not None else StandardPlanner(), allow_pickle)
-    if getattr(planner, "allow_partial_load", False) and strict is True:
-        strict = False  # StandardLoadPlanner(allow_partial_load=True): HyperParallel's strict=False
+    given = planner  # a checkpoint in torch's format, or a torch-protocol planner: torch's procedure
+    if not foreign_planner:
+        planner = planner_for_call(planner if planner is not None else StandardPlanner(), allow_pickle)
+        if getattr(planner, "allow_partial_load", False) and strict is True:
+            strict = False  # StandardLoadPlanner(allow_partial_load=True): HyperParallel's strict=False
     reader: StorageReader = storage_reader  # type: ignore[assignment]
     flat: Any = None
     materialized: list[Any] = []  # leaves whose meta-device targets were replaced
@@ -406,6 +494,8 @@ def load(
             raw.append(metadata_bytes(reader, where or "checkpoint"))
             if broadcast_replicated_tensors is None:  # decided once, for every rank
                 auto_share.append(not getattr(reader, "memory_backed", False))
+        if raw and is_pickle(raw[0]):  # torch's format: checked here (files too), before any rank plans from it
+            TorchFormatReader(reader, raw[0], allow_pickle).read_metadata()
 
     loaded: list[Any] = []
     # Planning and reading make thousands of small acyclic objects (boxes, chunk references,
@@ -421,6 +511,10 @@ def load(
                 meta_bytes, enabled = coord.broadcast(mine, "load (metadata broadcast)")
             if broadcast_replicated_tensors is not None:
                 enabled = broadcast_replicated_tensors
+            if is_pickle(meta_bytes) or foreign_planner:  # torch's format, or a planner on torch's protocol
+                on_protocol = (TorchFormatReader(reader, meta_bytes, allow_pickle, files_checked=True)
+                               if is_pickle(meta_bytes) else OwnFormatReader(reader))
+                return _load_on_torch_protocol(state_dict, on_protocol, given, coord, my_rank, strict, allow_pickle)
 
             share = sharing_wanted(coord, enabled, rank_local)
             planned: dict[str, Any] = {}

@@ -6,8 +6,8 @@ with torch's constructor signature and defaults (plan caching off, as in torch).
 instance of torch's own ``DefaultSavePlanner``/``DefaultLoadPlanner`` (or of a subclass that
 only sets options in ``__init__``) becomes ours with the same options; a torch planner that
 carries code of its own (a subclass overriding torch's hooks, or torch's other planners) is
-refused, naming the class and what to override here instead, since this library never calls
-torch's hooks.
+left as it is for ``save``/``load``, which run it on torch's protocol, and refused, naming the class
+and what to override here instead, by callers that do not (``async_save``).
 
 What it is not: the planner protocol (:mod:`.planner`) nor the refusal of torch hook names on
 our own planners' subclasses (:mod:`.per_call`).
@@ -73,15 +73,16 @@ class DefaultLoadPlanner(StandardPlanner):
                          allow_partial_load=allow_partial_load)
 
 
-def as_our_planner(planner: Any, what: str) -> Any:
+def as_our_planner(planner: Any, what: str, foreign_ok: bool = False) -> Any:
     """The planner of ours that ``planner`` (``what``: "save" or "load") stands for.
 
     torch's ``DefaultSavePlanner``/``DefaultLoadPlanner`` (or a subclass adding nothing but
-    ``__init__``) -> ours with the same options; any other torch planner -> an error that
-    names it and says what to use; anything else is returned as it is.
+    ``__init__``) -> ours with the same options; any other torch planner -> itself with
+    ``foreign_ok`` (``save``/``load`` run it on torch's protocol: :mod:`..engine.protocol_run`),
+    else an error that names it and says what to use; anything else is returned as it is.
 
     Raises:
-        UnsupportedValueError: a torch planner with code of its own.
+        UnsupportedValueError: a torch planner with code of its own (unless ``foreign_ok``).
     """
     if planner is None:
         return None
@@ -100,6 +101,8 @@ def as_our_planner(planner: Any, what: str) -> Any:
         return DefaultLoadPlanner(flatten_state_dict=planner.flatten_state_dict,
                                   flatten_sharded_tensors=planner.flatten_sharded_tensors,
                                   allow_partial_load=planner.allow_partial_load)
+    if foreign_ok:
+        return planner
     name = f"{cls.__module__}.{cls.__qualname__}"
     saving = isinstance(planner, _torch_planner.SavePlanner) or (
         what == "save" and not isinstance(planner, _torch_planner.LoadPlanner))
@@ -112,8 +115,9 @@ def as_our_planner(planner: Any, what: str) -> Any:
     hooks = "; ".join(f"{h} -> {_HOOKS.get(h, 'one of the SavePlanner/LoadPlanner protocol methods')}" for h in own)
     raise UnsupportedValueError(
         f"planner={name} subclasses torch.distributed.checkpoint's {base.__qualname__} and overrides "
-        f"{', '.join(own)}: this library's planners never call torch's planner hooks, so that code would be "
-        f"silently skipped. Subclass hyper_parallel's {ours} (or StandardPlanner) and override instead: {hooks}")
+        f"{', '.join(own)}: async_save runs this library's planners, never torch's planner hooks (save and load "
+        f"do), so that code would be silently skipped. Subclass hyper_parallel's {ours} (or StandardPlanner) and "
+        f"override instead: {hooks}")
 
 
 def _no_plan_function(name: str, instead: str) -> Any:
