@@ -10,6 +10,8 @@ HyperParallel's additions, kept additive so that ``DeviceMesh`` stays torch's ow
 - ``mesh.rank_list``: the global ranks of the mesh this rank sees, flat and row-major
   (``tuple(mesh.mesh.flatten().tolist())``). Installed on torch's ``DeviceMesh`` as a read-only
   property when this module is imported (torch defines no such attribute).
+- ``mesh.mesh_shape``: the mesh's shape as a tuple of ints (HyperParallel's name for
+  ``tuple(mesh.mesh.shape)``), installed the same way.
 - ``_DEVICE_MESH_MAP``: the meshes :func:`_create_device_mesh` built, keyed by device type,
   shape, names and ranks, so that every HyperParallel ``Layout`` over the same ranks shares one
   mesh (and its process groups). Tests ``.clear()`` it.
@@ -42,8 +44,15 @@ def _rank_list(self: DeviceMesh) -> tuple[int, ...]:
     return tuple(int(r) for r in self.mesh.flatten().tolist())
 
 
+def _mesh_shape(self: DeviceMesh) -> tuple[int, ...]:
+    """The shape of this mesh, one size per mesh dimension."""
+    return tuple(int(n) for n in self.mesh.shape)
+
+
 if not hasattr(DeviceMesh, "rank_list"):
     DeviceMesh.rank_list = property(_rank_list)  # type: ignore[attr-defined]
+if not hasattr(DeviceMesh, "mesh_shape"):
+    DeviceMesh.mesh_shape = property(_mesh_shape)  # type: ignore[attr-defined]
 
 
 def _own_rank() -> int:

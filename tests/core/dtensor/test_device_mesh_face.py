@@ -20,6 +20,12 @@ def test_rank_list_is_the_flat_row_major_ranks():
     assert mesh.rank_list == (4, 5, 6, 7)
 
 
+def test_mesh_shape_is_the_size_of_each_mesh_dimension():
+    mesh = DeviceMesh("cpu", [[4, 5, 6], [7, 8, 9]], mesh_dim_names=("dp", "tp"), _init_backend=False, _rank=5)
+    assert mesh.mesh_shape == (2, 3)
+    assert all(type(n) is int for n in mesh.mesh_shape)
+
+
 def test_mesh_without_process_group_has_ranks_and_coordinates():
     _DEVICE_MESH_MAP.clear()
     mesh = _create_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), rank_list=(0, 1, 2, 3),
@@ -54,7 +60,7 @@ def _rank_lists(rank: int, world: int) -> dict:
     t = torch.ones(1)
     dist.all_reduce(t, group=cached.get_group())
     return {"whole": mesh.rank_list, "tp": mesh["tp"].rank_list, "dp": mesh["dp"].rank_list,
-            "cached": cached.rank_list, "sum": t.item()}
+            "cached": cached.rank_list, "sum": t.item(), "shapes": (mesh.mesh_shape, mesh["dp"].mesh_shape)}
 
 
 def test_rank_list_of_meshes_and_sub_meshes_on_real_ranks():
@@ -62,3 +68,4 @@ def test_rank_list_of_meshes_and_sub_meshes_on_real_ranks():
         assert r["whole"] == (0, 1) and r["tp"] == (0, 1)
         assert r["dp"] == (rank,)  # the dp sub-mesh this rank is in
         assert r["cached"] == (0, 1) and r["sum"] == 2.0
+        assert r["shapes"] == ((1, 2), (1,))
