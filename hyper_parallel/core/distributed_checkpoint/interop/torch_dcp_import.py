@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from ..base.dtypes import dtype_name
 from ..base.errors import CorruptCheckpointError, UnsupportedValueError
 from ..engine.streaming_writer import write_streaming
 from ..format import metadata as md
+from ..format.torch_pickles import check_chunks_in_files
 from ..format.values import is_json_value
 from ..planning.planner import EntrySpec, WriteItem
 from ..planning.standard_planner import bytes_tensor, numpy_tensor
@@ -32,18 +33,14 @@ from ..state.flatten import path_from_parts
 IMPORT_BATCH_BYTES = 256 << 20  # torch-DCP import: tensors loaded per torch load call
 
 
-def _check_torch_chunks(key: str, m: Any, dtype: str, storage: Mapping[Any, Any], src: str,
-                        file_sizes: dict[str, int]) -> None:
-    """Check a tensor of torch's ``.metadata`` against the files before a buffer of its shape is
-    allocated: its chunks lie inside the shape and cover it, and each chunk's stored bytes
-    lie inside an existing file and (unless a storage transform, e.g. compression, wrote
-    them) are at least the chunk's bytes. A forged shape or size then fails here, naming the
-    key, instead of allocating whatever it says.
+def _check_torch_chunks(key: str, m: Any, src: str) -> None:
+    """Check a tensor of torch's ``.metadata`` before a buffer of its shape is allocated: its
+    chunks lie inside the shape and cover it (their byte ranges are checked against the files
+    by :func:`~..format.torch_pickles.check_chunks_in_files`, as ``load`` does). A forged shape
+    then fails here, naming the key, instead of allocating whatever it says.
 
-    Raises CorruptCheckpointError (MetadataError for a file name that is not a plain name).
+    Raises CorruptCheckpointError.
     """
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     where = f"{src}/{md.METADATA_FILE}: {key!r}"
     shape = tuple(m.size)
     if len(shape) > 64 or not all(type(d) is int and d >= 0 for d in shape):
@@ -56,29 +53,19 @@ def _check_torch_chunks(key: str, m: Any, dtype: str, storage: Mapping[Any, Any]
                 o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
             raise CorruptCheckpointError(f"{where}: chunk at {list(offsets)} of sizes {list(sizes)} lies outside "
                                          f"its shape {list(shape)}")
-        numel = math.prod(sizes)
-        held += numel
-        if not numel:
-            continue
-        info = storage.get(MetadataIndex(key, c.offsets))
-        if info is None:
-            raise CorruptCheckpointError(f"{where}: chunk at {list(offsets)} has no storage record")
-        name = md.validate_file_name(info.relative_path, f"{src}/{md.METADATA_FILE}")
-        if name not in file_sizes:
-            try:
-                file_sizes[name] = os.stat(os.path.join(src, name)).st_size
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{src}/{name} is missing: {key!r} is stored there") from None
-        nbytes = numel * md.itemsize(dtype)
-        if (info.offset < 0 or info.length < 0 or info.offset + info.length > file_sizes[name]
-                or (not getattr(info, "transform_descriptors", None) and info.length < nbytes)):
-            raise CorruptCheckpointError(
-                f"{where}: chunk at {list(offsets)} ({nbytes} bytes) is stored at bytes {info.offset}.."
-                f"{info.offset + info.length} of {src}/{name}, which has {file_sizes[name]}; the metadata is "
-                "damaged or does not belong to these files")
+        held += math.prod(sizes)
     if held < math.prod(shape):
         raise CorruptCheckpointError(f"{where}: its chunks hold {held} of the {math.prod(shape)} elements of shape "
                                      f"{list(shape)}; the checkpoint is incomplete or its metadata damaged")
+
+
+def _file_size(src: str) -> Any:
+    def size(name: str) -> int:
+        try:
+            return os.stat(os.path.join(src, name)).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{src}/{name} is missing; the checkpoint's metadata names it") from None
+    return size
 
 
 def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *, trust: bool = False,
@@ -112,12 +99,15 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
         p = paths.get(key)
         return path_from_parts(p) or (key,)
 
-    file_sizes: dict[str, int] = {}
+    src = os.fspath(src_path)
+    for key, m in tmeta.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            _check_torch_chunks(key, m, src)
+    check_chunks_in_files(tmeta, _file_size(src), f"{src}/{md.METADATA_FILE}")
     for key, m in tmeta.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
             dtype = dtype_name(m.properties.dtype)
             shape = tuple(m.size)
-            _check_torch_chunks(key, m, dtype, tmeta.storage_data, os.fspath(src_path), file_sizes)
             entries[key] = EntrySpec("tensor", path_of(key), dtype, shape)
             nbytes = md.itemsize(dtype)
             for s in shape:
