@@ -39,7 +39,7 @@ LAYERS: list[dict[str, list[str]]] = [
                 "torch_view",
                 "storage_info", "safetensors", "data_file", "torch_pickles"]},
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "placed_writes", "fsspec", "resolve",
-                  "torch_storage", "torch_format"],
+                  "storage_mappings", "torch_storage", "torch_format"],
      "planning": ["records", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot", "leaves",
                   "global_plan",
                   "standard_planner", "chunk_reads", "torch_planners", "ragged_items",
@@ -54,6 +54,7 @@ LAYERS: list[dict[str, list[str]]] = [
     {"asynchronous": ["buffers", "response", "streamed_staging", "process_hooks", "torch_stagers", "checkpointer",
                       "api"],
      "interop": ["aliases", "single_file", "hf_index", "huggingface", "quantized_hf", "hf_export", "hf_writer",
+                 "torch_hf_storage", "hf_consolidate",
                  "hf_import", "hyper_parallel", "mindspore_file", "mindspore_ckpt", "mindspore_safetensors",
                  "mindspore_reader", "mindspore_distributed", "mindspore", "torch_dcp", "torch_dcp_import",
                  "full_checkpoint", "deprecated_calls", "torch_save", "sharded_optimizer"],
@@ -209,7 +210,7 @@ def picture() -> str:
         'the seed\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged, broadcast, '
         'remap_planner,<br/>'
         "torch DCP's: state_dict_saver, state_dict_loader, filesystem, format_utils, optimizer, planner_helpers,<br/>"
-        'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage"]',
+        'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage, _consolidate_hf_safetensors"]',
     ]
     for i, layer in reversed(list(enumerate(LAYERS))):
         lines.append(f'  subgraph L{i}["layer {i}"]')

@@ -97,6 +97,9 @@ class Retention:
         self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
         self.best_metric, self.best_mode = best_metric, best_mode
         self.refs: dict[int, frozenset[tuple[str, str]]] = {}  # step -> files of other steps it names
+        # the same, by the directory named: dir -> file -> how many committed steps name it, so that
+        # asking for one directory's kept files does not walk every step's references (1,000 steps)
+        self._named: dict[str, dict[str, int]] = {}
         self.lingering: set[str] = set()  # deleted steps' directories kept for files later steps name
         self.doubted: frozenset[str] = frozenset()  # step directories an unreadable step may name: kept whole
 
@@ -111,11 +114,24 @@ class Retention:
 
     def learn(self, step: int, meta: md.Metadata) -> None:
         """Committed ``step`` (its metadata ``meta``) names the files it names."""
-        self.refs[step] = named_elsewhere(meta)
+        self._drop(step)
+        self.refs[step] = refs = named_elsewhere(meta)
+        for d, f in refs:
+            files = self._named.setdefault(d, {})
+            files[f] = files.get(f, 0) + 1
+
+    def _drop(self, step: int) -> None:
+        for d, f in self.refs.pop(step, ()):
+            files = self._named[d]
+            files[f] -= 1
+            if not files[f]:
+                del files[f]
+                if not files:
+                    del self._named[d]
 
     def kept_files(self, name: str) -> tuple[str, ...]:
         """Files of step directory ``name`` that some committed step's metadata names."""
-        return tuple(sorted({f for refs in self.refs.values() for d, f in refs if d == name}))
+        return tuple(sorted(self._named.get(name, ())))
 
     def referenced_files(self, meta: md.Metadata) -> list[str]:
         """A committed step's own files, and the files of its directory later steps name."""
@@ -142,7 +158,7 @@ class Retention:
         """Steps ``doomed`` go: ``(step, files of it to keep)`` for each, and the directories of
         steps deleted earlier that nothing names any more (to remove whole)."""
         for s in doomed:
-            self.refs.pop(s, None)
+            self._drop(s)
         # a deleted step's files that kept steps still name stay (incremental checkpoints);
         # directories kept only for such files go once nothing names them any more
         delete = [(s, self.kept_files(step_dir_name(s))) for s in doomed]

@@ -97,14 +97,15 @@ def references_of(meta: md.Metadata) -> tuple[int, ...]:
 
 def scan(root: Directory) -> tuple[list[StepInfo], dict[str, dict[str, int]], dict[int, md.Metadata]]:
     """List ``root`` once and read every step's ``.metadata``: (infos by step, the listing,
-    parsed metadata of committed steps)."""
+    parsed metadata of committed steps, without their entries: see ``Metadata.from_json``)."""
     listing = root.listing()
     with_meta = [name for name, files in listing.items() if md.METADATA_FILE in files]
 
     def read(name: str) -> tuple[str, md.Metadata | None, str | None]:
         try:
+            # entries are not needed to list, retain or sweep a step: only its files and user data
             return name, md.Metadata.from_json(root.step_metadata(name), where=f"{root.step_path(name)}/"
-                                               f"{md.METADATA_FILE}"), None
+                                               f"{md.METADATA_FILE}", entries=False), None
         except NotACheckpointError:  # removed between the listing and the read: uncommitted
             return name, None, None
         except CheckpointError as exc:
