@@ -173,16 +173,17 @@ class TorchFormatReader(_torch_storage.StorageReader):
         for name, offset, index, info, items in located:
             where = f"{self.checkpoint_id.rstrip('/')}/{name}" if self.checkpoint_id else name
             check_range(self.storage, name, offset, info.length, f"{index.fqn!r}")
-            raw = bytearray(info.length)
-            if info.length:
-                self.storage.read_into(name, offset, memoryview(raw))
-            data = _untransformed(raw, getattr(info, "transform_descriptors", None), index.fqn, where)
+            descriptors = getattr(info, "transform_descriptors", None)
+            view = _RangeView(self.storage, name, offset, info.length)
             if items[0].type == _torch_planner.LoadItemType.BYTE_IO:
+                data = _untransformed(view.read(), descriptors, index.fqn, where)
                 load_bytes_item(data, index.fqn, where, self.allow_pickle)  # refused here if hostile
                 for item in items:
                     planner.load_bytes(item, io.BytesIO(data))
                 continue
-            stored = load_tensor_item(data, index.fqn, where)
+            # torch.load reads the archive through the view: each record once, straight from storage
+            source = io.BytesIO(_untransformed(view.read(), descriptors, index.fqn, where)) if descriptors else view
+            stored = load_tensor_item(source, index.fqn, where)
             for item in items:
                 piece = _narrow(stored, item.storage_offsets, item.lengths, index.fqn, where)
                 target = planner.resolve_tensor(item).detach()
@@ -203,6 +204,43 @@ class TorchFormatReader(_torch_storage.StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class _RangeView(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of one file of ``storage`` as a read-only, seekable file
+    (what ``torch.load`` reads a ``torch.save`` archive from), served by ``storage.read_into``.
+    The caller checked the range against the file's size."""
+
+    def __init__(self, storage: StorageReader, name: str, offset: int, length: int) -> None:
+        super().__init__()
+        self.storage, self.name, self.offset, self.length, self.pos = storage, name, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + pos)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        if n:
+            self.storage.read_into(self.name, self.offset + self.pos, memoryview(buffer).cast("B")[:n])
+            self.pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        n = self.length - self.pos if size is None or size < 0 else min(size, self.length - self.pos)
+        out = bytearray(max(n, 0))
+        got = self.readinto(out)
+        return bytes(out[:got]) if got != len(out) else bytes(out)
 
 
 def _offsets(index: Any) -> list[int] | None:

@@ -251,15 +251,16 @@ def check_chunks_in_files(meta: Any, file_size: Callable[[str], int], where: str
                     "does not belong to these files")
 
 
-def load_tensor_item(raw: bytes | bytearray | memoryview, key: str, where: str) -> torch.Tensor:
+def load_tensor_item(raw: Any, key: str, where: str) -> torch.Tensor:
     """The tensor a torch DCP data file holds at one chunk's bytes (a ``torch.save`` archive),
-    loaded with ``weights_only=True`` on the CPU.
+    loaded with ``weights_only=True`` on the CPU. ``raw``: the bytes, or a seekable file of them.
 
     Raises CorruptCheckpointError naming ``key`` and ``where`` (the file) when the bytes are
     not such an archive of a tensor.
     """
     try:
-        value = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        source = raw if hasattr(raw, "read") else io.BytesIO(raw)
+        value = torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CorruptCheckpointError(
             f"{where}: {key!r}: its bytes are not a tensor torch loads with weights_only=True "
