@@ -334,3 +334,21 @@ def test_an_unknown_stream_transform_is_refused_naming_the_key(tmp_path):
     with pytest.raises(UnsupportedValueError, match=r"'w' was written through torch's stream transforms "
                                                     r"\['no-such-transform'\]"):
         load(path=path)
+
+
+def test_our_planners_options_that_torchs_cannot_carry_out_are_refused(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import StandardPlanner
+
+    class Prefixed(StandardPlanner):
+        def transform_key(self, key):
+            return "v2." + key
+
+    path = str(tmp_path / "ck")
+    _one_process_torch_save(path, {"w": make_tensor((6, 4))})
+    with pytest.raises(UnsupportedValueError, match=r"topology_mapper=.*torch DCP's planner protocol"):
+        load({"layer": torch.zeros(6, 4)}, checkpoint_id=path, planner=StandardPlanner(topology_mapper={"layer": "w"}))
+    with pytest.raises(UnsupportedValueError, match=r"Prefixed overrides transform_key"):
+        load({"w": torch.zeros(6, 4)}, checkpoint_id=path, planner=Prefixed())
+    target = {"w": torch.zeros(6, 4)}
+    load(target, checkpoint_id=path, planner=StandardPlanner())  # ours without either: torch's default stands in
+    assert torch.equal(target["w"], make_tensor((6, 4)))

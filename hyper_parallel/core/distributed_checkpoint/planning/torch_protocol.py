@@ -61,7 +61,16 @@ def is_torch_planner(planner: Any, what: str) -> bool:
 
 
 def _refuse_own_code(planner: Any, what: str) -> None:
+    """Our planner's hooks or options that torch's default planner cannot carry out are refused."""
     own = own_methods(type(planner), "hyper_parallel.")
+    options = [o for o, unset in (("topology_mapper", None), ("convert_dtype", True))
+               if getattr(planner, o, unset) != unset]
+    if options:
+        raise UnsupportedValueError(
+            f"planner={type(planner).__qualname__}({', '.join(f'{o}=...' for o in options)}): this {what} runs on "
+            "torch DCP's planner protocol (a torch-protocol storage object, or a checkpoint in torch's format), where "
+            "torch's default planner stands for ours and has no such option. Rename keys with a planner on torch's "
+            "protocol (override set_up_planner), or convert the checkpoint once with import_torch_dcp")
     if own:
         raise UnsupportedValueError(
             f"planner={type(planner).__qualname__} overrides {', '.join(own)} of this library's planner, whose hooks "
