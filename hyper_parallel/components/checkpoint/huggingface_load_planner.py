@@ -29,8 +29,9 @@ second conversion stage of models whose replacement modules convert normalized w
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from copy import deepcopy
+from copy import copy
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -80,6 +81,16 @@ def _dtype(value: Any, key: str) -> torch.dtype:
     return found
 
 
+def _emptied_copy(rule: Transform) -> Transform:
+    """A copy of ``rule`` that collects anew, sharing its patterns and operations (which converting
+    does not change): much cheaper than a deep copy, and run several times per conversion."""
+    fresh = copy(rule)
+    fresh.collected_tensors = defaultdict(list)
+    if hasattr(rule, "layer_targets"):
+        fresh.layer_targets = defaultdict(set)
+    return fresh
+
+
 @dataclass(eq=False)
 class _Conversion:
     """One conversion of the load: its rule with nothing collected, the name it is known by, the
@@ -95,7 +106,7 @@ class _Conversion:
 
     def run(self, values: Sequence[Any]) -> dict[str, Any]:
         """The rule run on ``values`` (one per input: regions, meta or real tensors), on a fresh copy."""
-        rule = deepcopy(self.template)
+        rule = _emptied_copy(self.template)
         for (pattern, _), value in zip(self.inputs, values, strict=True):
             rule.add_tensor(self.name, self.name, pattern, partial(_same, value))
         return convert_group(LoadGroup(self.name, rule), self.model)

@@ -133,15 +133,17 @@ def build_load_groups(model: Any, source_keys: Iterable[str], targets: Mapping[s
             unexpected.append(key)
             continue
         if pattern is None:
-            pattern, rule = key, WeightRenaming(source_patterns=key, target_patterns=name)
+            pattern, rule = key, None
         else:
-            chosen = select_converter(pattern, name, by_pattern.get(pattern, []))
-            if chosen is None:
+            rule = select_converter(pattern, name, by_pattern.get(pattern, []))
+            if rule is None:
                 raise ValueError(f"checkpoint key {key!r} matched source pattern {pattern!r} (-> model tensor "
                                  f"{name!r}), which no single WeightConverter claims; candidates: "
                                  f"{by_pattern.get(pattern, [])}")
-            rule = deepcopy(chosen)
-        group = groups.setdefault(name, LoadGroup(name, rule))
+        group = groups.get(name)
+        if group is None:  # each group collects into a fresh copy of its rule
+            fresh = WeightRenaming(source_patterns=key, target_patterns=name) if rule is None else deepcopy(rule)
+            group = groups[name] = LoadGroup(name, fresh)
         group.transform.add_tensor(name, key, pattern, make_loader(key))
     return list(groups.values()), unexpected
 
