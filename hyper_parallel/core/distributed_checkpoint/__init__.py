@@ -31,7 +31,7 @@ from . import (  # noqa: F401
 from .asynchronous.api import async_save, default_checkpointer, register_optimizer_hook
 from .asynchronous.buffers import StagingStats
 from .asynchronous.checkpointer import AsyncCheckpointer
-from .asynchronous.response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
+from .asynchronous.response import AsyncSaveError, AsyncSaveFuture, AsyncSaveResponse, AsyncStagingError
 from .backends.filesystem import FileSystemReader, FileSystemWriter
 from .backends.fsspec import FsspecReader, FsspecWriter
 from .backends.protocol import StorageReader, StorageWriter
@@ -49,6 +49,7 @@ from .base.errors import (
 )
 from .engine.checkpoint import load, save
 from .format.records import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from .interop import torch_hf_storage as _torch_hf_storage  # noqa: F401 (registers torch's HF storage classes)
 from .interop.deprecated_calls import load_state_dict, save_state_dict
 from .interop.hf_writer import HuggingFaceStorageWriter
 from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
@@ -111,6 +112,7 @@ __all__ = [
     "StepInfo",
     "SaveTiming",
     "list_steps",
+    "AsyncSaveFuture",
     "AsyncSaveResponse",
     "AsyncCheckpointer",
     "AsyncSaveError",

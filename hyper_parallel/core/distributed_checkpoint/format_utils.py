@@ -1,8 +1,16 @@
 """torch DCP's ``format_utils`` import path: a checkpoint <-> one ``torch.save`` file.
 
-A face over :mod:`.interop.torch_save`.
+A face over :mod:`.interop.torch_save`. Also, as torch's module has them (accelerate's
+``merge_fsdp_weights`` and Lightning import them from here): ``_load_state_dict`` (a face over
+:mod:`.interop.deprecated_calls`) and ``_EmptyStateDictLoadPlanner``, torch's own planner, which
+``load`` runs on torch's planner protocol (an empty target receives the whole checkpoint).
 """
 
+from torch.distributed.checkpoint.default_planner import (
+    _EmptyStateDictLoadPlanner as _EmptyStateDictLoadPlanner,  # torch's planner, run as torch's
+)
+
+from .interop.deprecated_calls import _load_state_dict as _load_state_dict  # torch's private call form
 from .interop.torch_save import (
     BroadcastingTorchSaveReader,
     DynamicMetaLoadPlanner,

@@ -151,7 +151,7 @@ def rank_async(rank: int, ws: int, root: str) -> dict:
 
 def test_async_save_with_hyper_parallel_callbacks_and_get_result(tmp_path):
     for out in run_ranks(rank_async, 2, str(tmp_path), timeout_s=120):
-        assert out == {"meta": "Metadata", "calls": ["no-arg", "AsyncSaveResponse"], "exact": True}
+        assert out == {"meta": "Metadata", "calls": ["no-arg", "AsyncSaveFuture"], "exact": True}
 
 
 def test_a_rank_local_save_refuses_a_directory_with_a_collective_checkpoint(tmp_path):

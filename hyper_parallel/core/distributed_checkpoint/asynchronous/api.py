@@ -18,7 +18,7 @@ from ..backends.protocol import StorageWriter
 from ..planning.planner import SavePlanner
 from .checkpointer import AsyncCheckpointer, PathLike
 from .process_hooks import process_lock
-from .response import AsyncSaveResponse
+from .response import AsyncSaveFuture, AsyncSaveResponse
 from .torch_stagers import check_checkpointer_type, staging_of
 
 __all__ = ["async_save", "default_checkpointer", "register_optimizer_hook"]
@@ -65,7 +65,7 @@ def async_save(
     use_gloo: bool = True,
     async_checkpointer_type: Any = None,
     async_stager: Any = None,
-) -> AsyncSaveResponse:
+) -> AsyncSaveFuture | AsyncSaveResponse:
     """Save like :func:`save`, but return once a snapshot of the state dict is taken.
 
     Every rank of the group calls it, in the same order. With ``staging="eager"`` the call
@@ -108,11 +108,15 @@ def async_save(
             the caller's (close it as torch asks); a custom stager is refused.
 
     Returns:
-        An :class:`AsyncSaveResponse`: ``result()`` (or ``get_result()``) waits for the commit
-        and returns the :class:`Metadata`, on every rank. It is also what torch's
-        ``async_save`` returns: a Future (``result()``, ``done()``, ``add_done_callback``) and
-        torch's ``AsyncSaveResponse`` (``staging_completion`` and ``upload_completion``
-        Futures).
+        What torch's ``async_save`` returns. Without an async stager: an
+        :class:`AsyncSaveFuture`, a :class:`concurrent.futures.Future` (``result()``,
+        ``done()``, ``add_done_callback``) whose ``result()`` (or ``get_result()``) waits for
+        the commit and returns the :class:`Metadata`, on every rank. With torch's
+        ``DefaultStager(StagingOptions(use_async_staging=True))`` (staging in the background),
+        as torch: an :class:`AsyncSaveResponse`, a subclass of torch's, whose
+        ``staging_completion`` resolves once the snapshot is taken and whose
+        ``upload_completion`` is that Future. Either carries this library's extras
+        (``wait_staged()``, ``staging``, ``blocking_s``, ``staging_completion`` ...).
 
     Raises:
         AsyncSaveError: the previous async save failed (nothing new is started).
@@ -131,16 +135,17 @@ def async_save(
     """
     check_checkpointer_type(async_checkpointer_type)
     chosen = staging_of(async_stager, staging)
-    return (checkpointer or default_checkpointer()).save(
+    future = (checkpointer or default_checkpointer()).save(
         state_dict, path, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
         process_group=process_group, no_dist=no_dist, use_collectives=use_collectives,
         coordinator_rank=coordinator_rank, allow_pickle=allow_pickle, thread_count=thread_count,
         sync_files=sync_files, timeout=timeout, user_metadata=user_metadata, staging=chosen.staging,
         callback=callback, use_gloo=use_gloo, pin_memory=chosen.pin_memory)
+    return AsyncSaveResponse(future) if chosen.staging_response else future
 
 
 def register_optimizer_hook(
-    optimizer: torch.optim.Optimizer, target: AsyncSaveResponse | AsyncCheckpointer | None = None
+    optimizer: torch.optim.Optimizer, target: AsyncSaveFuture | AsyncSaveResponse | AsyncCheckpointer | None = None
 ) -> Any:
     """Make ``optimizer.step()`` wait until lazy snapshots are taken, before it changes anything.
 
@@ -151,7 +156,7 @@ def register_optimizer_hook(
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
-        target: an :class:`AsyncSaveResponse` or :class:`AsyncCheckpointer`.
+        target: what :func:`async_save` returned, or an :class:`AsyncCheckpointer`.
 
     Returns:
         The hook's handle; ``handle.remove()`` uninstalls it.

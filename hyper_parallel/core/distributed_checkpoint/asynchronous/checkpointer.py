@@ -13,7 +13,7 @@ One async save, on every rank of the group, in this order:
 3. Flatten the state dict (``Stateful.state_dict()`` is called now); copy plain values.
 4. ``staging="eager"``: copy every tensor (DTensor local shards, plain tensors, numpy arrays)
    into a staging buffer (:mod:`.buffers`), then return. ``staging="lazy"``: return now; a
-   stager thread copies, and :meth:`AsyncSaveResponse.wait_staged` (or
+   stager thread copies, and :meth:`AsyncSaveFuture.wait_staged` (or
    :func:`~.api.register_optimizer_hook`) blocks until it has, so call it before the
    parameters change again.
 5. A writer thread runs the ordinary :func:`~.engine.checkpoint.save` on the snapshot with the
@@ -73,7 +73,7 @@ from ..state.version_stamp import stamp_of
 from . import buffers
 from .buffers import BufferPool, StagingBuffer, StagingRing, StagingStats, copy_value, tensor_spec, wrap_dtensor
 from .process_hooks import install_exit_hooks, track
-from .response import AsyncSaveError, AsyncSaveResponse, AsyncStagingError
+from .response import AsyncSaveError, AsyncSaveFuture, AsyncStagingError
 from .streamed_staging import MIN_HOST_BYTES, MIN_RING_BYTES, BudgetStream, forget_locals
 
 __all__ = ["AsyncCheckpointer", "PathLike"]
@@ -102,7 +102,7 @@ class _Job:
     """One save: what to write, and its snapshot as it is being taken."""
 
     owner: AsyncCheckpointer
-    response: AsyncSaveResponse
+    response: AsyncSaveFuture
     save_kwargs: dict[str, Any]
     group: Any
     started: float
@@ -207,7 +207,7 @@ class AsyncCheckpointer:
         self._pool = BufferPool(max_cached_structures, self.stats)
         self._lock = threading.Lock()
         self._in_flight: deque[_Job] = deque()
-        self._unreported: list[tuple[AsyncSaveResponse, BaseException]] = []
+        self._unreported: list[tuple[AsyncSaveFuture, BaseException]] = []
         self._groups: dict[tuple[tuple[int, ...], timedelta | None], tuple[Any, Any]] = {}
         self._threads_pid: int | None = None
         self._write_queue: queue.Queue[_Job | None] = queue.Queue()
@@ -240,7 +240,7 @@ class AsyncCheckpointer:
         use_gloo: bool = True,
         incremental: Any = None,
         pin_memory: bool | None = None,
-    ) -> AsyncSaveResponse:
+    ) -> AsyncSaveFuture:
         """Start an async save; see :func:`async_save` for the arguments (``incremental``: as
         for :func:`~.api.save`; the checkpoint manager passes it; ``pin_memory=False``: never pin
         the staging buffers of accelerator tensors, None/True: pin them)."""
@@ -281,7 +281,7 @@ class AsyncCheckpointer:
             mesh_scoped = process_group is not None  # so the save guards the parts it lacks (api._part_guard)
         group = self._dedicated_group(process_group, timeout) if distributed else None
 
-        response = AsyncSaveResponse(given, staging, callback, self.wait_timeout_s)
+        response = AsyncSaveFuture(given, staging, callback, self.wait_timeout_s)
         # the background save plans with a copy: the caller may pass the same planner to a save
         # (or another async save) while this one is still writing, and a planner holds one call's state
         if planner is not None:
@@ -514,7 +514,7 @@ class AsyncCheckpointer:
     def _streamed(self, job: _Job) -> None:
         """The streamed snapshot is complete (or failed): the live tensors are not read again."""
         job.response.staging_s = time.perf_counter() - job.started
-        job.response._staged.set()
+        job.response._mark_staged()
 
     def _stage(self, job: _Job) -> None:
         """Copy the job's tensors into a staging buffer (caller's thread for eager)."""
@@ -538,7 +538,7 @@ class AsyncCheckpointer:
         finally:
             job.templates = {}
             job.response.staging_s = time.perf_counter() - start
-            job.response._mark_staged()
+            job.response._mark_staged(job.error)
 
     def _bands(self, job: _Job) -> tuple:
         """((key, column bands), ...): the host tensors to stage as the bands the save will

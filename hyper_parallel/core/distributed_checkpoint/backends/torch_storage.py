@@ -16,6 +16,9 @@ What maps (torch option -> here):
 - ``serialization_format``: data files are safetensors here either way.
 - ``_extensions`` (stream transforms such as compression): refused unless empty.
 
+torch's storage classes whose counterparts live in a higher layer (its Hugging Face reader and
+writers) are converted by the conversion that layer registers (:mod:`.storage_mappings`).
+
 A storage object with code of its own (a subclass of a torch storage class overriding
 ``write_data``, ``read_data`` ..., torch's other storage classes, any object on torch's
 ``StorageWriter``/``StorageReader`` protocol: :func:`is_torch_writer`/:func:`is_torch_reader`)
@@ -41,6 +44,7 @@ from ..base.overrides import foreign_base, own_methods
 from .filesystem import FileSystemReader, FileSystemWriter
 from .fsspec import FsspecReader, FsspecWriter
 from .protocol import StorageReader, StorageWriter
+from .storage_mappings import convert
 
 __all__ = ["as_our_writer", "as_our_reader", "is_torch_writer", "is_torch_reader", "as_torch_writer"]
 
@@ -116,6 +120,9 @@ def as_our_writer(writer: Any, foreign_ok: bool = False) -> Any:
     """
     if writer is None or isinstance(writer, StorageWriter) or not isinstance(writer, _torch_storage.StorageWriter):
         return writer
+    registered = convert(writer, "writer")  # e.g. torch's HuggingFaceStorageWriter
+    if registered is not None:
+        return registered
     fsspec_writer, _ = _fsspec_classes()
     base = foreign_base(type(writer))
     if not _mapped(writer, (_torch_fs.FileSystemWriter, _torch_fs._FileSystemWriter, fsspec_writer)):
@@ -149,6 +156,9 @@ def as_our_reader(reader: Any, foreign_ok: bool = False) -> Any:
     """
     if reader is None or isinstance(reader, StorageReader) or not isinstance(reader, _torch_storage.StorageReader):
         return reader
+    registered = convert(reader, "reader")  # e.g. torch's HuggingFaceStorageReader
+    if registered is not None:
+        return registered
     _, fsspec_reader = _fsspec_classes()
     base = foreign_base(type(reader))
     if not _mapped(reader, (_torch_fs.FileSystemReader, fsspec_reader)):

@@ -1,8 +1,12 @@
-"""torch DCP's deprecated spellings ``save_state_dict`` / ``load_state_dict``, on our save and load.
+"""torch DCP's older call forms, on our save and load: the deprecated spellings
+``save_state_dict`` / ``load_state_dict`` and the private ``_save_state_dict`` /
+``_load_state_dict`` they wrap in torch (clients import those: accelerate's
+``merge_fsdp_weights`` and Lightning's consolidation call ``_load_state_dict`` with torch's
+``_EmptyStateDictLoadPlanner`` to read a whole checkpoint into an empty dict).
 
 They take torch's arguments in torch's order (the storage object is required, and carries the
-checkpoint's path) and warn as torch does (a ``FutureWarning`` with torch's text). Not here: the
-calls themselves (:mod:`..engine.checkpoint`).
+checkpoint's path); the deprecated ones warn as torch does (a ``FutureWarning`` with torch's
+text). Not here: the calls themselves (:mod:`..engine.checkpoint`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,47 @@ from ..backends.protocol import StorageReader, StorageWriter
 from ..engine.checkpoint import load, save
 from ..format.metadata import Metadata
 from ..planning.planner import LoadPlanner, SavePlanner
+
+
+def _save_state_dict(
+    state_dict: dict[str, Any],
+    storage_writer: StorageWriter,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: SavePlanner | None = None,
+    use_collectives: bool = True,
+) -> Metadata | None:
+    """torch's private ``_save_state_dict``: ``save(state_dict, storage_writer=storage_writer, ...)``.
+
+    Saves into the writer's own directory; returns the committed metadata (None on ranks other
+    than the coordinator, as :func:`save`).
+    """
+    return save(state_dict, storage_writer=storage_writer, process_group=process_group,
+                coordinator_rank=coordinator_rank, no_dist=no_dist, planner=planner, use_collectives=use_collectives)
+
+
+def _load_state_dict(
+    state_dict: dict[str, Any],
+    storage_reader: StorageReader,
+    process_group: Any = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: LoadPlanner | None = None,
+) -> None:
+    """torch's private ``_load_state_dict``: ``load(state_dict, storage_reader=storage_reader, ...)``.
+
+    Fills ``state_dict`` in place from the reader's directory and returns None, as torch's does;
+    with torch's ``_EmptyStateDictLoadPlanner``, an empty ``state_dict`` receives the whole
+    checkpoint.
+
+    Example::
+
+        sd = {}
+        _load_state_dict(sd, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    """
+    load(state_dict, storage_reader=storage_reader, process_group=process_group,
+         coordinator_rank=coordinator_rank, no_dist=no_dist, planner=planner)
 
 
 @deprecated(
@@ -35,8 +80,7 @@ def save_state_dict(
     Saves into the writer's own directory. Returns the committed metadata (None on ranks
     other than the coordinator, as :func:`save`).
     """
-    return save(state_dict, storage_writer=storage_writer, process_group=process_group,
-                coordinator_rank=coordinator_rank, no_dist=no_dist, planner=planner)
+    return _save_state_dict(state_dict, storage_writer, process_group, coordinator_rank, no_dist, planner)
 
 
 @deprecated(
@@ -56,5 +100,4 @@ def load_state_dict(
 
     Fills ``state_dict`` in place from the reader's directory and returns None, as torch's does.
     """
-    load(state_dict, storage_reader=storage_reader, process_group=process_group,
-         coordinator_rank=coordinator_rank, no_dist=no_dist, planner=planner)
+    _load_state_dict(state_dict, storage_reader, process_group, coordinator_rank, no_dist, planner)

@@ -110,7 +110,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..asynchronous.checkpointer import AsyncCheckpointer
-from ..asynchronous.response import AsyncSaveError, AsyncSaveResponse
+from ..asynchronous.response import AsyncSaveError, AsyncSaveFuture
 from ..backends.protocol import StorageReader, StorageWriter
 from ..base.coordination import DEFAULT_TIMEOUT, Coordinator, as_timeout
 from ..base.errors import CheckpointError, CommitError, CorruptCheckpointError, NotACheckpointError
@@ -151,7 +151,7 @@ class _Pending:
     """A save whose outcome every rank has not yet learned (async: in flight)."""
 
     step: int
-    response: AsyncSaveResponse | None = None
+    response: AsyncSaveFuture | None = None
     meta: md.Metadata | None = None  # sync saves, on the coordinator
     blocking_s: float = 0.0
 
