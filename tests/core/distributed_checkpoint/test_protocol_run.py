@@ -16,7 +16,6 @@ import os
 import warnings
 from concurrent.futures import Future
 
-import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
 from helpers import assert_same, local_expected, make_dtensor, make_tensor
@@ -198,8 +197,6 @@ def test_a_planner_transforming_tensors_in_resolve_and_commit_runs_them(tmp_path
     assert torch.equal(target["model"]["b"], (small_sd()["model"]["b"].double() * 2).bfloat16())
 
 
-@pytest.mark.xfail(strict=False, reason="our readers' read_data(plan, planner) for torch-protocol planners on our "
-                                        "format lands with the lead's reader work (transfer/torch_reads)")
 def test_torch_protocol_planners_load_a_checkpoint_of_our_format(tmp_path):
     path = str(tmp_path / "ours")
     save(small_sd(), path)

@@ -141,3 +141,24 @@ def test_a_pickled_value_needs_the_opt_in(tmp_path):
         read_torch_items(view.document, reader, plan.items, planner)
     read_torch_items(view.document, reader, plan.items, planner, allow_pickle=True)
     assert sd["o"] == {1, 2}
+
+
+def rank_torch_planner_on_our_format(rank: int, ws: int, root: str) -> bool:
+    from helpers import local_expected, make_dtensor, make_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from hyper_parallel.core.distributed_checkpoint import load
+
+    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("x",))
+    full = make_tensor((7, 6))
+    save({"w": make_dtensor(full, mesh, [Shard(0)]), "step": 4}, root)
+    target = {"model.w": make_dtensor(torch.zeros(7, 6), mesh, [Shard(1)])}
+    load(target, checkpoint_id=root, planner=_Renaming(allow_partial_load=True))  # our load, torch's planner
+    return torch.equal(target["model.w"].to_local(), local_expected(full, mesh, [Shard(1)]) * 2)
+
+
+def test_a_torch_planner_reshards_our_checkpoint_on_two_ranks(tmp_path):
+    from multiprocess import run_ranks
+
+    assert all(run_ranks(rank_torch_planner_on_our_format, 2, str(tmp_path / "ck")))

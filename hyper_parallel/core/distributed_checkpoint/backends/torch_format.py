@@ -50,7 +50,7 @@ from ..format.torch_pickles import (
 )
 from .protocol import StorageReader, check_range
 
-__all__ = ["TorchFormatReader", "OwnFormatReader", "safe_metadata_reads", "is_pickle", "stored_bytes"]
+__all__ = ["TorchFormatReader", "safe_metadata_reads", "is_pickle", "stored_bytes"]
 
 
 def stored_bytes(storage: StorageReader, name: str = METADATA_FILE) -> bytes:
@@ -308,47 +308,3 @@ def safe_metadata_reads(reader: Any) -> Iterator[Any]:
     finally:
         with contextlib.suppress(AttributeError):
             del reader.read_metadata
-
-
-class OwnFormatReader(_torch_storage.StorageReader):
-    """One of this library's readers (our format) on torch's reader protocol, for a load whose
-    planner is torch's: ``read_metadata()`` and ``read_data(plan, planner)`` are the reader's own
-    (torch's ``Metadata`` view of our document, and the reads it plans); the steps our readers
-    need not do (``set_up_storage_reader``, ``prepare_*_plan``) are the reader's where it has
-    them, else nothing beyond ``set_up``."""
-
-    def __init__(self, storage: StorageReader) -> None:
-        super().__init__()
-        self.storage = storage
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
-            self.storage.reset(os.fspath(checkpoint_id))
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        return self.storage.read_metadata()
-
-    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        own = getattr(self.storage, "set_up_storage_reader", None)
-        if callable(own):
-            own(metadata, is_coordinator, *args, **kwargs)
-        else:
-            self.storage.set_up(kwargs.get("rank") or 0, is_coordinator)
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        own = getattr(self.storage, "prepare_local_plan", None)
-        return own(plan) if callable(own) else plan
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        own = getattr(self.storage, "prepare_global_plan", None)
-        return own(plans) if callable(own) else plans
-
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        return self.storage.read_data(plan, planner)
-
-    def close(self) -> None:
-        self.storage.close()
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..backends.locations import location
 from ..backends.protocol import StorageReader, StorageWriter
 from ..backends.resolve import reader_for, writer_for
-from ..backends.torch_format import OwnFormatReader, TorchFormatReader, is_pickle
+from ..backends.torch_format import TorchFormatReader, is_pickle
 from ..backends.torch_storage import as_our_reader, as_our_writer, as_torch_writer, is_torch_reader, is_torch_writer
 from ..base.coordination import Coordinator, as_timeout
 from ..base.errors import CheckpointError, UnsupportedValueError, storage_error
@@ -46,6 +46,7 @@ from ..transfer.loader import read_plan
 from ..transfer.plan_writer import PlanWriter
 from ..transfer.saver import build_metadata, data_file_names, write_plan
 from ..transfer.shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
+from ..transfer.torch_reads import OwnFormatReader
 from . import in_flight
 from .commit import commit_and_agree, remove_own_files, write_and_report
 from .incremental import IncrementalState
@@ -448,7 +449,9 @@ def load(
         raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True")
     storage_reader = as_our_reader(storage_reader, foreign_ok=True)
     planner = as_our_planner(planner, "load", foreign_ok=True)
-    if is_torch_reader(storage_reader) or is_seed_reader(storage_reader):  # its own code: torch's procedure
+    # a reader with code of its own: torch's procedure (ours answer the seed's names too, and load as ours)
+    if is_torch_reader(storage_reader) or (is_seed_reader(storage_reader)
+                                           and not isinstance(storage_reader, StorageReader)):
         return _load_with_protocol_reader(state_dict, path, checkpoint_id, storage_reader, planner, process_group,
                                           no_dist, strict, coordinator_rank, allow_pickle, timeout)
     foreign_planner = is_torch_planner(planner, "load") or is_seed_planner(planner)
@@ -513,7 +516,10 @@ def load(
                 enabled = broadcast_replicated_tensors
             if is_pickle(meta_bytes) or foreign_planner:  # torch's format, or a planner on torch's protocol
                 on_protocol = (TorchFormatReader(reader, meta_bytes, allow_pickle, files_checked=True)
-                               if is_pickle(meta_bytes) else OwnFormatReader(reader))
+                               if is_pickle(meta_bytes) else
+                               OwnFormatReader(reader, md.Metadata.from_json(meta_bytes, where=label).attach(),
+                                               where=where or "checkpoint", allow_pickle=allow_pickle,
+                                               thread_count=thread_count, verify=verify))
                 return _load_on_torch_protocol(state_dict, on_protocol, given, coord, my_rank, strict, allow_pickle)
 
             share = sharing_wanted(coord, enabled, rank_local)

@@ -14,6 +14,10 @@ Non-tensor items: JSON values and byte strings are handed over as ``torch.save``
 value (plain data: unpickling them runs nothing); a value saved with ``allow_pickle=True`` is only
 unpickled when this load opted in too.
 
+:class:`OwnFormatReader` puts one of our readers on torch's reader protocol with these reads, so
+that the protocol driver (``engine.protocol_run``) runs a torch planner on our format like on any
+torch storage.
+
 What it is not: the call order of a torch-protocol load (``engine.protocol_run``), nor our own
 planner's reads (:mod:`.loader`).
 """
@@ -21,11 +25,14 @@ planner's reads (:mod:`.loader`).
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import storage as _torch_storage
+from torch.futures import Future
 
 from ..backends.protocol import StorageReader
 from ..base.box import Box
@@ -33,12 +40,12 @@ from ..base.dtypes import torch_dtype
 from ..base.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from ..format import metadata as md
 from ..format.chunks import overlapping
-from ..format.torch_view import leaf_value
+from ..format.torch_view import TorchView, leaf_value
 from ..planning.planner import LoadPlan as BoxPlan
 from ..planning.planner import ReadItem as BoxRead
 from .loader import DEFAULT_BUFFER_BYTES, read_box, read_plan
 
-__all__ = ["read_torch_items"]
+__all__ = ["read_torch_items", "OwnFormatReader"]
 
 
 class _Destinations:
@@ -144,3 +151,49 @@ def read_torch_items(meta: md.Metadata, reader: StorageReader, items: Sequence[A
             with torch.no_grad():
                 tensor.copy_(dest)
         planner.commit_tensor(item, tensor)
+
+
+class OwnFormatReader(_torch_storage.StorageReader):
+    """One of this library's readers (our format) on torch's reader protocol, for a load whose
+    planner speaks torch's (or HyperParallel's) protocol.
+
+    ``read_metadata()`` is torch's ``Metadata`` view of the checkpoint's document (``document``:
+    the one the load read and every rank received, merged fragments included), and
+    ``read_data(plan, planner)`` carries out the plan with :func:`read_torch_items`. The steps our
+    readers need not do (``prepare_*_plan``) return the plans unchanged.
+    """
+
+    def __init__(self, storage: StorageReader, document: md.Metadata, *, where: str = "checkpoint",
+                 allow_pickle: bool = False, thread_count: int = 4, verify: bool = True) -> None:
+        super().__init__()
+        self.storage, self.document, self.where = storage, document, where
+        self.allow_pickle, self.thread_count, self.verify = allow_pickle, thread_count, verify
+        self._view: TorchView | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Nothing to do: the reader is already set up on the checkpoint the load reads."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> TorchView:
+        if self._view is None:
+            self._view = TorchView(self.document, checkpoint_id=self.where)
+        return self._view
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: the load set the reader up before reading the metadata."""
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        read_torch_items(self.document, self.storage, plan.items, planner, where=self.where,
+                         allow_pickle=self.allow_pickle, thread_count=self.thread_count, verify=self.verify)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
