@@ -6,7 +6,9 @@ seed's ``TorchShardedSafetensorsReader`` joins the shard files torch's writer le
 seed's names for the strings those files use (:mod:`.interop.hf_index`; torch's values):
 ``DCP_SHARDING_INFO_KEY`` (the safetensors header entry where torch's writer records each
 shard), ``SAVED_OFFSETS_KEY`` (a shard's offsets in the whole tensor, inside that entry) and
-``SAFETENSORS_INDEX_SUFFIX`` (how an index file's name ends).
+``SAFETENSORS_INDEX_SUFFIX`` (how an index file's name ends). The readers also answer the
+seed's reader calls (``load_metadata``, ``configure_reader``, ``execute_read``) and torch's
+(``read_metadata``, ``set_up_storage_reader``, ``read_data``): :mod:`.interop.hf_protocols`.
 """
 
 from .interop.hf_index import DCP_SHARDING_INFO_KEY, SAFETENSORS_INDEX_SUFFIX, SAVED_OFFSETS_KEY

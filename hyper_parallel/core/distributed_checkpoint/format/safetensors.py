@@ -244,7 +244,8 @@ def read_header_bytes(source: ByteSource, name: str, where: str, max_bytes: int 
     if size is None:
         size = source.file_size(name)
     if size < HEAD:
-        raise CorruptCheckpointError(f"{where} is truncated: {size} bytes, a safetensors file starts with 8")
+        raise CorruptCheckpointError(f"{where} is truncated: {size} bytes, too short for the 8 a safetensors file "
+                                     "starts with")
     head = bytearray(HEAD)
     source.read_into(name, 0, memoryview(head))
     length = header_length(head)
@@ -253,7 +254,7 @@ def read_header_bytes(source: ByteSource, name: str, where: str, max_bytes: int 
                                      f"({max_bytes}); the file is damaged or not a safetensors file")
     if HEAD + length > size:
         raise CorruptCheckpointError(f"{where} is truncated: its header claims {length} bytes, the file has "
-                                     f"{size} in all")
+                                     f"{size} in all (too short for its header)")
     raw = bytearray(length)
     source.read_into(name, HEAD, memoryview(raw))
     return raw

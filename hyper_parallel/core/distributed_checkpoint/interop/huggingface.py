@@ -75,6 +75,7 @@ from .hf_index import (
     parse_weight_map,
     unindexed_shards,
 )
+from .hf_protocols import ProtocolReads
 
 # torch's HuggingFaceStorageWriter records each tensor's place in the whole tensor here (a
 # JSON string: {name: {"saved_offsets": [...]}}); a non-zero offset means a shard.
@@ -85,12 +86,40 @@ _INDEX_SUFFIX = SAFETENSORS_INDEX_SUFFIX
 _TORCH_SHARD_NAME = re.compile(r"shard-(\d+)-model-\d+-of-\d+\.safetensors")
 
 
+# What these readers refuse a directory for is both an error of ours and the builtin class
+# HyperParallel's readers raise for the same fault (its callers catch ValueError and
+# FileNotFoundError), so code written for either catches it.
+class SafetensorsFormatError(CorruptCheckpointError, ValueError):
+    """A file of the directory contradicts the safetensors format or the other files: a damaged
+    header, a tensor in two files, an index naming a tensor its file lacks, torch shards that
+    overlap, leave a hole or disagree on dtype. The message names the file and the tensor."""
+
+
+class SafetensorsUnsupportedError(UnsupportedValueError, ValueError):
+    """What the reader cannot load: a sub-byte dtype (F4, F6), or a directory of the other kind
+    (torch's shards for :class:`HuggingFaceStorageReader`, whole tensors for
+    :class:`TorchShardedSafetensorsReader`; the message names the reader to use)."""
+
+
+class SafetensorsFileMissingError(CorruptCheckpointError, FileNotFoundError):
+    """A file ``model.safetensors.index.json`` names is not in the directory (an incomplete download)."""
+
+
+def _classified(exc: CheckpointError) -> CheckpointError:
+    """A header error of the format layer as one of the classes above (same message), so that a
+    damaged file is a ValueError here as for HyperParallel's readers."""
+    if isinstance(exc, ValueError):
+        return exc
+    cls = SafetensorsUnsupportedError if isinstance(exc, UnsupportedValueError) else SafetensorsFormatError
+    return cls(*exc.args).with_traceback(exc.__traceback__)
+
+
 def torch_saved_offsets(header: SafetensorsHeader, where: str,
                         strict: bool = True) -> dict[str, tuple[int, ...]] | None:
     """Where each tensor of a file sits in its whole tensor, as torch's HuggingFaceStorageWriter
     records it (``DCP_SHARDING_INFO``), or None for a file that records nothing.
 
-    Raises CorruptCheckpointError when the record is not a JSON object, or (``strict``) lacks
+    Raises SafetensorsFormatError when the record is not a JSON object, or (``strict``) lacks
     valid offsets (one integer >= 0 per dim) for a tensor of the file; not ``strict``, such
     tensors are left out.
     """
@@ -102,7 +131,7 @@ def torch_saved_offsets(header: SafetensorsHeader, where: str,
     except ValueError:
         doc = None
     if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: {_TORCH_SHARDING} in its header is not a JSON object")
+        raise SafetensorsFormatError(f"{where}: {_TORCH_SHARDING} in its header is not a JSON object")
     out: dict[str, tuple[int, ...]] = {}
     for name, t in header.tensors.items():
         rec = doc.get(name)
@@ -111,7 +140,7 @@ def torch_saved_offsets(header: SafetensorsHeader, where: str,
                 or not all(type(o) is int and 0 <= o < MAX_ELEMENTS for o in offsets)):
             if not strict:
                 continue
-            raise CorruptCheckpointError(
+            raise SafetensorsFormatError(
                 f"{where}: {_TORCH_SHARDING} in its header gives tensor {name!r} (shape {list(t.shape)}) no "
                 f"valid {_SAVED_OFFSETS} (one integer >= 0 per dim), found {rec!r:.80}; the header is damaged")
         out[name] = tuple(offsets)
@@ -138,7 +167,7 @@ class _LocalFiles(LocalFiles, StorageReader):
         return sorted(e.name for e in os.scandir(self.path) if e.is_file())
 
 
-class HuggingFaceStorageReader(StorageReader):
+class HuggingFaceStorageReader(ProtocolReads, StorageReader):
     """Reads a Hugging Face safetensors checkpoint directory as if it were a checkpoint of ours.
 
     Pass it to :func:`~.api.load` instead of a path: every rank reads only the byte ranges
@@ -157,6 +186,15 @@ class HuggingFaceStorageReader(StorageReader):
     Safetensors files have no checksums: nothing is verified beyond the headers' consistency
     and the files' sizes (see the module docstring).
 
+    HyperParallel's reader calls and torch's work too (:mod:`.hf_protocols`), for planners that
+    drive a reader themselves::
+
+        meta = reader.load_metadata()      # HyperParallel's Metadata: a chunk at the origin per tensor
+        planner.configure_planner(state_dict, meta, rank=0)
+        reader.configure_reader(meta, is_coordinator=True, rank=0)
+        reader.execute_read(planner.build_local_plan(), planner)
+        torch.distributed.checkpoint.load(state_dict, storage_reader=reader)  # torch's loader
+
     Args:
         path: the directory (a local path, or an fsspec URL such as ``s3://bucket/model``).
         thread_count: threads that read the files' headers while the coordinator builds the
@@ -167,15 +205,18 @@ class HuggingFaceStorageReader(StorageReader):
             (symbolic links followed, as the Hugging Face hub cache needs) or an
             :class:`~.fsspec_storage.FsspecReader` for a URL.
 
-    Raises (from ``load``):
-        NotACheckpointError: the directory holds neither the index nor ``model.safetensors``.
-        MetadataError: the index is not JSON with a ``weight_map`` of plain file names.
-        CorruptCheckpointError: a file the index names is missing, truncated, or its header
-            is damaged or lies about its data; a tensor the index maps to a file is not in it;
-            two files hold the same tensor; a file changed while loading. The message names
-            the file and the tensor.
-        UnsupportedValueError: a sub-byte dtype (F4, F6), or a directory of torch shards
-            (the message names :class:`TorchShardedSafetensorsReader`).
+    Raises (from ``load``, ``load_metadata``, ``read_metadata``; each class is also the builtin
+    one HyperParallel's reader raises, named after it):
+        NotACheckpointError (FileNotFoundError): the directory holds neither the index nor
+            ``model.safetensors``.
+        SafetensorsFileMissingError (FileNotFoundError): a file the index names is missing.
+        MetadataError (ValueError): the index is not JSON with a ``weight_map`` of plain file names.
+        SafetensorsFormatError (ValueError): a file is truncated, or its header is damaged or lies
+            about its data; a tensor the index maps to a file is not in it; two files hold the
+            same tensor. The message names the file and the tensor.
+        SafetensorsUnsupportedError (ValueError): a sub-byte dtype (F4, F6), or a directory of
+            torch shards (the message names :class:`TorchShardedSafetensorsReader`).
+        CorruptCheckpointError: a file changed while loading.
     """
 
     def __init__(self, path: str | os.PathLike, thread_count: int = 1, *,
@@ -188,6 +229,16 @@ class HuggingFaceStorageReader(StorageReader):
             self.files = FsspecReader(self.path)
         else:
             self.files = _LocalFiles(local_path(self.path))
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """torch's ``reset``: a new load, of the directory ``checkpoint_id`` when given (read as
+        ``__init__`` reads a path)."""
+        self._document = None
+        if checkpoint_id is not None:
+            self.close()
+            HuggingFaceStorageReader.__init__(self, checkpoint_id, self.thread_count)
+            # set up again: a subclass drops what it cached of the old directory's files
+            self.set_up(getattr(self, "rank", 0), getattr(self, "is_coordinator", False))
 
     @property
     def bytes_read(self) -> int:  # type: ignore[override]
@@ -245,7 +296,7 @@ class HuggingFaceStorageReader(StorageReader):
         for name in names if weight_map is not None else ():
             if not self._exists(name):
                 first = next(k for k, v in weight_map.items() if v == name)
-                raise CorruptCheckpointError(
+                raise SafetensorsFileMissingError(
                     f"{self._where(name)} is missing: {HF_INDEX} maps {first!r} (and maybe more) to it; the "
                     "download is incomplete")
         headers = self._read_headers(names)
@@ -256,12 +307,12 @@ class HuggingFaceStorageReader(StorageReader):
             where = self._where(name)
             offsets = torch_saved_offsets(header, where, strict=False)  # only to tell shards apart
             if offsets is not None and any(any(o) for o in offsets.values()):
-                raise UnsupportedValueError(
+                raise SafetensorsUnsupportedError(
                     f"{where} holds shards of larger tensors (torch's HuggingFaceStorageWriter with "
                     "save_distributed=True); load the directory with TorchShardedSafetensorsReader")
             for key, t in header.tensors.items():
                 if key in holder:
-                    raise CorruptCheckpointError(f"tensor {key!r} is in both {self._where(holder[key])} and {where}")
+                    raise SafetensorsFormatError(f"tensor {key!r} is in both {self._where(holder[key])} and {where}")
                 holder[key] = name
                 ndim = len(t.shape)
                 n = 1 if t.nbytes else 0  # one chunk: the whole tensor (an empty one has none)
@@ -272,12 +323,17 @@ class HuggingFaceStorageReader(StorageReader):
         for key, name in (weight_map or {}).items():
             if holder.get(key) != name:
                 found = f"it is in {self._where(holder[key])}" if key in holder else "no file holds it"
-                raise CorruptCheckpointError(f"{self._where(HF_INDEX)} maps tensor {key!r} to {name}, but {found}")
+                raise SafetensorsFormatError(f"{self._where(HF_INDEX)} maps tensor {key!r} to {name}, but {found}")
         meta = md.Metadata(entries, "huggingface", 1, user={"source": "huggingface"}, files=files)
         return meta.to_json()
 
     def _read_headers(self, names: list[str]) -> list[SafetensorsHeader]:
-        read = lambda name: read_header(self.files, name, self._where(name))
+        def read(name: str) -> SafetensorsHeader:
+            try:
+                return read_header(self.files, name, self._where(name))
+            except (CorruptCheckpointError, UnsupportedValueError) as exc:
+                raise _classified(exc) from None
+
         if self.thread_count > 1 and len(names) > 1:
             with ThreadPoolExecutor(min(self.thread_count, len(names)), thread_name_prefix="hf-header") as pool:
                 return list(pool.map(read, names))
@@ -355,7 +411,7 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
                                         "TorchShardedSafetensorsReader finds the shard files by listing") from None
         indexes = sorted(n for n in listed if n.endswith(_INDEX_SUFFIX))
         if indexes:
-            raise UnsupportedValueError(
+            raise SafetensorsUnsupportedError(
                 f"{self._where(indexes[0])}: a directory with an index holds whole tensors, not torch's shards; "
                 "load it with HuggingFaceStorageReader (torch's HuggingFaceStorageWriter with "
                 "enable_consolidation=True keeps its shards in the 'sharded' subdirectory)")
@@ -379,14 +435,14 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
             where = self._where(name)
             offsets = torch_saved_offsets(header, where)
             if offsets is None:
-                raise UnsupportedValueError(
+                raise SafetensorsUnsupportedError(
                     f"{where} records no {_TORCH_SHARDING} in its header, so it is no shard of torch's "
                     "HuggingFaceStorageWriter(save_distributed=True), and every *.safetensors file here must be "
                     "one; a Hugging Face checkpoint of whole tensors loads with HuggingFaceStorageReader")
             for key, t in header.tensors.items():
                 kind = kinds.setdefault(key, (t.dtype, len(t.shape), i))
                 if kind[:2] != (t.dtype, len(t.shape)):
-                    raise CorruptCheckpointError(
+                    raise SafetensorsFormatError(
                         f"tensor {key!r} is {t.dtype} with {len(t.shape)} dims in {where}, but {kind[0]} with "
                         f"{kind[1]} dims in {self._where(names[kind[2]])}; the files come from different saves")
                 shards.setdefault(key, []).append((Box(offsets[key], t.shape), i))
@@ -403,7 +459,7 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
         pair = first_overlap([b for b, _ in live])
         if pair is not None:
             (a, fa), (b, fb) = live[pair[0]], live[pair[1]]
-            raise CorruptCheckpointError(
+            raise SafetensorsFormatError(
                 f"tensor {key!r}: its shard {a} in {self._where(names[fa])} overlaps its shard {b} in "
                 f"{self._where(names[fb])}; the directory mixes shards of different saves (torch's writer "
                 "overwrites only its own files: save into an empty directory)")
@@ -413,7 +469,7 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
             hole = f"; {holes[0]} is in no file" if holes else ""
             files = sorted({names[i] for _, i in shards})
             listed = ", ".join(files[:6]) + (f" and {len(files) - 6} more" if len(files) > 6 else "")
-            raise CorruptCheckpointError(
+            raise SafetensorsFormatError(
                 f"tensor {key!r} (shape {list(shape)}, the extent of its shards): its shards in {listed} cover "
                 f"{held} of its {total} elements{hole}. A shard file is missing from {self.path!r}"
                 f"{_missing_shards(names)}, or the files come from different saves")
