@@ -71,8 +71,6 @@ def test_an_empty_dict_receives_a_whole_checkpoint_torch_wrote(tmp_path):
     _whole(sd, tdcp.FileSystemReader(str(tmp_path)))
 
 
-@pytest.mark.xfail(strict=True, reason="torch-protocol planners on our format wait for our readers' read_data "
-                                       "(issue 44 item 4, engine/protocol_run)")
 def test_an_empty_dict_receives_a_whole_checkpoint_we_wrote(tmp_path):
     sd = _state()
     save(sd, checkpoint_id=str(tmp_path), no_dist=True)
