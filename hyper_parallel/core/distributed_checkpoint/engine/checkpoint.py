@@ -33,6 +33,7 @@ from ..base.coordination import Coordinator, as_timeout
 from ..base.errors import CheckpointError, UnsupportedValueError, storage_error
 from ..base.gc_pause import paused_gc
 from ..format import metadata as md
+from ..format.torch_view import TorchView
 from ..format.values import check_user_metadata
 from ..planning.per_call import planner_for_call
 from ..planning.plan_cache import CachedSaveResult, announce_plan, cache_scope, cached_plans, plan_digest, remember_plan
@@ -202,8 +203,8 @@ def save(
         as_timeout(timeout)  # checked as everywhere, though this rank saves alone
         if user_metadata is not None:
             check_user_metadata(user_metadata)  # no collective here: this rank alone
-        return save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
-                               thread_count, sync_files, user_metadata)
+        return _torch_shaped(save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
+                               thread_count, sync_files, user_metadata))
     scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
     process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
     scoped = (scoped and process_group is not None) or (_mesh_scoped and not no_dist)
@@ -279,7 +280,13 @@ def save(
     if incremental is not None:
         done = mine_written[0]
         incremental.committed(mine.entries, done.digests, done.known_reused, meta, done.verdicts, done.stats)
-    return meta
+    return _torch_shaped(meta)
+
+
+def _torch_shaped(meta: Any) -> Any:
+    """What save returns: torch's ``Metadata`` (and HyperParallel's), a view of the committed
+    document built per key on access, with the document's own fields on it (``.entries``...)."""
+    return TorchView(meta) if isinstance(meta, md.Metadata) else meta
 
 
 def _save_on_torch_protocol(state_dict: dict[str, Any], path: PathLike | None, checkpoint_id: PathLike | None,
