@@ -194,8 +194,12 @@ def test_torch_writer_options_without_a_counterpart_are_refused(tmp_path):
     class Compress:  # stands for torch's ZStandard extension (which needs zstandard installed)
         pass
 
-    with pytest.raises(UnsupportedValueError, match="single_file_per_rank=False.*thread_count"):
-        save({"w": torch.ones(2)}, storage_writer=tdcp.FileSystemWriter(str(tmp_path), single_file_per_rank=False))
+    # a file per tensor (torch's single_file_per_rank=False) is taken: the same data, our files
+    save({"w": torch.ones(2)}, storage_writer=tdcp.FileSystemWriter(str(tmp_path / "f"), single_file_per_rank=False),
+         no_dist=True)
+    got = {"w": torch.zeros(2)}
+    load(got, checkpoint_id=str(tmp_path / "f"), no_dist=True)
+    assert torch.equal(got["w"], torch.ones(2))
     with pytest.raises(UnsupportedValueError, match="_extensions=.*compression.*Pass no _extensions"):
         save({"w": torch.ones(2)}, storage_writer=tdcp.FileSystemWriter(str(tmp_path), _extensions=[Compress()]))
     # knobs of torch's own writer loop, with nothing to change here, are accepted

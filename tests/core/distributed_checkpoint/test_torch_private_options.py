@@ -97,3 +97,14 @@ def test_fsspec_writer_refuses_stream_transforms_instead_of_passing_them_to_fssp
         FsspecWriter("memory://private-options/a", _extensions=[_Reverse()])
     writer = FsspecWriter("memory://private-options/b", _extensions=None)
     assert "_extensions" not in writer._options  # never handed to the filesystem as a storage option
+
+
+def test_fsspec_writer_takes_torchs_arguments_in_torchs_order(tmp_path):
+    url = f"file://{tmp_path / 'ck'}"
+    writer = FsspecWriter(url, True, True, 3, 10, False)  # torch's positional order: ..., thread_count, ..., overwrite
+    assert writer.thread_count == 3 and writer.overwrite is False
+    save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+    with pytest.raises(CheckpointError):  # overwrite=False honoured: a committed checkpoint is not replaced
+        save({"w": torch.zeros(2)}, storage_writer=FsspecWriter(url, overwrite=False), no_dist=True)
+    reader = FileSystemReader(str(tmp_path / "ck"), None)  # torch's positional _extension_registry=None
+    assert reader.read_metadata().state_dict_metadata["w"].size == torch.Size([2])

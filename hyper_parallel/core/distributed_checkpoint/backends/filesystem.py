@@ -482,7 +482,7 @@ class FileSystemReader(StorageReader):
             None, saying why (:mod:`..base.torch_options`).
     """
 
-    def __init__(self, path: str | os.PathLike, direct_io: bool | None = None, *, _extension_registry: Any = None):
+    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None, *, direct_io: bool | None = None):
         refuse_private_options("FileSystemReader", _extension_registry=_extension_registry)
         self.path = checkpoint_path(path)
         self.direct_io = _mode_arg(direct_io)

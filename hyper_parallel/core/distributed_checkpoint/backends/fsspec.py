@@ -97,13 +97,20 @@ def open_filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
 class FsspecWriter(StorageWriter):
     """Writes a checkpoint under an fsspec URL; ``storage_options`` go to the filesystem."""
 
-    def __init__(self, url: str, **storage_options: Any):
-        refuse_private_options("FsspecWriter", _extensions=storage_options.pop("_extensions", None))
+    def __init__(self, url: str, single_file_per_rank: bool = True, sync_files: bool = True, thread_count: int = 1,
+                 per_thread_copy_ahead: int = 10_000_000, overwrite: bool = True, _extensions: Any = None,
+                 serialization_format: Any = None, **storage_options: Any):
+        refuse_private_options("FsspecWriter", _extensions=_extensions)
+        # torch's FsspecWriter arguments in its order: overwrite and thread_count are honoured; the
+        # layout knobs mean what they mean for FileSystemWriter (files per rank are ours either way);
+        # everything else is the filesystem's storage options, as in torch
+        del single_file_per_rank, sync_files, per_thread_copy_ahead, serialization_format
         self.url = url
         self._options = storage_options
         self.fs, self.root = open_filesystem(url, storage_options)
         self._call = BoundedCalls(url)
-        self.overwrite = True  # False: refuse to replace a committed checkpoint (torch's FsspecWriter option)
+        self.thread_count = thread_count
+        self.overwrite = overwrite  # False: refuse to replace a committed checkpoint (torch's FsspecWriter option)
 
     def reset(self, checkpoint_id: str) -> None:
         """Point this writer at another URL with the same storage options (torch DCP's

@@ -7,8 +7,9 @@ What maps (torch option -> here):
   filesystem's ``storage_options``) -> the same options.
 - ``sync_files``, ``thread_count`` (data files and writer threads per rank), ``overwrite``
   -> the same options.
-- ``single_file_per_rank=True`` (torch's default): each rank writes ``thread_count`` data files
-  either way; False (a file per tensor) is refused.
+- ``single_file_per_rank`` (a file per rank, or torch's file per tensor): each rank writes
+  ``thread_count`` data files either way (the data and what loads it are the same; a file per
+  tensor would only multiply opens), as our own ``FileSystemWriter`` does.
 - ``per_thread_copy_ahead``: torch's bound on device->host copies queued ahead of its writer
   threads; writes here go through a fixed pool of aligned buffers, so any value is accepted.
 - ``cache_staged_state_dict``: async saves here always reuse their staging buffers; either
@@ -116,7 +117,7 @@ def as_our_writer(writer: Any, foreign_ok: bool = False) -> Any:
 
     Raises:
         UnsupportedValueError: a torch writer with code of its own (unless ``foreign_ok``), or an
-            option with no counterpart here (``single_file_per_rank=False``, ``_extensions``).
+            option with no counterpart here (``_extensions``).
     """
     if writer is None or isinstance(writer, StorageWriter) or not isinstance(writer, _torch_storage.StorageWriter):
         return writer
@@ -130,10 +131,6 @@ def as_our_writer(writer: Any, foreign_ok: bool = False) -> Any:
             return writer
         _refuse(writer, "writer")
     what = f"storage_writer={type(writer).__name__}({os.fspath(writer.path)!r})"
-    if not writer.single_file_per_rank:
-        raise UnsupportedValueError(
-            f"{what}: single_file_per_rank=False (a file per tensor) is not supported; each rank writes "
-            "thread_count safetensors data files. Leave single_file_per_rank=True (pass thread_count= for more files)")
     extensions = getattr(getattr(writer, "transforms", None), "extensions", ())
     if extensions:
         raise UnsupportedValueError(
