@@ -39,7 +39,7 @@ LAYERS: list[dict[str, list[str]]] = [
                 "torch_view",
                 "storage_info", "safetensors", "data_file", "torch_pickles"]},
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "placed_writes", "fsspec", "resolve",
-                  "storage_mappings", "torch_storage", "torch_format"],
+                  "storage_mappings", "torch_format", "torch_storage"],
      "planning": ["records", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot", "leaves",
                   "global_plan",
                   "standard_planner", "chunk_reads", "torch_planners", "ragged_items",

@@ -4,6 +4,7 @@ A face. ``FileSystemWriter``/``FileSystemReader`` are ours (:mod:`.backends.file
 torch's constructor arguments. ``FileSystemBase``/``FileSystem`` (torch's file-operations
 abstraction) and ``SerializationFormat`` (torch's enum) are torch's own, re-exported as plain
 protocol and data: our writer accepts ``serialization_format=`` and always writes safetensors.
+``TorchFormatWriter`` (ours) is the switch that writes torch DCP's own format instead of ours.
 ``_StorageInfo`` is torch's private record of where a torch-written item lies (torch's tests
 and code reading torch checkpoints import it from here).
 """
@@ -12,5 +13,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, 
 from torch.distributed.checkpoint.filesystem import _StorageInfo as _StorageInfo  # torch's private record
 
 from .backends.filesystem import FileSystemReader, FileSystemWriter
+from .backends.torch_format import TorchFormatWriter
 
-__all__ = ["FileSystemWriter", "FileSystemReader", "FileSystem", "FileSystemBase", "SerializationFormat"]
+__all__ = ["FileSystemWriter", "FileSystemReader", "FileSystem", "FileSystemBase", "SerializationFormat",
+           "TorchFormatWriter"]

@@ -50,7 +50,7 @@ from ..format.torch_pickles import (
 )
 from .protocol import StorageReader, check_range
 
-__all__ = ["TorchFormatReader", "safe_metadata_reads", "is_pickle", "stored_bytes"]
+__all__ = ["TorchFormatReader", "TorchFormatWriter", "safe_metadata_reads", "is_pickle", "stored_bytes"]
 
 
 def stored_bytes(storage: StorageReader, name: str = METADATA_FILE) -> bytes:
@@ -308,3 +308,20 @@ def safe_metadata_reads(reader: Any) -> Iterator[Any]:
     finally:
         with contextlib.suppress(AttributeError):
             del reader.read_metadata
+
+
+class TorchFormatWriter(_torch_fs.FileSystemWriter):
+    """The switch for writing torch DCP's own format: a checkpoint stock ``torch.distributed.checkpoint``
+    2.13 loads as its own (for a team whose other tools still read torch's format).
+
+    It is torch's ``FileSystemWriter`` with torch's arguments; our ``save`` runs it on torch's
+    protocol (``engine/protocol_run.py``) with torch's default save planner, so the files, the
+    pickled ``.metadata`` and their layout are torch's. Our ``load`` reads the result directly
+    (torch-written checkpoints load without conversion). What our format adds is not there:
+    checksums, incremental steps, rank-local fragments.
+
+    Example::
+
+        save(sd, storage_writer=TorchFormatWriter("/ckpt/step100"))
+        torch.distributed.checkpoint.load(sd, checkpoint_id="/ckpt/step100")   # stock torch
+    """

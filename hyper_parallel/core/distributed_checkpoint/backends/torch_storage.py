@@ -46,6 +46,7 @@ from .filesystem import FileSystemReader, FileSystemWriter
 from .fsspec import FsspecReader, FsspecWriter
 from .protocol import StorageReader, StorageWriter
 from .storage_mappings import convert
+from .torch_format import TorchFormatWriter
 
 __all__ = ["as_our_writer", "as_our_reader", "is_torch_writer", "is_torch_reader", "as_torch_writer"]
 
@@ -121,6 +122,11 @@ def as_our_writer(writer: Any, foreign_ok: bool = False) -> Any:
     """
     if writer is None or isinstance(writer, StorageWriter) or not isinstance(writer, _torch_storage.StorageWriter):
         return writer
+    if isinstance(writer, TorchFormatWriter):  # the switch: torch's format, written on torch's protocol
+        if foreign_ok:
+            return writer
+        raise UnsupportedValueError(f"{type(writer).__name__} writes torch's format on torch's protocol: pass it to "
+                                    "save(); async_save runs this library's writers only")
     registered = convert(writer, "writer")  # e.g. torch's HuggingFaceStorageWriter
     if registered is not None:
         return registered
