@@ -136,7 +136,8 @@ def test_block_size_other_than_128_and_a_single_file_without_index(tmp_path):
 def test_keys_are_torchs_and_scales_load_raw(tmp_path):
     d = str(tmp_path)
     made = deepseek_like(d)
-    ours = md.Metadata.from_json(QuantizedHuggingFaceStorageReader(d, target_dtype=torch.bfloat16).read_metadata_bytes())
+    reader = QuantizedHuggingFaceStorageReader(d, target_dtype=torch.bfloat16)
+    ours = md.Metadata.from_json(reader.read_metadata_bytes())
     theirs = TorchQuantizedReader(d).read_metadata().state_dict_metadata
     assert set(ours.entries) == set(theirs)  # the scale tensors stay keys, as in torch
     for key, (w8, _) in made["quantized"].items():
