@@ -30,7 +30,7 @@ PICTURE = ROOT / "docs" / "layers.md"
 # import only the modules listed before it.
 LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "sizes",
-              "atomic_file", "protowire", "priority", "overrides", "coordination"]},
+              "file_names", "file_exchange", "atomic_file", "protowire", "priority", "overrides", "coordination"]},
     {"state": ["flatten", "nested_paths", "topology_mapper", "train_state", "version_stamp"]},
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",
                   "mindspore_strategy", "layout_files",
@@ -41,10 +41,10 @@ LAYERS: list[dict[str, list[str]]] = [
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "placed_writes", "fsspec", "resolve",
                   "storage_mappings", "torch_format", "torch_storage"],
      "planning": ["records", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot", "leaves",
-                  "global_plan",
-                  "standard_planner", "chunk_reads", "torch_planners", "ragged_items",
-                  "chunk_lists", "ownership", "torch_protocol", "seed_protocol",
-                  "remap_blocks", "region_buffers", "deferred_reads", "replica_sources", "remap"]},
+                  "global_plan", "ragged_items", "chunk_lists", "ownership", "replica_sources", "seed_plans",
+                  "standard_planner", "chunk_reads", "torch_planners",
+                  "torch_protocol", "seed_protocol",
+                  "remap_blocks", "region_buffers", "deferred_reads", "remap"]},
     {"transfer": ["host_copy", "streams", "unchanged", "chunk_checks", "saver", "row_exchange", "plan_writer", "loader",
                   "torch_reads",
                   "shared_reads", "broadcasts"]},
@@ -52,8 +52,9 @@ LAYERS: list[dict[str, list[str]]] = [
                 "streaming_writer", "scope", "targets", "plan_exchange", "rank_local_save", "protocol_run",
                 "checkpoint"]},
     {"asynchronous": ["buffers", "response", "streamed_staging", "process_hooks", "torch_stagers", "checkpointer",
-                      "api"],
-     "interop": ["aliases", "single_file", "hf_index", "hf_protocols", "huggingface", "quantized_hf", "hf_export",
+                      "persist_process", "api"],
+     "interop": ["aliases", "single_file", "hf_index", "hf_protocols", "huggingface", "seed_storage", "quantized_hf",
+                 "hf_export",
                  "hf_writer",
                  "torch_hf_storage", "hf_consolidate",
                  "hf_import", "hyper_parallel", "mindspore_file", "mindspore_ckpt", "mindspore_safetensors",
@@ -209,7 +210,7 @@ def picture() -> str:
         '  faces["faces: __init__, api, planner, standard_planner, saver, loader, storage,<br/>'
         'filesystem_storage, metadata, reshard, async_staging, offline_transform, layout, util,<br/>'
         'the seed\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged, broadcast, '
-        'remap_planner,<br/>'
+        'remap_planner, async_persist,<br/>'
         "torch DCP's: state_dict_saver, state_dict_loader, filesystem, format_utils, optimizer, planner_helpers,<br/>"
         'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage, _consolidate_hf_safetensors"]',
     ]

@@ -151,6 +151,61 @@ class TorchPlatform:
         return isinstance(obj, torch.Tensor)
 
     @staticmethod
+    def detach(tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor's data without autograd history (a view, no copy)."""
+        return tensor.detach()
+
+    @staticmethod
+    def new_tensor(size: Sequence[int], dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        """An uninitialised tensor of ``size`` (a staging buffer)."""
+        return torch.empty(tuple(size), dtype=dtype, device=device)
+
+    @staticmethod
+    def copy_each(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """Copy ``srcs[i]`` into ``dests[i]`` for every ``i``, in one fused call."""
+        if dests:
+            torch._foreach_copy_(dests, srcs)
+
+    @staticmethod
+    def synchronize() -> None:
+        """Wait for the work queued on the current accelerator stream (nothing to wait for on
+        a host without an initialised accelerator)."""
+        for name in ("cuda", "npu"):
+            device = getattr(torch, name, None)
+            if device is not None and device.is_available() and device.is_initialized():
+                device.current_stream().synchronize()
+
+    @staticmethod
+    def broadcast_async(tensor: torch.Tensor, src_rank: int, group: Any = None) -> Any:
+        """Start broadcasting ``tensor`` from global rank ``src_rank`` over ``group``, in place;
+        returns the work handle to ``wait()`` on (``None`` when the backend already finished)."""
+        return dist.broadcast(tensor, src_rank, group=group, async_op=True)
+
+    @staticmethod
+    def new_group(group_ranks: Sequence[int]) -> Any:
+        """A new process group of exactly ``group_ranks``, neither cached nor recorded.
+        Collective over the world: every rank calls it, in the same order."""
+        return dist.new_group(ranks=[int(r) for r in group_ranks])
+
+    @staticmethod
+    def destroy_process_group(group: Any = None) -> None:
+        """Release ``group`` (``None``: the default group and every other one)."""
+        dist.destroy_process_group(group)
+
+    @staticmethod
+    def get_created_group(group_ranks: Sequence[int]) -> Any:
+        """The group of ``group_ranks`` that ``EXISTING_COMM_GROUPS`` holds (under the sorted
+        rank tuple, or its ``str``, HyperParallel's key), or ``None``."""
+        ranks = tuple(sorted(int(r) for r in group_ranks))
+        found = EXISTING_COMM_GROUPS.get(ranks)
+        return found if found is not None else EXISTING_COMM_GROUPS.get(str(ranks))
+
+    @staticmethod
+    def get_world_group() -> Any:
+        """The group of every rank (the default process group)."""
+        return dist.group.WORLD
+
+    @staticmethod
     def get_tensor_storage_size(tensor: torch.Tensor) -> int:
         """Bytes the tensor's elements take when serialized (numel times element size)."""
         return tensor.numel() * tensor.element_size()

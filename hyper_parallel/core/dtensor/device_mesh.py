@@ -18,7 +18,8 @@ HyperParallel's additions, kept additive so that ``DeviceMesh`` stays torch's ow
 - ``DeviceMesh(device_type, ranks, mesh_dim_names=..., _init_backend=False)`` is torch's
   constructor: it creates no process group, but torch still asks the default group for this
   process's rank unless ``_rank=`` is given. :func:`_create_device_mesh` passes ``_rank`` for
-  you when no process group exists (``dist.get_rank()`` if that answers, else 0).
+  you when no process group exists (``dist.get_rank()`` if that answers, else ``platform.get_rank()``,
+  0 unless patched).
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
-from ...platform import member_group
+from ...platform import get_platform, member_group
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
 _DEVICE_MESH_MAP: dict[tuple, DeviceMesh] = {}
+
+platform = get_platform()
+"""HyperParallel's platform object, as its ``device_mesh`` holds it: asked for this process's
+rank when there is no process group (so ``patch.object(device_mesh.platform, "get_rank")``
+places a mesh built without one)."""
 
 
 def _rank_list(self: DeviceMesh) -> tuple[int, ...]:
@@ -56,11 +62,12 @@ if not hasattr(DeviceMesh, "mesh_shape"):
 
 
 def _own_rank() -> int:
-    """This process's rank for a mesh without process groups: the default group's, else 0."""
+    """This process's rank for a mesh without process groups: the default group's, else the
+    platform's (0 without a process group)."""
     try:
         return int(dist.get_rank())
     except (RuntimeError, ValueError):
-        return 0
+        return int(platform.get_rank())
 
 
 def _create_device_mesh(device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None,

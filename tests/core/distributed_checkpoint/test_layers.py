@@ -40,22 +40,31 @@ PUBLIC = [
 
 # Import paths of the seed, the docs and HyperParallel's code and tests: module -> names it must hold.
 PATHS = {
-    "api": ["save", "load"],
+    "api": ["save", "load", "dist", "mp", "_save_impl", "_create_persist_process", "execute_async_persist",
+            "execute_async_persist_with_gloo"],
     "planner": ["SavePlanner", "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "EntrySpec",
                 "BroadcastSource"],
-    "standard_planner": ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner"],
+    "standard_planner": ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner",
+                         "create_read_items_for_chunk_list", "_is_on_host"],
     "saver": ["save_checkpoint"],
     "loader": ["load_checkpoint"],
     "storage": ["StorageWriter", "StorageReader", "StorageInfo", "METADATA_FILE_NAME"],
-    "filesystem_storage": ["FileSystemWriter", "FileSystemReader"],
+    "filesystem_storage": ["FileSystemWriter", "FileSystemReader", "safe_open", "_get_tensor_size", "_OpenFiles",
+                           "_open_checkpoint_files", "_fetch_tensor_file", "_apply_fetched", "BroadcastBatcher",
+                           "wait_broadcasts"],
     "metadata": ["Metadata", "CHUNK_INFO", "ChunkInfo", "BytesStorageMetadata", "ChunkStorageMetadata",
                  "MetadataIndex", "TensorProperties", "TensorStorageMetadata"],
     "reshard": ["reshard", "ReshardHandler", "check_layout", "infer_intersection", "infer_slice_area_by_rank",
                 "rank_id_to_dev_id_list"],
-    "async_staging": ["async_save", "AsyncCheckpointer", "AsyncSaveResponse", "AsyncSaveFuture"],
+    "async_staging": ["async_save", "AsyncCheckpointer", "AsyncSaveResponse", "AsyncSaveFuture",
+                      "build_staged_state_dict"],
     "offline_transform": ["offline_transform", "convert_full_checkpoint_to_dcp", "import_torch_dcp"],
-    "layout": ["Layout", "TensorLayout", "LayoutStrategy", "save_layout", "load_layout", "get_current_layout"],
-    "util": ["_MAX_BROADCASTS_IN_FLIGHT"],
+    "layout": ["Layout", "TensorLayout", "LayoutStrategy", "save_layout", "load_layout", "get_current_layout",
+               "platform", "logger"],
+    "util": ["_MAX_BROADCASTS_IN_FLIGHT", "platform", "check_path", "has_valid_filename", "chunk_to_area",
+             "flatten_state_dict", "narrow_tensor_by_index", "plan_ownership_masks", "set_element",
+             "traverse_state_dict", "create_chunk_list_for_tensor", "broadcast_shard", "wait_broadcasts",
+             "ensure_broadcast_groups", "broadcast_groups_for_load", "BroadcastBatcher"],
     # torch.distributed.checkpoint's module paths (test_torch_names.py checks every name of each)
     "staging": ["AsyncStager", "DefaultStager", "StagingOptions"],
     "stateful": ["Stateful"],
@@ -86,6 +95,10 @@ PATHS = {
     "ragged": ["_decompose_flat_interval", "compute_ragged_boxes", "create_ragged_write_items",
                "get_ragged_box_tensor"],
     "remap_planner": ["RemapLoadPlanner", "RemapBlock", "DeferredRead", "_DEFERRED_FQN_PREFIX"],
+    "async_persist": ["build_staged_state_dict", "DataCopier", "AsyncPersistStatus", "AsyncSaveResponse", "FileType",
+                      "write_file", "load_file", "batch_read_worker", "construct_file_batches",
+                      "resolve_async_persist_result", "execute_async_persist", "execute_async_persist_with_gloo",
+                      "_COMPLETE_FLAG", "StandardSavePlanner"],
 }
 
 

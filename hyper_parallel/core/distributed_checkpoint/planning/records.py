@@ -90,11 +90,10 @@ def _as_tensor_data(data: Any) -> tuple[TensorWriteData | None, bool]:
     if data is None or isinstance(data, TensorWriteData):
         return data, False
     if isinstance(data, dict):
-        missing = {"chunk", "properties"} - data.keys()
-        if missing:
-            raise ValueError(f"WriteItem tensor_data needs 'chunk' and 'properties'; missing {sorted(missing)}")
+        if "chunk" not in data:
+            raise ValueError(f"WriteItem tensor_data needs 'chunk' (and 'properties', 'size'); got {sorted(data)}")
         size = data.get("size", data["chunk"].sizes)
-        return TensorWriteData(chunk=data["chunk"], properties=data["properties"], size=size), True
+        return TensorWriteData(chunk=data["chunk"], properties=data.get("properties"), size=size), True
     if isinstance(data, _torch_planner.TensorWriteData):
         return TensorWriteData(chunk=data.chunk, properties=data.properties, size=data.size), False
     raise TypeError(f"WriteItem tensor_data must be a TensorWriteData or a dict, not {type(data).__name__}")
@@ -119,7 +118,7 @@ class WriteItem(_torch_planner.WriteItem):
         if data is None or self.type == WriteItemType.BYTE_IO:
             return None
         sizes = data.chunk.sizes if self.__dict__.get("_chunk_sized") else data.size
-        return math.prod(sizes) * dtype_element_size(data.properties.dtype)
+        return math.prod(sizes) * dtype_element_size(getattr(data.properties, "dtype", None))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ from typing import Any
 from torch.distributed.checkpoint import planner as _torch_planner
 from torch.distributed.checkpoint import storage as _torch_storage
 
+from .planner import LoadPlanner, SavePlanner
+
 __all__ = ["is_seed_planner", "is_seed_reader", "SeedSavePlanner", "SeedLoadPlanner", "SeedReader", "SeedView",
            "as_torch_planner", "as_torch_reader"]
 
@@ -57,9 +59,11 @@ def _has(obj: Any, names: tuple[str, ...]) -> bool:
 
 
 def is_seed_planner(planner: Any) -> bool:
-    """Whether ``planner`` speaks HyperParallel's newer planner names (and not torch's)."""
+    """Whether ``planner`` speaks HyperParallel's newer planner names (and not torch's, nor ours:
+    our planners answer those names too, and plan as ours)."""
     return _has(planner, _PLANNER) and not isinstance(planner, (_torch_planner.SavePlanner,
-                                                                _torch_planner.LoadPlanner))
+                                                                _torch_planner.LoadPlanner, SavePlanner,
+                                                                LoadPlanner))
 
 
 def is_seed_reader(reader: Any) -> bool:

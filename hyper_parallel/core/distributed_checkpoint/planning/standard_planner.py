@@ -60,14 +60,18 @@ from .leaves import (
 )
 from .plan_cache import PLAN_CACHE, CachedSaveResult, PlanCache
 from .planner import EntrySpec, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItem
+from .seed_plans import SeedPlannerCalls
 from .staged_bands import BandedSnapshot
 from .streamed_snapshot import StreamedTensor
 
 __all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner"]
 
 
-class StandardPlanner(SavePlanner, LoadPlanner):
+class StandardPlanner(SeedPlannerCalls, SavePlanner, LoadPlanner):
     """The default planner for save and load.
+
+    HyperParallel's planner calls (``configure_planner``, ``build_local_plan``, ...) work on it
+    too, for code that drives a planner itself (:mod:`.seed_plans`).
 
     Hooks for subclasses: :meth:`transform_key` (rename or drop one key) or, for changes
     that need the whole map, :meth:`transform_state_dict` (called on save and on load with
@@ -93,6 +97,9 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         dedup_replicated_tensors: torch DCP's deprecated option (no effect there either);
             ``remove_redundancy``: HyperParallel's name. Replicated chunks are always written
             once.
+        broadcast_replicated_tensors: HyperParallel's load option for plans it drives itself
+            (:mod:`.seed_plans`): mark shards several ranks load the same for one reader. Our
+            ``load`` shares such reads whatever this says.
         dedup_save_to_lowest_rank: torch DCP's option (``save_to_minimum_rank``: HyperParallel's
             name). False (default): a tensor held whole by several ranks (a plain tensor, a
             replicated DTensor of one box) is written by the least-loaded holder, largest
@@ -124,8 +131,10 @@ class StandardPlanner(SavePlanner, LoadPlanner):
                  topology_mapper: MapperLike | None = None, flatten_state_dict: bool = True,
                  flatten_sharded_tensors: bool = True, dedup_replicated_tensors: bool | None = None,
                  dedup_save_to_lowest_rank: bool = False, remove_redundancy: bool = True,
-                 save_to_minimum_rank: bool = False):
-        del dedup_replicated_tensors, remove_redundancy  # replicated chunks are always written once
+                 save_to_minimum_rank: bool = False, broadcast_replicated_tensors: bool = False):
+        del dedup_replicated_tensors  # replicated chunks are always written once
+        self.remove_redundancy = remove_redundancy  # HyperParallel's plans only (seed_plans); ours always dedup
+        self.broadcast_replicated_tensors = broadcast_replicated_tensors
         for name, value in (("flatten_state_dict", flatten_state_dict),
                             ("flatten_sharded_tensors", flatten_sharded_tensors),
                             ("dedup_save_to_lowest_rank", dedup_save_to_lowest_rank),
@@ -224,6 +233,8 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         """
         if self._plan_cache_decision is not None:
             return self._plan_cache_decision[0]
+        if not self._enable_plan_caching:
+            return None
         return PLAN_CACHE.get(self._cached_plans_key) if self._cached_plans_key else None
 
     def cache_result(self, final_plan: SavePlan, metadata: md.Metadata | None) -> None:
@@ -233,7 +244,14 @@ class StandardPlanner(SavePlanner, LoadPlanner):
         committed (``metadata``), while plan caching is on. The entry keeps the plan only: a
         save's metadata holds its plain values (the caller's objects), which the cache would
         keep alive. An override that does not call this caches nothing.
+
+        A plan of HyperParallel's records (a save driven through ``configure_planner``) is kept
+        with its ``metadata``, as HyperParallel's planner keeps it, while ``_enable_plan_caching``.
         """
+        if not isinstance(final_plan, SavePlan):
+            if self._enable_plan_caching and self._cached_plans_key:
+                PLAN_CACHE[self._cached_plans_key] = CachedSaveResult(final_plan, metadata)  # type: ignore[arg-type]
+            return
         if self.enable_plan_caching and self._cached_plans_key:
             PLAN_CACHE[self._cached_plans_key] = CachedSaveResult(final_plan, None)
 

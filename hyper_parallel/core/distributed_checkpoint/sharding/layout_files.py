@@ -3,7 +3,9 @@
 :func:`save_layout` writes a strategy (meshes listed once, rules in match order) and
 :func:`load_layout` reads one back, telling the kind by content: our JSON
 (``"format": "hyper-parallel-layout"``) or MindSpore's dialect, whose bytes
-``mindspore_strategy.py`` reads and writes. Not here: what a layout is (``layout.py``) or how
+``mindspore_strategy.py`` reads and writes. HyperParallel's plain layout maps
+(``{rank: {name: info}}``, see :func:`.strategy.rank_layout_map`) are written and read back as
+the JSON they are. Not here: what a layout is (``layout.py``) or how
 a name finds its layout (``strategy.py``).
 """
 
@@ -29,16 +31,22 @@ def save_layout(strategy: Mapping[str, TensorLayout], file: str | os.PathLike | 
                 format: str = "hyper-parallel") -> None:
     """Write a strategy as JSON (meshes listed once, rules in match order).
 
+    A mapping none of whose values is a :class:`TensorLayout` (HyperParallel's plain layout
+    maps: dicts, lists, numbers, None) is written as that JSON itself, as HyperParallel does;
+    :func:`load_layout` gives it back as the same dict.
+
     Args:
-        strategy: ``{name or glob pattern: TensorLayout}``; order is match order.
-        file: a path (written atomically: temporary file, then rename) or a text file object.
+        strategy: ``{name or glob pattern: TensorLayout}``; order is match order. Or a plain map.
+        file: a path (written atomically: temporary file, then rename; missing parent
+            directories are made) or a text file object.
         format: ``"hyper-parallel"`` (this JSON), ``"mindspore"`` (a MindSpore strategy file,
             protobuf, as ``mindspore.transform_checkpoints`` reads) or ``"mindspore-json"``
             (its JSON form). MindSpore's forms need a path, exact parameter names (no globs)
             and meshes in rank order.
 
     Raises:
-        TypeError: a value is not a :class:`TensorLayout`.
+        TypeError: some values are :class:`TensorLayout` and some are not (names the first that is
+            not), or a plain map holds a value JSON cannot.
         ValueError: an unknown format, or a strategy a MindSpore file cannot hold.
 
     Example::
@@ -53,6 +61,9 @@ def save_layout(strategy: Mapping[str, TensorLayout], file: str | os.PathLike | 
         return
     if format != "hyper-parallel":
         raise ValueError(f"format must be 'hyper-parallel', 'mindspore' or 'mindspore-json', found {format!r}")
+    if strategy and not any(isinstance(v, TensorLayout) for v in strategy.values()):
+        _write(file, json.dumps(dict(strategy), ensure_ascii=False))
+        return
     meshes: list[Layout] = []
     rules = []
     for name, tl in strategy.items():
@@ -68,22 +79,31 @@ def save_layout(strategy: Mapping[str, TensorLayout], file: str | os.PathLike | 
         rules.append(rule)
     doc = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION,
            "meshes": [m.to_dict() for m in meshes], "layouts": rules}
-    text = json.dumps(doc, indent=1)
+    _write(file, json.dumps(doc, indent=1))
+
+
+def _write(file: str | os.PathLike | IO[str], text: str) -> None:
     if hasattr(file, "write"):
         file.write(text)
         return
+    parent = os.path.dirname(os.fspath(file))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
     write_atomically(file, text)
 
 
-def load_layout(file: str | os.PathLike | IO[str] | IO[bytes]) -> LayoutStrategy:
+def load_layout(file: str | os.PathLike | IO[str] | IO[bytes]) -> LayoutStrategy | dict[str, Any]:
     """Read a strategy written by :func:`save_layout`, or a MindSpore strategy file.
 
     The kind is told by content: our JSON (``"format": "hyper-parallel-layout"``), or the
     strategy file a MindSpore job saves (protobuf ``ParallelStrategyMap``, or its JSON form
     with ``parallel_layout_item``), whose parameters come back by exact name on meshes with
-    dims ``dim0``, ``dim1``, ... (see ``mindspore_strategy.py``).
+    dims ``dim0``, ``dim1``, ... (see ``mindspore_strategy.py``). Any other JSON object without a
+    ``format`` field (HyperParallel's plain layout map, as :func:`save_layout` wrote it) comes
+    back as that dict.
 
     Raises:
+        FileNotFoundError: no such file (the message names it).
         ValueError: the file is none of those, of a newer version, or malformed (the
             message names the file and the rule).
 
@@ -115,6 +135,8 @@ def load_layout(file: str | os.PathLike | IO[str] | IO[bytes]) -> LayoutStrategy
                                  f"strategy ({why})") from None
             raise
         return strategy_to_layouts(layouts, where)
+    if isinstance(doc, dict) and "format" not in doc:
+        return doc  # HyperParallel's plain layout map
     if not isinstance(doc, dict) or doc.get("format") != LAYOUT_FORMAT:
         raise ValueError(f"{where}: format is {doc.get('format') if isinstance(doc, dict) else None!r}, "
                          f"expected {LAYOUT_FORMAT!r}")

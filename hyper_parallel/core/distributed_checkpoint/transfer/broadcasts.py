@@ -40,14 +40,15 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.tensor import DTensor
 
-from ....platform.platform import EXISTING_COMM_GROUPS
+from ....platform import TorchPlatform
 from ..planning.ragged_items import get_ragged_box_tensor
 from ..planning.records import BroadcastSource
 from ..sharding.ragged import is_ragged
 
 __all__ = ["MAX_BROADCASTS_IN_FLIGHT", "DEFAULT_BROADCAST_BATCH_BYTES", "BroadcastOps", "MarkedRead",
            "copy_each", "get_created_group", "synchronize", "get_tensor_storage_size", "shard_buffer",
-           "existing_group", "build_broadcast_groups", "destroy_broadcast_groups", "broadcast_groups_for_load",
+           "platform_ops", "existing_group", "build_broadcast_groups", "destroy_broadcast_groups",
+           "broadcast_groups_for_load",
            "start_broadcast", "finish_broadcast", "broadcast_shard", "wait_broadcasts", "BroadcastBatcher",
            "shard_order", "read_and_broadcast"]
 
@@ -71,29 +72,16 @@ class MarkedRead(Protocol):
     source: BroadcastSource | None
 
 
-def copy_each(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy ``srcs[i]`` into ``dests[i]`` for every ``i`` in one fused call (a small copy
-    costs mostly its launch, so one launch for many saves most of it)."""
-    if dests:
-        torch._foreach_copy_(dests, srcs)
+copy_each = TorchPlatform.copy_each
+"""Copy ``srcs[i]`` into ``dests[i]`` for every ``i`` in one fused call (a small copy costs
+mostly its launch, so one launch for many saves most of it): the platform's."""
 
+get_created_group = TorchPlatform.get_created_group
+"""The process group over a rank list that the process-wide registry
+(``EXISTING_COMM_GROUPS``) already holds, or ``None``: the platform's."""
 
-def get_created_group(rank_list: Sequence[int]) -> Any:
-    """The process group over ``rank_list`` that the process-wide registry
-    (``EXISTING_COMM_GROUPS``) already holds, or ``None``. Looks under the sorted rank tuple
-    and under its ``str`` (HyperParallel's key)."""
-    ranks = tuple(sorted(int(r) for r in rank_list))
-    found = EXISTING_COMM_GROUPS.get(ranks)
-    return found if found is not None else EXISTING_COMM_GROUPS.get(str(ranks))
-
-
-def synchronize() -> None:
-    """Wait for the work queued on the current accelerator stream; nothing to do on a host
-    without an initialized accelerator (a gloo run on CPU)."""
-    for name in ("cuda", "npu"):
-        device = getattr(torch, name, None)
-        if device is not None and device.is_available() and device.is_initialized():
-            device.current_stream().synchronize()
+synchronize = TorchPlatform.synchronize
+"""Wait for the work queued on the current accelerator stream: the platform's."""
 
 
 def get_tensor_storage_size(tensor: torch.Tensor) -> int:
@@ -122,6 +110,52 @@ class BroadcastOps:
 
 
 DEFAULT_OPS = BroadcastOps()
+
+
+class _PlatformDist:
+    """The :mod:`torch.distributed` calls the pipeline makes, answered by a HyperParallel
+    platform object (``get_platform()``: ``broadcast_async``, ``new_group``, ...)."""
+
+    def __init__(self, platform: Any) -> None:
+        self._platform = platform
+
+    def get_rank(self) -> int:
+        return self._platform.get_rank()
+
+    def get_world_size(self) -> int:
+        return self._platform.get_world_size()
+
+    def all_gather_object(self, object_list: list, obj: Any) -> None:
+        self._platform.all_gather_object(object_list, obj)
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        return self._platform.new_group(tuple(ranks))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = True) -> Any:
+        return self._platform.broadcast_async(tensor, src, group)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        self._platform.destroy_process_group(group)
+
+
+class _PlatformTensors:
+    """``torch.empty`` for batch buffers, answered by a platform's ``new_tensor``."""
+
+    def __init__(self, platform: Any) -> None:
+        self._platform = platform
+
+    def empty(self, size: Sequence[int], dtype: Any = None, device: Any = None) -> Any:
+        return self._platform.new_tensor(size, dtype=dtype, device=device)
+
+
+def platform_ops(platform: Any, max_in_flight: int = MAX_BROADCASTS_IN_FLIGHT) -> BroadcastOps:
+    """The pipeline's backend calls made through a HyperParallel platform object (HyperParallel's
+    ``util`` broadcasts through ``platform`` rather than :mod:`torch.distributed`), e.g.
+    ``platform_ops(get_platform())``."""
+    return BroadcastOps(dist=_PlatformDist(platform), torch=_PlatformTensors(platform),
+                        get_created_group=platform.get_created_group, world_group=platform.get_world_group,
+                        synchronize=platform.synchronize, copy_each=platform.copy_each,
+                        get_tensor_storage_size=platform.get_tensor_storage_size, max_in_flight=max_in_flight)
 
 
 def shard_buffer(obj: Any, index: Any) -> torch.Tensor:
