@@ -436,13 +436,16 @@ def first_error(output: str) -> tuple[str, str]:
     if chosen is None:
         return "", ""
     index, line = chosen
+    message = re.sub(r"^E\s+", "", line).strip()
+    if message.startswith("assert ") and index + 1 < len(lines) and re.match(r"^E\s+\+\s+where ", lines[index + 1]):
+        message += " (" + re.sub(r"^E\s+\+\s+", "", lines[index + 1]).strip() + ")"
     where = ""
     for earlier in reversed(lines[:index]):
         match = _OUR_FRAME.search(earlier)
         if match:
             where = f"{match.group(1)}:{match.group(2)}"
             break
-    return re.sub(r"^E\s+", "", line).strip()[:300], where
+    return message[:300], where
 
 
 def run_case(case: Case, tree: Path, python: str, timeout: float, log_dir: Path) -> Result:

@@ -164,6 +164,11 @@ def test_first_error_skips_peer_noise_and_names_our_frame():
     assert where == "hyper_parallel/core/distributed_checkpoint/planning/standard.py:88"
 
 
+def test_first_error_of_a_bare_assert_carries_its_where_line():
+    output = "E       assert False\nE        +  where False = isinstance(3, str)\n"
+    assert runner.first_error(output) == ("assert False (where False = isinstance(3, str))", "")
+
+
 def test_runs_cases_on_their_ranks_and_reports_each(tmp_path):
     """End to end over two gloo ranks: an NPU-tied case that passes once rewritten, and one that fails."""
     cases = tmp_path / "hp" / "tests/torch/distributed_checkpoint"
