@@ -357,8 +357,7 @@ def saved_boxes(entry: Entry) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     (each column band of one), or a table's boxes once each (replicas share one)."""
     grid = entry_grid(entry)
     if grid is not None:
-        return [(box.offsets, box.sizes) for b in range(grid.num_boxes) if grid.box(b).numel
-                for _, box in grid.band_subs(b)]
+        return [(box.offsets, box.sizes) for b in range(grid.num_boxes) for _, box in grid.band_subs(b)]
     return entry.store.distinct_boxes() if isinstance(entry.store, TableStore) else []
 
 
@@ -367,10 +366,20 @@ def storage_metadata_of(entry: Entry) -> TensorStorageMetadata | BytesStorageMet
     by offsets), or a bytes record for any other value."""
     if entry.kind not in ("tensor", "ndarray"):
         return BytesStorageMetadata()
-    chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in saved_boxes(entry)]
-    chunks.sort(key=lambda c: tuple(c.offsets))
+    grid = entry_grid(entry)
+    chunks = _GRID_CHUNKS.get(grid) if grid is not None else None
+    if chunks is None:
+        chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)) for offsets, sizes in saved_boxes(entry)]
+        chunks.sort(key=lambda c: tuple(c.offsets))
+        if grid is not None:  # a shared grid serves every key of its shape and layout: list its chunks once
+            _GRID_CHUNKS[grid] = chunks
     return TensorStorageMetadata(TensorProperties(dtype=torch_dtype(entry.dtype)), torch.Size(entry.shape or ()),
-                                 chunks)
+                                 list(chunks))
+
+
+# grid -> its chunks as torch records (the records are shared by the keys of one grid; each key
+# gets its own list)
+_GRID_CHUNKS: weakref.WeakKeyDictionary[Grid, list[ChunkStorageMetadata]] = weakref.WeakKeyDictionary()
 
 
 def _state_dict_metadata(meta: Metadata) -> dict[str, Any]:
