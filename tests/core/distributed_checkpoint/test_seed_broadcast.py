@@ -197,3 +197,30 @@ def test_two_ranks_each_shard_is_read_once_and_lands_on_both(batch_bytes):
         assert got["groups"] == [(0, 1)]
         assert threading.main_thread().name not in got["threads"]  # reads run on the read-ahead thread
     assert sorted(out[0]["reads"]) == ["a", "c", "own"] and sorted(out[1]["reads"]) == ["b", "d", "own"]
+
+
+def rank_broadcast_from_minimum_rank(rank: int, ws: int, root: str) -> bool:
+    import torch.distributed as dist
+
+    from hyper_parallel.core.distributed_checkpoint import load, save
+
+    sd = {"shared": torch.arange(12.0).reshape(3, 4)}
+    save(sd, root)
+    target = {"shared": torch.full((3, 4), float(-1 - rank))}  # poisoned per rank
+    groups = {(0, 1): dist.group.WORLD}
+    load(target, checkpoint_id=root, broadcast_from_minimum_rank=True, broadcast_groups=groups)
+    return torch.equal(target["shared"], sd["shared"])
+
+
+def test_load_takes_hyper_parallels_broadcast_from_minimum_rank(tmp_path):
+    from multiprocess import run_ranks
+
+    from hyper_parallel.core.distributed_checkpoint import load
+
+    assert run_ranks(rank_broadcast_from_minimum_rank, 2, str(tmp_path / "ck")) == [True, True]
+    with pytest.raises(ValueError, match="disagree"):
+        load({"w": torch.zeros(1)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True,
+             broadcast_from_minimum_rank=True, broadcast_replicated_tensors=False)
+    with pytest.raises(ValueError, match="broadcast_groups needs"):
+        load({"w": torch.zeros(1)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True,
+             broadcast_from_minimum_rank=False, broadcast_groups={(0,): None})

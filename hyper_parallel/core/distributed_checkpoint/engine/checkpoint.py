@@ -377,6 +377,7 @@ def load(
     broadcast_replicated_tensors: bool | None = None,
     broadcast_groups: dict[tuple[int, ...], Any] | None = None,
     broadcast_batch_bytes: int | None = None,
+    broadcast_from_minimum_rank: bool | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint, resharding from the saved layout into the target's.
 
@@ -429,6 +430,9 @@ def load(
             default 256 MiB).
         broadcast_groups: HyperParallel's explicit replica groups; accepted and not needed
             (the ranks that share a chunk are found from the plans).
+        broadcast_from_minimum_rank: HyperParallel's newer name for
+            ``broadcast_replicated_tensors`` (one rank of a group holding the same shard reads
+            it, the others receive it); giving both with different values is a ValueError.
 
     Returns:
         The filled ``state_dict`` (the same object), or the loaded nested state dict.
@@ -452,8 +456,14 @@ def load(
     path, storage_reader = storage_in_path_slot(path, storage_reader, "storage_reader")  # torch's load(sd, reader)
     if strict not in (True, False, "all"):
         raise ValueError(f"strict must be True, False or 'all', found {strict!r}")
+    if broadcast_from_minimum_rank is not None:  # HyperParallel's name for the same switch
+        if broadcast_replicated_tensors is not None and broadcast_replicated_tensors != broadcast_from_minimum_rank:
+            raise ValueError(f"broadcast_from_minimum_rank={broadcast_from_minimum_rank} and "
+                             f"broadcast_replicated_tensors={broadcast_replicated_tensors} disagree: they are one "
+                             "switch (HyperParallel's name and ours); pass one")
+        broadcast_replicated_tensors = broadcast_from_minimum_rank
     if broadcast_groups is not None and broadcast_replicated_tensors is False:
-        raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True")
+        raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True (broadcast_from_minimum_rank=True)")
     storage_reader = as_our_reader(storage_reader, foreign_ok=True)
     planner = as_our_planner(planner, "load", foreign_ok=True)
     # a reader with code of its own: torch's procedure (ours answer the seed's names too, and load as ours)
