@@ -12,12 +12,12 @@ from concurrent.futures import Future
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
+from torch.distributed.checkpoint.metadata import Metadata as TorchMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse as TorchAsyncSaveResponse
 
 from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer, AsyncSaveFuture, async_save, load
 from hyper_parallel.core.distributed_checkpoint import state_dict_saver as saver_face
-from hyper_parallel.core.distributed_checkpoint.format import metadata as md
 
 
 def _stager(kind: str):
@@ -66,7 +66,7 @@ def test_without_a_stager_it_is_a_future_with_our_extras(tmp_path):
         done, _ = concurrent.futures.wait([fut], timeout=120)  # the stdlib's own waiting works on it
         assert done == {fut}
         meta = fut.result()
-        assert isinstance(fut, AsyncSaveFuture) and isinstance(meta, md.Metadata) and "w" in meta.entries
+        assert isinstance(fut, AsyncSaveFuture) and isinstance(meta, TorchMetadata) and "w" in meta.entries
         assert fut.done() and not fut.running() and not fut.cancelled() and fut.exception() is None
         assert seen == [fut]
         # the extras: torch's AsyncSaveResponse names, HyperParallel's, and ours
