@@ -217,15 +217,20 @@ def first_error(text: str) -> str:
     ``Type: message`` line that is not the harness's own wrapper is the useful one.
     """
     lines = [ln.strip() for ln in text.splitlines()]
-    found = []
-    for ln in lines:
-        m = _EXC_LINE.match(ln)
-        if m:
-            found.append(ln[1:].strip() if ln.startswith("E ") else ln)
-    for ln in found:
-        if "exited with error code" in ln or ln.startswith("RuntimeError: Process "):
-            continue
+
+    def exception_lines(candidates: list[str]) -> list[str]:
+        out = []
+        for ln in candidates:
+            bare = ln[1:].strip() if ln.startswith("E ") else ln
+            if _EXC_LINE.match(bare) and "exited with error code" not in bare \
+                    and not bare.startswith("RuntimeError: Process "):
+                out.append(bare)
+        return out
+
+    # pytest's own "E   Type: message" lines first (the source it quotes can hold look-alike text)
+    for ln in exception_lines([ln for ln in lines if ln.startswith("E ")]) + exception_lines(lines):
         return ln[:300]
+    found = [ln for ln in lines if _EXC_LINE.match(ln[1:].strip() if ln.startswith("E ") else ln)]
     if found:
         return found[0][:300]
     for ln in reversed(lines):
@@ -251,6 +256,7 @@ class FileResult:
     stock_note: str = ""
     ours_note: str = ""
     failures: dict[str, str] = field(default_factory=dict)
+    details: dict[str, str] = field(default_factory=dict)
     stock_seconds: float = 0.0
     ours_seconds: float = 0.0
 
@@ -290,8 +296,11 @@ def build_trees(src: Path, work: Path, files: list[str]) -> dict[str, int]:
 
 
 def measure(src: Path, files: list[str], work: Path, python: str, timeout: float,
-            stock_cache: dict[str, dict] | None = None, log=print) -> list[FileResult]:
-    """Run every file in both trees and count (see the module docstring for the rules)."""
+            stock_cache: dict[str, dict] | None = None, log=print, on_file=None) -> list[FileResult]:
+    """Run every file in both trees and count (see the module docstring for the rules).
+
+    ``on_file(results_so_far)`` is called after each file, so a long run can save as it goes.
+    """
     rewrites = build_trees(src, work, files)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -301,6 +310,8 @@ def measure(src: Path, files: list[str], work: Path, python: str, timeout: float
     results = []
     for rel in files:
         cached = (stock_cache or {}).get(rel)
+        if cached is not None and cached.get("timed_out"):
+            cached = None  # an incomplete stock run is run again, not reused
         if cached is not None:
             stock = FileRun(collected=cached["collected"], outcomes=cached["outcomes"],
                             collect_error=cached.get("collect_error", ""), timed_out=cached.get("timed_out", False),
@@ -327,12 +338,15 @@ def measure(src: Path, files: list[str], work: Path, python: str, timeout: float
                 res.failures[t] = "timeout" if ours.timed_out else "not run"
             else:
                 res.failures[t] = f"{o}: " + first_error(ours.texts.get(t, ""))
+                res.details[t] = ours.texts.get(t, "")[-3000:]
         res.__dict__["_stock_raw"] = {"collected": stock.collected, "outcomes": stock.outcomes,
                                       "collect_error": stock.collect_error, "timed_out": stock.timed_out,
                                       "seconds": stock.seconds}
         results.append(res)
         log(f"{rel}: collected {res.collected}, stock pass {res.stock_pass}, ours pass {res.ours_pass}"
             f" ({res.stock_seconds}s / {res.ours_seconds}s) {res.stock_note} {res.ours_note}".rstrip())
+        if on_file is not None:
+            on_file(results)
     return results
 
 
@@ -380,10 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         stock_cache = {r["file"]: r["stock_raw"] for r in prev["files"] if "stock_raw" in r}
     work = args.work or Path(tempfile.mkdtemp(prefix="torch_suite-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = measure(src, files, work, args.python, args.timeout, stock_cache)
-    print()
-    print(table(results))
-    if args.json:
+
+    def save(results: list[FileResult]) -> None:
+        if not args.json:
+            return
         payload = {"suite": str(src), "timeout": args.timeout, "files": []}
         for r in results:
             d = asdict(r)
@@ -393,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         o = sum(r.ours_pass for r in results)
         payload["totals"] = {"stock_pass": s, "ours_pass": o, "ratio": (o / s) if s else None}
         args.json.write_text(json.dumps(payload, indent=1))
+
+    results = measure(src, files, work, args.python, args.timeout, stock_cache, on_file=save)
+    print()
+    print(table(results))
     return 0
 
 
