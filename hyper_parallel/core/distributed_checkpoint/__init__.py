@@ -6,6 +6,7 @@ on-disk format.
 """
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner  # torch's own
 
 # torch's submodules are attributes of the package after `import torch.distributed.checkpoint as
 # dcp` (code writes `dcp.staging.DefaultStager`); the faces of the same names are ours.
@@ -73,7 +74,6 @@ from .offline_transform import (
 from .planning.planner import LoadPlanner, SavePlanner
 from .planning.records import LoadPlan, ReadItem, SavePlan, WriteItem
 from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
-from .planning.torch_planners import DefaultLoadPlanner, DefaultSavePlanner
 from .sharding.layout import Layout, TensorLayout
 from .sharding.layout_files import load_layout, save_layout
 from .sharding.strategy import LayoutStrategy, get_current_layout

@@ -9,6 +9,7 @@ protocol and data: our writer accepts ``serialization_format=`` and always write
 and code reading torch checkpoints import it from here).
 """
 
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as CURRENT_DCP_VERSION  # torch's format's
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, SerializationFormat
 from torch.distributed.checkpoint.filesystem import _StorageInfo as _StorageInfo  # torch's private record
 

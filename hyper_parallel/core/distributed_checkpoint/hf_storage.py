@@ -11,6 +11,8 @@ seed's reader calls (``load_metadata``, ``configure_reader``, ``execute_read``) 
 (``read_metadata``, ``set_up_storage_reader``, ``read_data``): :mod:`.interop.hf_protocols`.
 """
 
+from torch.distributed.checkpoint.hf_storage import _metadata_fn as _metadata_fn  # torch's index file name
+
 from .interop.hf_index import DCP_SHARDING_INFO_KEY, SAFETENSORS_INDEX_SUFFIX, SAVED_OFFSETS_KEY
 from .interop.hf_writer import HuggingFaceStorageWriter
 from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader

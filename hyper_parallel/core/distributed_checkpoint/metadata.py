@@ -9,6 +9,8 @@ it holds. Our own on-disk document is not this ``Metadata``: it is
 and ``read_metadata()`` of our readers gives the torch-shaped view of it.
 """
 
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
+
 from .format.chunk_info import CHUNK_INFO, ChunkInfo
 from .format.metadata import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
 from .format.records import (
@@ -36,4 +38,5 @@ __all__ = [
     "TensorProperties",
     "TensorStorageMetadata",
     "dtype_element_size",
+    "STATE_DICT_TYPE",
 ]

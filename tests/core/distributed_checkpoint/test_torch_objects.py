@@ -37,6 +37,7 @@ from hyper_parallel.core.distributed_checkpoint import (
 )
 from hyper_parallel.core.distributed_checkpoint import default_planner as default_planner_face
 from hyper_parallel.core.distributed_checkpoint.backends.torch_storage import as_our_reader, as_our_writer
+from hyper_parallel.core.distributed_checkpoint.planning import torch_planners as StandIn  # noqa: N812
 from hyper_parallel.core.distributed_checkpoint.planning.torch_planners import as_our_planner
 
 CPU_STAGING = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
@@ -56,20 +57,25 @@ def test_ours_have_torchs_constructor_signature_and_defaults():
     for ours, theirs in ((DefaultSavePlanner, tdcp.DefaultSavePlanner), (DefaultLoadPlanner, tdcp.DefaultLoadPlanner)):
         params = lambda c: [(p.name, p.kind, p.default) for p in inspect.signature(c.__init__).parameters.values()]  # noqa: E731
         assert params(ours) == params(theirs)
-    assert default_planner_face.DefaultSavePlanner is DefaultSavePlanner
-    assert DefaultSavePlanner().enable_plan_caching is False  # torch's default, not StandardPlanner's
-    with pytest.raises(UnsupportedValueError, match="create_default_local_save_plan.*StandardPlanner"):
-        default_planner_face.create_default_local_save_plan({}, True)
+    # the faces export torch's own classes and plan functions (code calling their methods gets torch's);
+    # the stand-ins of ours (what an unmodified one becomes in save/load) keep torch's signatures
+    assert default_planner_face.DefaultSavePlanner is tdcp.DefaultSavePlanner is DefaultSavePlanner
+    assert default_planner_face.create_default_local_save_plan is tdcp.default_planner.create_default_local_save_plan
+    for ours, theirs in ((StandIn.DefaultSavePlanner, tdcp.DefaultSavePlanner),
+                         (StandIn.DefaultLoadPlanner, tdcp.DefaultLoadPlanner)):
+        params = lambda c: [(p.name, p.kind, p.default) for p in inspect.signature(c.__init__).parameters.values()]  # noqa: E731
+        assert params(ours) == params(theirs)
+    assert StandIn.DefaultSavePlanner().enable_plan_caching is False  # torch's default, not StandardPlanner's
 
 
 def test_torch_planner_instances_map_to_ours_with_their_options():
     save_p = as_our_planner(tdcp.DefaultSavePlanner(flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True,
                                                     enable_plan_caching=True), "save")
-    assert type(save_p) is DefaultSavePlanner
+    assert type(save_p) is StandIn.DefaultSavePlanner
     assert (save_p.flatten_sharded_tensors, save_p.dedup_save_to_lowest_rank, save_p.enable_plan_caching) == (
         False, True, True)
     load_p = as_our_planner(tdcp.DefaultLoadPlanner(allow_partial_load=True), "load")
-    assert type(load_p) is DefaultLoadPlanner and load_p.allow_partial_load is True
+    assert type(load_p) is StandIn.DefaultLoadPlanner and load_p.allow_partial_load is True
 
     class OnlyOptions(tdcp.DefaultLoadPlanner):  # a subclass that sets options only is configuration too
         def __init__(self):
@@ -155,8 +161,8 @@ def test_dedup_save_to_lowest_rank_writes_whole_tensors_on_the_lowest_holder():
 
     entries = {f"t{i}": EntrySpec("tensor", (f"t{i}",), "float32", (100 * (i + 1),)) for i in range(4)}
     plans = [SavePlan(entries, [], []) for _ in range(3)]  # every rank holds every tensor whole
-    spread = DefaultSavePlanner().create_global_save_plan(plans)
-    lowest = DefaultSavePlanner(dedup_save_to_lowest_rank=True).create_global_save_plan(plans)
+    spread = StandIn.DefaultSavePlanner().create_global_save_plan(plans)
+    lowest = StandIn.DefaultSavePlanner(dedup_save_to_lowest_rank=True).create_global_save_plan(plans)
     assert {e.store.writer for e in spread.entries.values()} == {0, 1, 2}
     assert {e.store.writer for e in lowest.entries.values()} == {0}
     assert [len(lowest[r].items) for r in range(3)] == [4, 0, 0]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from typing_extensions import deprecated
 
 from ..backends.protocol import StorageReader, StorageWriter
@@ -60,6 +62,23 @@ def _load_state_dict(
     """
     load(state_dict, storage_reader=storage_reader, process_group=process_group,
          coordinator_rank=coordinator_rank, no_dist=no_dist, planner=planner)
+
+
+def _load_state_dict_from_keys(keys: set[str] | str | None = None, *, checkpoint_id: Any = None,
+                               storage_reader: StorageReader | None = None,
+                               process_group: Any = None) -> dict[str, Any]:
+    """torch's private ``_load_state_dict_from_keys``: the checkpoint's values of ``keys`` (all when
+    None; a str is one key), nested as they were saved, from this library's format or torch's.
+
+    Example::
+
+        step = _load_state_dict_from_keys("step", checkpoint_id=path)["step"]
+    """
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    state_dict: dict[str, Any] = {}
+    load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader, process_group=process_group,
+         no_dist=no_dist, planner=_EmptyStateDictLoadPlanner(keys={keys} if isinstance(keys, str) else keys))
+    return state_dict
 
 
 @deprecated(

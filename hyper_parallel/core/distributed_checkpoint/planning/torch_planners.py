@@ -1,7 +1,9 @@
-"""torch DCP's default planners as plain configuration: ours under torch's names, and the mapping.
+"""torch DCP's default planners as plain configuration: the stand-ins of ours, and the mapping.
 
-:class:`DefaultSavePlanner` / :class:`DefaultLoadPlanner` are :class:`~.standard_planner.StandardPlanner`
-with torch's constructor signature and defaults (plan caching off, as in torch).
+The ``default_planner`` face exports torch's own classes. :class:`DefaultSavePlanner` /
+:class:`DefaultLoadPlanner` here are what they stand for on our fast path:
+:class:`~.standard_planner.StandardPlanner` with torch's constructor signature and defaults
+(plan caching off, as in torch).
 :func:`as_our_planner` turns what a caller passes as ``planner=`` into a planner of ours: an
 instance of torch's own ``DefaultSavePlanner``/``DefaultLoadPlanner`` (or of a subclass that
 only sets options in ``__init__``) becomes ours with the same options; a torch planner that
@@ -15,7 +17,6 @@ our own planners' subclasses (:mod:`.per_call`).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch.distributed.checkpoint import default_planner as _torch_default
@@ -26,8 +27,7 @@ from ..base.overrides import foreign_base, own_methods
 from .per_call import TORCH_HOOKS
 from .standard_planner import StandardPlanner
 
-__all__ = ["DefaultSavePlanner", "DefaultLoadPlanner", "as_our_planner", "create_default_local_save_plan",
-           "create_default_global_save_plan", "create_default_local_load_plan", "create_default_global_load_plan"]
+__all__ = ["DefaultSavePlanner", "DefaultLoadPlanner", "as_our_planner"]
 
 # torch DCP's planner hooks beyond those of per_call.TORCH_HOOKS, and what to override instead
 _MORE_HOOKS = {
@@ -118,24 +118,3 @@ def as_our_planner(planner: Any, what: str, foreign_ok: bool = False) -> Any:
         f"{', '.join(own)}: async_save runs this library's planners, never torch's planner hooks (save and load "
         f"do), so that code would be silently skipped. Subclass hyper_parallel's {ours} (or StandardPlanner) and "
         f"override instead: {hooks}")
-
-
-def _no_plan_function(name: str, instead: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedValueError(
-            f"{name}: torch DCP's plan function builds torch's plan objects, which this library's save and load "
-            f"never use; {instead}")
-    refuse.__name__ = refuse.__qualname__ = name
-    refuse.__signature__ = inspect.signature(getattr(_torch_default, name))  # torch's call shape
-    refuse.__doc__ = f"torch DCP's ``{name}``; refused here: {instead}."
-    return refuse
-
-
-create_default_local_save_plan = _no_plan_function(
-    "create_default_local_save_plan", "use StandardPlanner().set_up_save(...) then create_local_save_plan()")
-create_default_global_save_plan = _no_plan_function(
-    "create_default_global_save_plan", "use StandardPlanner().create_global_save_plan(plans)")
-create_default_local_load_plan = _no_plan_function(
-    "create_default_local_load_plan", "use StandardPlanner().set_up_load(...) then create_local_load_plan()")
-create_default_global_load_plan = _no_plan_function(
-    "create_default_global_load_plan", "load plans need no global step here (each rank reads its own overlaps)")
