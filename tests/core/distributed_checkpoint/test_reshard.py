@@ -20,7 +20,6 @@ from hyper_parallel.core.distributed_checkpoint import (
     CorruptCheckpointError,
     FileSystemReader,
     Layout,
-    Metadata,
     TensorLayout,
     load,
     save,
@@ -29,6 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.base.box import first_overlap, u
 from hyper_parallel.core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.engine.streaming_writer import write_streaming
 from hyper_parallel.core.distributed_checkpoint.format.chunks import overlapping
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata  # our document
 from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec, WriteItem
 from hyper_parallel.core.distributed_checkpoint.resharding.reshard import Box, reshard
 

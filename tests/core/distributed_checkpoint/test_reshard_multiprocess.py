@@ -322,7 +322,7 @@ def test_layout_boxes_equal_dtensor_shards_on_real_ranks(runs):
 
 def test_tp8_checkpoint_resharded_to_tp4_loads_bit_exact_from_one_file_per_rank(runs):
     files_read = outcome(runs, "4", "TP8 -> reshard -> TP4 load")
-    from hyper_parallel.core.distributed_checkpoint import Metadata
+    from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata  # our document
 
     path = runs["paths"]["tp4"]
     with open(os.path.join(path, ".metadata"), "rb") as f:
