@@ -30,7 +30,8 @@ PICTURE = ROOT / "docs" / "layers.md"
 # import only the modules listed before it.
 LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "sizes",
-              "file_names", "file_exchange", "atomic_file", "protowire", "priority", "overrides", "coordination"]},
+              "file_names", "file_exchange", "atomic_file", "protowire", "priority", "overrides", "either_protocol",
+              "coordination"]},
     {"state": ["flatten", "nested_paths", "topology_mapper", "train_state", "version_stamp"]},
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",
                   "mindspore_strategy", "layout_files",
@@ -39,8 +40,9 @@ LAYERS: list[dict[str, list[str]]] = [
                 "torch_view",
                 "storage_info", "safetensors", "data_file", "torch_pickles"]},
     {"backends": ["locations", "protocol", "direct_io", "filesystem", "placed_writes", "fsspec", "resolve",
-                  "storage_mappings", "torch_format", "torch_storage"],
-     "planning": ["records", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot", "leaves",
+                  "storage_mappings", "torch_abcs", "torch_format", "torch_storage"],
+     "planning": ["records", "protocols", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot",
+                  "leaves",
                   "global_plan", "ragged_items", "chunk_lists", "ownership", "replica_sources", "seed_plans",
                   "standard_planner", "chunk_reads", "torch_planners",
                   "torch_protocol", "seed_protocol",

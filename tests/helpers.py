@@ -144,7 +144,7 @@ def payload_start(path: str, entry: str) -> int:
 
 
 def _storage_reader_base() -> type:
-    from hyper_parallel.core.distributed_checkpoint import StorageReader
+    from hyper_parallel.core.distributed_checkpoint.backends.protocol import StorageReader
 
     return StorageReader
 

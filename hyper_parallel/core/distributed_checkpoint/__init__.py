@@ -35,7 +35,7 @@ from .asynchronous.checkpointer import AsyncCheckpointer
 from .asynchronous.response import AsyncSaveError, AsyncSaveFuture, AsyncSaveResponse, AsyncStagingError
 from .backends.filesystem import FileSystemReader, FileSystemWriter
 from .backends.fsspec import FsspecReader, FsspecWriter
-from .backends.protocol import StorageReader, StorageWriter
+from .backends.torch_abcs import StorageReader, StorageWriter
 from .base.errors import (
     CheckpointError,
     CommitError,
@@ -71,7 +71,7 @@ from .offline_transform import (
     parse_checkpoint_from_huggingface,
     save_state_dict_as_huggingface_format,
 )
-from .planning.planner import LoadPlanner, SavePlanner
+from .planning.protocols import LoadPlanner, SavePlanner
 from .planning.records import LoadPlan, ReadItem, SavePlan, WriteItem
 from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
 from .sharding.layout import Layout, TensorLayout

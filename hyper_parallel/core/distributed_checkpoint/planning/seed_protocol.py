@@ -45,6 +45,7 @@ from typing import Any
 from torch.distributed.checkpoint import planner as _torch_planner
 from torch.distributed.checkpoint import storage as _torch_storage
 
+from ..base.either_protocol import seed_form
 from .planner import LoadPlanner, SavePlanner
 
 __all__ = ["is_seed_planner", "is_seed_reader", "SeedSavePlanner", "SeedLoadPlanner", "SeedReader", "SeedView",
@@ -61,14 +62,15 @@ def _has(obj: Any, names: tuple[str, ...]) -> bool:
 def is_seed_planner(planner: Any) -> bool:
     """Whether ``planner`` speaks HyperParallel's newer planner names (and not torch's, nor ours:
     our planners answer those names too, and plan as ours)."""
-    return _has(planner, _PLANNER) and not isinstance(planner, (_torch_planner.SavePlanner,
-                                                                _torch_planner.LoadPlanner, SavePlanner,
-                                                                LoadPlanner))
+    if not _has(planner, _PLANNER) or isinstance(planner, (SavePlanner, LoadPlanner)):
+        return False
+    # a subclass of the planner face's ABC written with the seed's names is the seed's
+    return seed_form(planner) or not isinstance(planner, (_torch_planner.SavePlanner, _torch_planner.LoadPlanner))
 
 
 def is_seed_reader(reader: Any) -> bool:
     """Whether ``reader`` speaks HyperParallel's newer storage-reader names (and not torch's)."""
-    return _has(reader, _READER) and not isinstance(reader, _torch_storage.StorageReader)
+    return _has(reader, _READER) and (seed_form(reader) or not isinstance(reader, _torch_storage.StorageReader))
 
 
 class SeedSavePlanner(_torch_planner.SavePlanner):
