@@ -23,6 +23,10 @@ Opt-in and slow (multi-process tests spawn gloo ranks); run it by hand::
 
     nice -n 10 .venv/bin/python scripts/torch_suite.py /path/to/torch/test/distributed/checkpoint \\
         --json results.json [--only test_planner.py] [--timeout 300]
+
+The package measured is whichever ``hyper_parallel`` the interpreter imports; to measure one commit
+while the checkout keeps changing, export it and put it first on the path:
+``git archive HEAD hyper_parallel | tar -x -C /tmp/pkg && PYTHONPATH=/tmp/pkg python scripts/torch_suite.py ...``.
 """
 
 from __future__ import annotations
