@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata as Torch
 
 from hyper_parallel.core.distributed_checkpoint import save
 from hyper_parallel.core.distributed_checkpoint.base.errors import CheckpointError, CorruptCheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata as Document
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
@@ -162,3 +162,13 @@ def test_a_torch_planner_reshards_our_checkpoint_on_two_ranks(tmp_path):
     from multiprocess import run_ranks
 
     assert all(run_ranks(rank_torch_planner_on_our_format, 2, str(tmp_path / "ck")))
+
+
+def test_storage_meta_names_the_save_and_the_load(tmp_path):
+    writer = FileSystemWriter(str(tmp_path / "ck"))
+    save({"a": torch.zeros(4, 4)}, storage_writer=writer, no_dist=True)
+    reader = FileSystemReader(str(tmp_path / "ck"))
+    meta = reader.read_metadata().storage_meta
+    assert str(meta.checkpoint_id) == str(tmp_path / "ck")
+    assert meta.save_id == writer.save_id and writer.save_id  # torch's StorageWriter.save_id
+    assert meta.load_id == reader.load_id and reader.load_id != FileSystemReader(str(tmp_path / "ck")).load_id

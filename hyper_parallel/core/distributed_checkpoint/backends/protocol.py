@@ -43,6 +43,7 @@ StorageReader — the loader calls:
 from __future__ import annotations
 
 import abc
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,8 @@ class StorageWriter(abc.ABC):
     (``flush``) -> ``read_committed`` -> ``commit`` -> ``remove``. The commit protocol built on these
     methods is described in :mod:`.commit`.
     """
+
+    save_id: str | None = None  # torch's StorageWriter.save_id: set by save() to the checkpoint's save id
 
     def set_up(self, rank: int, is_coordinator: bool) -> None:
         """Called first, on every rank."""
@@ -168,7 +171,17 @@ class StorageReader(abc.ABC):
             raise NotImplementedError(f"{type(self).__name__} must implement read_metadata_bytes()")
         where = getattr(self, "path", None) or getattr(self, "url", None)
         label = f"{where}/{METADATA_FILE}" if where else METADATA_FILE
-        return TorchView(Document.from_json(self.read_metadata_bytes(), where=label).attach(), checkpoint_id=where)
+        view = TorchView(Document.from_json(self.read_metadata_bytes(), where=label).attach(), checkpoint_id=where)
+        view.storage_meta.load_id = self.load_id
+        return view
+
+    @property
+    def load_id(self) -> str:
+        """torch's ``StorageReader.load_id``: one id per reader (per load), in ``storage_meta``."""
+        got = self.__dict__.get("_load_id")
+        if got is None:
+            got = self.__dict__["_load_id"] = uuid.uuid4().hex
+        return got
 
     @abc.abstractmethod
     def file_size(self, name: str) -> int:

@@ -243,6 +243,7 @@ def save(
     if coord.is_coordinator and coord.world_size > 1:
         warn_divergent_plain([s.plain for s in summaries], coord)
     save_id = summaries[coord.coordinator_rank].save_id
+    writer.save_id = save_id  # torch's StorageWriter.save_id: what storage_meta() reports for this save
     fingerprint, mine, used = agree_on_plan(coord, planner, local[0], summaries, scope, cached)
     own_files = data_file_names(coord.rank, save_id, thread_count, hashes=incremental is not None)
     what = f"save to {where or 'storage'}"
