@@ -138,6 +138,7 @@ def check_keys(planner: Any, strict: bool | str) -> None:
     shown = ", ".join(map(named, missing[:20])) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
     if strict:
         raise StateDictMismatchError(
-            f"the target asks for key(s) the checkpoint does not hold: {shown}. Pass strict=False to load "
+            f"Missing key in checkpoint state_dict: the target asks for key(s) the checkpoint does not hold: "
+            f"{shown}. Pass strict=False to load "
             "only the keys that exist")
     warnings.warn(f"load(strict=False) skipped key(s) the checkpoint does not hold: {shown}", stacklevel=3)

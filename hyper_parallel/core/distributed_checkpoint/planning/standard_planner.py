@@ -700,8 +700,8 @@ class StandardPlanner(SeedPlannerCalls, SavePlanner, LoadPlanner):
         saved = (f"a plain {type(entry.value).__name__}" if entry.kind == "object"
                  else f"{entry.kind} {entry.dtype} shape {list(entry.shape or ())}")
         return StateDictMismatchError(
-            f"{key!r}: the checkpoint holds {saved}, but the target is {found}; "
-            "make the target match (or convert after loading into a matching tensor)"
+            f"{key!r}: the checkpoint holds {saved}, but the target is {found} (Size mismatch, in torch DCP's "
+            "words); make the target match (or convert after loading into a matching tensor)"
         )
 
     def _reads(self, key: str, entry: md.Entry, box: Box) -> list[ReadItem]:

@@ -146,7 +146,8 @@ class StrictLoadPlanner(_torch_default.DefaultLoadPlanner):
         if missing:
             shown = ", ".join(map(repr, missing[:20])) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
             if self.strict:
-                raise StateDictMismatchError(f"the target asks for key(s) the checkpoint does not hold: {shown}. "
+                raise StateDictMismatchError("Missing key in checkpoint state_dict: the target asks for key(s) the "
+                                             f"checkpoint does not hold: {shown}. "
                                              "Pass strict=False to load only the keys that exist")
             warnings.warn(f"load(strict=False) skipped key(s) the checkpoint does not hold: {shown}", stacklevel=2)
         if self.strict == "all":
