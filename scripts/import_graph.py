@@ -57,7 +57,7 @@ LAYERS: list[dict[str, list[str]]] = [
                       "persist_process", "api"],
      "interop": ["aliases", "single_file", "hf_index", "hf_protocols", "huggingface", "seed_storage", "quantized_hf",
                  "hf_export",
-                 "hf_writer",
+                 "hf_torch_writes", "hf_writer",
                  "torch_hf_storage", "hf_consolidate",
                  "hf_import", "hyper_parallel", "mindspore_file", "mindspore_ckpt", "mindspore_safetensors",
                  "mindspore_reader", "mindspore_distributed", "mindspore", "torch_dcp", "torch_dcp_import",

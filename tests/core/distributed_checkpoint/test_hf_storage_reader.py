@@ -207,6 +207,52 @@ def test_import_path_matches_hyper_parallel():
     assert R is HuggingFaceStorageReader
 
 
+# ---------------------------------------------------------------------------- no index
+
+
+@pytest.mark.parametrize("names", [
+    ["model-00001-of-00001.safetensors"],  # what safetensors' save_file and torch's tests leave
+    ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"],
+    ["weights.safetensors"],  # not numbered: taken as it is
+    ["part-a.safetensors", "part-b.safetensors"],
+])
+def test_a_directory_without_an_index_loads_when_its_files_are_a_whole_set(tmp_path, names):
+    full = {f"t{i}": make_tensor((3, i + 2), seed=i) for i in range(len(names))}
+    for i, name in enumerate(names):
+        save_file({f"t{i}": full[f"t{i}"]}, str(tmp_path / name))
+    (tmp_path / "config.json").write_text("{}")  # other files of the directory are not read
+    assert_same(load(storage_reader=HuggingFaceStorageReader(tmp_path), no_dist=True), full)
+    target = {k: torch.zeros_like(v) for k, v in full.items()}
+    load(target, storage_reader=HuggingFaceStorageReader(tmp_path), no_dist=True)
+    assert_same(target, full)
+
+
+def _shards(d, n, present, stem="model"):
+    for i in present:
+        name = f"{stem}-{i:05d}-of-{n:05d}.safetensors"
+        save_file({f"t{stem}{i}": torch.full((2,), float(i))}, os.path.join(d, name))
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda d: _shards(d, 3, [1, 3]), r"set of 3 .*but lacks model-00002-of-00003\.safetensors, and no "
+                                      r"model\.safetensors\.index\.json"),
+    (lambda d: _shards(d, 6, [2]), r"lacks model-00001-of-00006\.safetensors, .*model-00005-of-00006\.safetensors "
+                                   r"and 1 more"),
+    (lambda d: _shards(d, 2, [1, 2, 3]), r"also holds model-00003-of-00002\.safetensors, beyond its 2 files"),
+    (lambda d: (_shards(d, 2, [1, 2]), _shards(d, 3, [1, 2, 3])),
+     r"shard files of 2 sets .*model-\*-of-00002.*model-\*-of-00003.* no model\.safetensors\.index\.json"),
+    (lambda d: (_shards(d, 2, [1, 2]), _good(d, "model-00002-of-00002.safetensors.tmp-0123abcd")),
+     r"no model\.safetensors\.index\.json and holds 'model-00002-of-00002\.safetensors\.tmp-0123abcd'.* under way or "
+     r"was killed"),
+])
+def test_a_directory_without_an_index_is_refused_when_its_shards_are_not_a_whole_set(tmp_path, make, match):
+    make(str(tmp_path))
+    for call in (lambda: load(storage_reader=HuggingFaceStorageReader(tmp_path), no_dist=True),
+                 lambda: HuggingFaceStorageReader(tmp_path).read_metadata()):
+        with pytest.raises(NotACheckpointError, match=match):
+            call()
+
+
 # ---------------------------------------------------------------------------- damaged input
 
 

@@ -198,7 +198,9 @@ def swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], i
     names) so that a crash at any point leaves the old export whole, the new one whole, or a
     directory no reader takes for a checkpoint (never old and new shards under one index):
 
-    1. the old index goes first (shards named ``-of-N`` without an index are refused), and so
+    1. the old index goes first (without an index, readers take shards named ``-of-N`` only as
+       one whole set, and none while a file of this export is under its temporary name:
+       :func:`.hf_index.indexless_files`), and so
        does an old ``model.safetensors`` the new export does not replace (transformers would
        take it over the new index);
     2. the new shards take their names, the directory is synced;

@@ -2,8 +2,13 @@
 
 ``save_pretrained`` writes ``model.safetensors``, or shards ``model-0000i-of-0000N.safetensors``
 and ``model.safetensors.index.json``, whose ``weight_map`` names the file of each tensor.
-Shards without their index are an export or a download that did not finish: nothing says
-which shards make the checkpoint, so every reader here refuses them.
+Without the index, what makes the checkpoint is less certain: torch's reader takes every
+``*.safetensors`` file of the directory (what ``safetensors.torch.save_file`` and torch's
+writer leave), and :func:`indexless_files` does too where the names show the set is whole:
+every shard ``-0000i-of-0000N`` of one set, or files not numbered that way. A set with a
+shard missing, two sets, or the temporary file of an export not yet in place is an export or
+a download that did not finish, and is refused naming what is missing. The import tools
+(:func:`local_sources`) still take numbered shards only through their index.
 
 Not here: the safetensors bytes (:mod:`..format.safetensors`), reading the tensors
 (:mod:`.huggingface`, :mod:`.hf_import`), writing them (:mod:`.hf_export`).
@@ -16,7 +21,7 @@ import os
 import re
 from collections.abc import Iterable
 
-from ..base.errors import CheckpointError, MetadataError
+from ..base.errors import CheckpointError, MetadataError, NotACheckpointError
 from ..format import metadata as md
 
 try:  # torch's names for the keys its Hugging Face writer puts in a safetensors header
@@ -30,8 +35,10 @@ SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
 HF_INDEX = "model" + SAFETENSORS_INDEX_SUFFIX
 HF_SINGLE = "model.safetensors"
 MAX_INDEX_BYTES = 256 << 20
-SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # transformers' shard names
 EXPORT_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")  # a file of an export: one or a shard
+NUMBERED = re.compile(r"(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors")  # file i of a set of n
+# a file an export writes before it puts the file in place (hf_export.temporary_name)
+UNFINISHED = re.compile(r".+\.safetensors(\.index\.json)?\.tmp-[0-9a-f]{8}")
 
 
 def parse_weight_map(raw: bytes | bytearray, where: str) -> dict[str, str]:
@@ -59,6 +66,45 @@ def unindexed_shards(path: str, shards: list[str]) -> str:
     return (f"{path!r} holds Hugging Face shard files ({shards[0]!r}, {len(shards)} in all) but no {HF_INDEX}: an "
             "export or download that did not finish; without the index nothing says which shards make the "
             "checkpoint")
+
+
+def indexless_files(path: str, listed: Iterable[str]) -> list[str]:
+    """The files that make the checkpoint of a directory without an index, from its listing:
+    every ``*.safetensors`` file, sorted, when the numbered ones (``<stem>-0000i-of-0000N``)
+    are every shard of one set (see the module docstring).
+
+    Raises NotACheckpointError, naming the index and what is wrong: no ``*.safetensors`` file;
+    the temporary file of an export not yet in place; numbered shards of two sets; a shard of
+    the set missing (named).
+    """
+    listed = sorted(listed)
+    unfinished = [n for n in listed if UNFINISHED.fullmatch(n)]
+    if unfinished:
+        raise NotACheckpointError(
+            f"{path!r} has no {HF_INDEX} and holds {unfinished[0]!r} ({len(unfinished)} such file(s)), a file an "
+            "export writes before putting it in place: an export is under way or was killed before it finished, "
+            "and the shards there may mix two exports; export again (or wait for the export to finish)")
+    names = [n for n in listed if n.endswith(".safetensors")]
+    sets: dict[tuple[str, int], set[int]] = {}
+    for m in map(NUMBERED.fullmatch, names):
+        if m:
+            sets.setdefault((m["stem"], int(m["n"])), set()).add(int(m["i"]))
+    if len(sets) > 1:
+        shown = sorted(f"{stem}-*-of-{n:05d}.safetensors" for stem, n in sets)
+        raise NotACheckpointError(
+            f"{path!r} holds shard files of {len(sets)} sets ({', '.join(shown[:3])}) and no {HF_INDEX} saying "
+            "which makes the checkpoint: files of two exports or downloads, one of which did not finish")
+    for (stem, n), present in sets.items():
+        missing = sorted(set(range(1, n + 1)) - present)
+        beyond = sorted(i for i in present if not 1 <= i <= n)
+        if missing or beyond:
+            what = [f"{stem}-{i:05d}-of-{n:05d}.safetensors" for i in (missing or beyond)]
+            shown = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
+            fault = f"lacks {shown}" if missing else f"also holds {shown}, beyond its {n} files"
+            raise NotACheckpointError(
+                f"{path!r} holds Hugging Face shard files of a set of {n} ({stem}-0000i-of-{n:05d}.safetensors) "
+                f"but {fault}, and no {HF_INDEX}: an export or download that did not finish")
+    return names
 
 
 def local_sources(src: str | os.PathLike) -> dict[str, set[str] | None]:

@@ -31,8 +31,9 @@ after every rank wrote (and synced) its part, the coordinator puts the files in 
 ``.metadata``'s commit step (:meth:`commit`). Consolidated: :func:`.hf_export.swap_in_export`
 (an earlier export's index goes first, the new files take their names, the new index is
 written atomically last: a crash leaves the old checkpoint, the new one, or files without an
-index, which readers refuse). Sharded: torch's format has no index or marker; earlier shard
-files the save does not replace are removed, then the new ones renamed.
+index that readers refuse: a set with a shard missing, or one still under its temporary
+name). Sharded: torch's format has no index or marker; earlier shard files the save does not
+replace are removed, then the new ones renamed.
 
 Not written: ``.metadata`` (the directory is a Hugging Face one; read it with
 :class:`~.huggingface.HuggingFaceStorageReader`). Refused, each with an error naming the key:
@@ -43,6 +44,9 @@ with ``pwrite``: a local or shared POSIX filesystem), rank-local saves, and ``us
 (no ``.metadata`` to keep it in; so also a CheckpointManager's steps, which it finds and
 describes by their ``.metadata``: refused at the commit, leaving what the directory held).
 
+torch's own ``save`` (and code written against torch's ``StorageWriter``) drives the writer
+by torch's calls, ``write_data`` and ``finish``, into the same files: :mod:`.hf_torch_writes`.
+
 Not here: the safetensors bytes (:mod:`..format.safetensors`), reading these directories
 (:mod:`.huggingface`), exporting a checkpoint of ours (:mod:`.hf_export`).
 """
@@ -50,11 +54,12 @@ Not here: the safetensors bytes (:mod:`..format.safetensors`), reading these dir
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +78,7 @@ from ..base.errors import CheckpointError, StateDictMismatchError, UnsupportedVa
 from ..format import metadata as md
 from ..format.data_file import tensor_bytes
 from ..format.safetensors import contiguous_header, encode_header
+from ..format.validation import validate_file_name
 from ..planning.planner import EntrySpec, SavePlan, SavePlanner, WriteItem
 from ..planning.standard_planner import StandardPlanner
 from ..transfer.plan_writer import PlanWriter
@@ -80,6 +86,7 @@ from ..transfer.row_exchange import regroup_rows
 from ..transfer.saver import WriteResult
 from .hf_export import swap_in_export, temporary_name
 from .hf_index import DCP_SHARDING_INFO_KEY, SAVED_OFFSETS_KEY
+from .hf_torch_writes import TorchProtocolWrites
 
 __all__ = ["HuggingFaceStorageWriter"]
 
@@ -87,6 +94,9 @@ __all__ = ["HuggingFaceStorageWriter"]
 _SHARDING_INFO = DCP_SHARDING_INFO_KEY
 _SAVED_OFFSETS = SAVED_OFFSETS_KEY
 _TORCH_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+
+# What a rank holds of one key: a call that resolves its boxes' data, as (box, tensor) pairs
+Held = Callable[[], list[tuple[Box, torch.Tensor]]]
 
 
 def model_file_name(index: int, count: int) -> str:
@@ -109,7 +119,7 @@ class _Layout:
     size: int
 
 
-class HuggingFaceStorageWriter(PlanWriter):
+class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
     """Writes Hugging Face safetensors files from every rank of a save, with no pass after it.
 
     Pass it to :func:`~.api.save` (every rank, its own shards: DTensors of any placements,
@@ -284,14 +294,36 @@ class HuggingFaceStorageWriter(PlanWriter):
 
     def write_plan(self, plan: SavePlan, planner: SavePlanner, rank: int, save_id: str,
                    thread_count: int) -> WriteResult:
-        files = self._file_of_keys(plan.entries)
+        self._file_of_keys(plan.entries)  # refused before anything is written
         self._begin(save_id)
         boxes = {k: v for k, v in _boxes_by_key(plan.items).items() if k not in self._regrouped}
-        if self.consolidates:
-            self._write_consolidated(plan, planner, boxes, files, max(thread_count, self.thread_count_consolidation))
-        else:
-            self._write_shards(plan, planner, boxes, files, rank, thread_count)
+        held = {key: functools.partial(_resolved, planner, key, boxes[key], plan.entries[key])
+                for key in sorted(boxes, key=lambda k: -sum(w.nbytes for w in boxes[k]))}
+        self.write_tensors(plan.entries, held, rank + 1, thread_count, add_empty=self.is_coordinator)
         return WriteResult()
+
+    def write_tensors(self, entries: Mapping[str, EntrySpec], held: Mapping[str, Held], shard: int,
+                      thread_count: int, add_empty: bool = False) -> dict[str, tuple[str, int]]:
+        """This rank's part of a save, under the temporary names of the save begun last: the
+        boxes ``held[key]()`` gives for each key it holds (written in ``held``'s order), in the
+        files of the layout ``entries`` (every tensor of the save, with its global shape and
+        dtype) gives, consolidated or as rank ``shard - 1``'s shard files. ``add_empty``: also
+        write the empty tensors no rank holds a box of (the coordinator's part, sharded).
+        Both protocols write through here: ours (:meth:`write_plan`) and torch's
+        (:mod:`.hf_torch_writes`).
+
+        Returns each key this rank wrote: its file's final name and where its data starts in
+        the file's data area (safetensors' ``data_offsets``; for a box of a consolidated tensor,
+        the tensor's start).
+
+        Raises what :meth:`write_plan` raises (a key the files cannot hold, a planner value of
+        the wrong shape).
+        """
+        files = self._file_of_keys(entries)
+        if self.consolidates:
+            return self._write_consolidated(entries, held, files,
+                                            max(thread_count, self.thread_count_consolidation))
+        return self._write_shards(entries, held, files, shard, thread_count, add_empty)
 
     def _file_of_keys(self, entries: dict[str, EntrySpec]) -> dict[str, int]:
         """Every tensor key's file index (checked on every rank alike, before any write)."""
@@ -326,15 +358,15 @@ class HuggingFaceStorageWriter(PlanWriter):
         self._temps.add(tmp)
         return tmp
 
-    def _write_consolidated(self, plan: SavePlan, planner: SavePlanner, boxes: dict[str, list[WriteItem]],
-                            files: dict[str, int], threads: int) -> None:
+    def _write_consolidated(self, entries: Mapping[str, EntrySpec], held: Mapping[str, Held],
+                            files: dict[str, int], threads: int) -> dict[str, tuple[str, int]]:
         count = self._count()
-        layouts = _consolidated_layouts(plan.entries, files, count)
+        layouts = _consolidated_layouts(entries, files, count)
         self._pending = [(self._temporary(lay.name), lay.name) for lay in layouts.values()]
         tmp_of = dict(zip(layouts, (tmp for tmp, _ in self._pending), strict=True))
         self._index = {"metadata": {"total_size": sum(lay.size - len(lay.header) for lay in layouts.values())},
                        "weight_map": {key: layouts[i].name for key, i in files.items()}}
-        mine = sorted({files[key] for key in boxes})
+        mine = sorted({files[key] for key in held})
         if self.is_coordinator:
             mine = sorted(layouts)
         fds: dict[int, PlacedWrites] = {}
@@ -347,10 +379,10 @@ class HuggingFaceStorageWriter(PlanWriter):
                     fds[i].write(memoryview(lay.header), 0)
 
             def place(key: str) -> None:
-                spec, i = plan.entries[key], files[key]
+                spec, i = entries[key], files[key]
                 start, shape = layouts[i].starts[key], tuple(spec.shape or ())
-                for box, value in _resolved(planner, key, boxes[key], spec):
-                    data = tensor_bytes(value)
+                for box, value in held[key]():
+                    data = tensor_bytes(_tensor(key, value, box))
                     offsets, run = box_runs(shape, box, md.itemsize(spec.dtype))
                     if len(offsets) > 1 and run < DIRECT_MIN and self._node_local:  # many short runs: one copy
                         fds[i].copy_box(data, start, shape, box, md.itemsize(spec.dtype))
@@ -358,7 +390,7 @@ class HuggingFaceStorageWriter(PlanWriter):
                     for j, off in enumerate(offsets.tolist()):
                         fds[i].write(data[j * run:(j + 1) * run], start + off)
 
-            _run_all(place, sorted(boxes, key=lambda k: -sum(w.nbytes for w in boxes[k])), threads)
+            _run_all(place, list(held), threads)
             for f in fds.values():
                 f.drain()
             if self.sync_files:
@@ -367,42 +399,48 @@ class HuggingFaceStorageWriter(PlanWriter):
         finally:
             for f in fds.values():
                 f.close()
+        return {key: (layouts[files[key]].name, layouts[files[key]].starts[key] - len(layouts[files[key]].header))
+                for key in held}
 
-    def _write_shards(self, plan: SavePlan, planner: SavePlanner, boxes: dict[str, list[WriteItem]],
-                      files: dict[str, int], rank: int, threads: int) -> None:
+    def _write_shards(self, entries: Mapping[str, EntrySpec], held: Mapping[str, Held], files: dict[str, int],
+                      shard: int, threads: int, add_empty: bool) -> dict[str, tuple[str, int]]:
         count = self._count()
         keys_of: dict[int, list[str]] = {}
-        for key in plan.entries:  # in the state dict's order
-            if key in boxes:
+        for key in entries:  # in the state dict's order
+            if key in held:
                 keys_of.setdefault(files[key], []).append(key)
-            elif self.is_coordinator and not math.prod(plan.entries[key].shape or ()):
+            elif add_empty and not math.prod(entries[key].shape or ()):
                 keys_of.setdefault(files[key], []).append(key)  # an empty tensor: no rank holds a box of it
+        placed: dict[str, tuple[str, int]] = {}
 
         def write_file(i: int) -> None:
             parts: list[tuple[str, Box, torch.Tensor]] = []
             for key in keys_of[i]:
-                spec = plan.entries[key]
-                if key not in boxes:
+                spec = entries[key]
+                if key not in held:
                     shape = tuple(spec.shape or ())
                     parts.append((key, Box.full(shape), torch.empty(shape, dtype=md.torch_dtype(spec.dtype))))
                     continue
-                got = list(_resolved(planner, key, boxes[key], spec))
+                got = list(held[key]())
                 if len(got) > 1:
                     raise UnsupportedValueError(
                         f"{key!r}: this rank writes {len(got)} separate boxes of it ({got[0][0]}, {got[1][0]}, ...), "
                         "and torch's sharded format holds one box of a tensor per rank and file; use "
                         "enable_consolidation=True, or the default StandardPlanner")
-                parts.append((key, got[0][0], got[0][1]))
+                parts.append((key, got[0][0], _tensor(key, got[0][1], got[0][0])))
             info = {key: {_SAVED_OFFSETS: list(box.offsets)} for key, box, _ in parts}
-            header = encode_header(contiguous_header(
-                [(key, plan.entries[key].dtype, box.sizes) for key, box, _ in parts],
-                {_SHARDING_INFO: json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}))
-            tmp = self._temporary(shard_file_name(rank + 1, i, count))
-            files.write_file(os.path.basename(tmp), [memoryview(header), *(tensor_bytes(v) for _, _, v in parts)])
+            layout = contiguous_header([(key, entries[key].dtype, box.sizes) for key, box, _ in parts],
+                                       {_SHARDING_INFO: json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"})
+            name = shard_file_name(shard, i, count)
+            tmp = self._temporary(name)
+            out.write_file(os.path.basename(tmp), [memoryview(encode_header(layout)),
+                                                   *(tensor_bytes(v) for _, _, v in parts)])
+            placed.update((key, (name, layout[key]["data_offsets"][0])) for key, _, _ in parts)
 
         # a rank's own files: our filesystem writer's (O_DIRECT where it pays, large writes)
-        files = FileSystemWriter(self.output_dir, sync_files=self.sync_files, direct_io=self._direct)
+        out = FileSystemWriter(self.output_dir, sync_files=self.sync_files, direct_io=self._direct)
         _run_all(write_file, sorted(keys_of), threads)
+        return placed
 
     # ------------------------------------------------------------------ commit
 
@@ -417,10 +455,29 @@ class HuggingFaceStorageWriter(PlanWriter):
         if name != md.METADATA_FILE:
             raise UnsupportedValueError("HuggingFaceStorageWriter cannot write rank-local checkpoints; save with "
                                         "use_collectives=True")
+        _refuse_user_metadata(metadata, self.output_dir)
+        self.put_in_place(None, self._index)
+
+    def put_in_place(self, names: Iterable[str] | None, index: dict[str, Any] | None) -> None:
+        """The commit of both protocols (the coordinator, after every rank wrote its part):
+        the files of this save take their final names. Consolidated: ``names`` (None: the files
+        this rank laid out in this save) that were written under this save's temporary name, or
+        are already in place, and then ``index`` (:func:`.hf_export.swap_in_export`). Sharded:
+        every shard file written under this save's temporary name; earlier shard files go."""
         out = self.output_dir
-        _refuse_user_metadata(metadata, out)
         if self.consolidates:
-            swap_in_export(out, self._pending, self._index)
+            if names is None:
+                pending = self._pending
+            else:
+                pending = []
+                for name in sorted(set(names)):
+                    validate_file_name(name, out)
+                    tmp, final = os.path.join(out, temporary_name(name, self._tag)), os.path.join(out, name)
+                    if self._tag and os.path.exists(tmp):
+                        pending.append((tmp, name))
+                    elif os.path.exists(final):  # already in place: kept (not taken for an earlier export's)
+                        pending.append((final, name))
+            swap_in_export(out, pending, index)
             return
         suffix = temporary_name("", self._tag)
         new = {n[: -len(suffix)]: n for n in os.listdir(out) if n.endswith(suffix) and _TORCH_SHARD.fullmatch(

@@ -5,7 +5,9 @@ Two kinds of directory, one reader each (what makes one kind valid makes the oth
 - ``load(sd, storage_reader=HuggingFaceStorageReader(hf_dir))`` reads a directory as
   ``save_pretrained`` writes it: ``model.safetensors``, or the files that
   ``model.safetensors.index.json`` names; every tensor whole in one file. Nothing else in the
-  directory is read (a stray ``consolidated.safetensors`` beside them is ignored).
+  directory is read (a stray ``consolidated.safetensors`` beside them is ignored). Without
+  either, every ``*.safetensors`` file, as torch's reader reads it, where the names show the
+  set is whole (:func:`.hf_index.indexless_files`: no numbered shard of the set missing).
 - ``load(sd, storage_reader=TorchShardedSafetensorsReader(dir))`` reads what torch's
   ``HuggingFaceStorageWriter(path, save_distributed=True)`` writes before consolidating:
   every ``*.safetensors`` file of the directory holds some ranks' shards, under the tensors'
@@ -71,9 +73,8 @@ from .hf_index import (
     MAX_INDEX_BYTES,
     SAFETENSORS_INDEX_SUFFIX,
     SAVED_OFFSETS_KEY,
-    SHARD_NAME,
+    indexless_files,
     parse_weight_map,
-    unindexed_shards,
 )
 from .hf_protocols import ProtocolReads
 
@@ -177,7 +178,10 @@ class HuggingFaceStorageReader(ProtocolReads, StorageReader):
         sd = load(storage_reader=HuggingFaceStorageReader("/models/llama"))  # full CPU tensors
 
     The files read are the ones ``model.safetensors.index.json`` names (its ``weight_map``),
-    or ``model.safetensors`` alone when there is no index. Keys are the tensor names in the
+    or ``model.safetensors`` alone when there is no index, or without either every
+    ``*.safetensors`` file when the shards numbered ``-0000i-of-0000N`` among them are the
+    whole set (what ``safetensors.torch.save_file`` or torch's writer leave; a set with a shard
+    missing is refused, naming it). Keys are the tensor names in the
     files (a nested target ``{"model": {...}}`` asks for ``model.<name>``: use a planner that
     renames, or load ``model.state_dict()`` itself). Every tensor is whole in one file; a
     directory of the shards torch's ``HuggingFaceStorageWriter(save_distributed=True)`` writes
@@ -208,7 +212,9 @@ class HuggingFaceStorageReader(ProtocolReads, StorageReader):
     Raises (from ``load``, ``load_metadata``, ``read_metadata``; each class is also the builtin
     one HyperParallel's reader raises, named after it):
         NotACheckpointError (FileNotFoundError): the directory holds neither the index nor
-            ``model.safetensors``.
+            ``model.safetensors`` nor other ``*.safetensors`` files; or, without the index, a
+            numbered set of shards with one missing (named), two such sets, or the temporary
+            file of an export not yet in place.
         SafetensorsFileMissingError (FileNotFoundError): a file the index names is missing.
         MetadataError (ValueError): the index is not JSON with a ``weight_map`` of plain file names.
         SafetensorsFormatError (ValueError): a file is truncated, or its header is damaged or lies
@@ -272,15 +278,19 @@ class HuggingFaceStorageReader(ProtocolReads, StorageReader):
             if self._exists(HF_SINGLE):
                 return [HF_SINGLE], None
             try:
-                shards = [n for n in self.files.list_files() if SHARD_NAME.fullmatch(n)]
-            except (OSError, NotImplementedError, CheckpointError):  # listing is only for the hint
-                shards = []
-            if shards:
-                raise NotACheckpointError(unindexed_shards(self.path, shards))
+                listed = self.files.list_files()
+            except (OSError, NotImplementedError, CheckpointError):  # a storage that cannot list
+                listed = []
+            if listed and not any(_TORCH_SHARD_NAME.fullmatch(n) for n in listed):
+                names = indexless_files(self.path, listed)
+                if names:
+                    for name in names:
+                        validate_file_name(name, self.path)
+                    return names, None
             raise NotACheckpointError(
-                f"{self.path!r} is not a Hugging Face checkpoint: it has neither {HF_INDEX} nor {HF_SINGLE} (the "
-                "shards torch's HuggingFaceStorageWriter(save_distributed=True) writes load with "
-                "TorchShardedSafetensorsReader)")
+                f"{self.path!r} is not a Hugging Face checkpoint: it has neither {HF_INDEX} nor {HF_SINGLE} nor "
+                "other *.safetensors files (the shards torch's HuggingFaceStorageWriter(save_distributed=True) "
+                "writes load with TorchShardedSafetensorsReader)")
         where = self._where(HF_INDEX)
         size = self.files.file_size(HF_INDEX)
         if size > MAX_INDEX_BYTES:
