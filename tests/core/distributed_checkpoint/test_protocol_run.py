@@ -16,6 +16,7 @@ import os
 import warnings
 from concurrent.futures import Future
 
+import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
 from helpers import assert_same, local_expected, make_dtensor, make_tensor
@@ -463,7 +464,7 @@ def rank_protocol_objects(rank: int, ws: int, root: str) -> dict:
     try:
         load({"b": torch.zeros(3)}, checkpoint_id=os.path.join(root, "counted"), planner=FailingOnRankOne())
     except RankFailedError as exc:
-        out["failure"] = (sorted(exc.failures), str(exc))
+        out["failure"] = (sorted(exc.failures), str(exc), type(exc.failures[1][0]).__name__, str(exc.failures[1][0]))
     return out
 
 
@@ -477,5 +478,50 @@ def test_protocol_objects_on_two_gloo_ranks(tmp_path):
         ok, seed_calls, loader_calls = out["seed"]
         assert ok and seed_calls == [("configure_planner", rank, True)] and loader_calls == [
             "configure_planner", "build_global_plan(2)"]
-        ranks, message = out["failure"]
+        ranks, message, kind, text = out["failure"]
         assert ranks == [1] and "planner broke on purpose" in message and "load (local plan)" in message
+        # torch's shape on every rank: failures[rank] = (the rank's own exception, its stack)
+        assert (kind, text) == ("ValueError", "planner broke on purpose"), rank
+
+
+class FailingWriter(tdcp.FileSystemWriter):
+    """A writer whose chosen hook fails, as torch's own failure tests make them."""
+
+    def __init__(self, path: str, hook: str) -> None:
+        super().__init__(path)
+        self.hook = hook
+
+    def _fail(self, name: str) -> None:
+        if name == self.hook:
+            raise ValueError(f"{name} failed on purpose")
+
+    def set_up_storage_writer(self, *args, **kwargs):
+        self._fail("set_up_storage_writer")
+        return super().set_up_storage_writer(*args, **kwargs)
+
+    def prepare_global_plan(self, plans):
+        self._fail("prepare_global_plan")
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan, planner):
+        self._fail("write_data")
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata, results):
+        self._fail("finish")
+        return super().finish(metadata, results)
+
+
+def test_a_hooks_error_in_one_process_is_torchs_checkpoint_exception(tmp_path):
+    """torch raises a hook's error as CheckpointException(failures={rank: (exc, stack)}) also
+    with no_dist=True; so do we, for code of the caller's (ours stay what they are)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    for hook in ("set_up_storage_writer", "prepare_global_plan", "write_data", "finish"):
+        with pytest.raises(CheckpointException) as info:
+            save(small_sd(), storage_writer=FailingWriter(str(tmp_path / hook), hook), no_dist=True)
+        assert isinstance(info.value, RankFailedError) and list(info.value.failures) == [0], hook
+        exc, stack = info.value.failures[0]
+        assert type(exc) is ValueError and str(exc) == f"{hook} failed on purpose" and len(stack) >= 1
+        assert f"{hook} failed on purpose" in info.value.failures[0] and hook in str(info.value)
+        assert not (tmp_path / hook / ".metadata").exists()  # nothing committed

@@ -97,6 +97,43 @@ def test_save_with_torchs_planner_is_the_save_with_ours(tmp_path):
     assert_same(ours, load(tmp_path / "ours"))
 
 
+def test_the_callers_torch_load_planner_is_left_set_up_as_torch_leaves_it(tmp_path):
+    """torch code reads planner.metadata / planner.state_dict after load (e.g. the version)."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    sd = small_sd()
+    save(sd, tmp_path / "ours", no_dist=True)
+    tdcp.save(sd, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    for name in ("ours", "torch"):  # our format (fast path) and torch's (its procedure)
+        planner = tdcp.DefaultLoadPlanner()
+        target = zeros_like_tree(sd)
+        load(target, checkpoint_id=tmp_path / name, planner=planner, no_dist=True)
+        assert_same(target, sd)
+        assert planner.metadata.version == CURRENT_DCP_VERSION, name
+        assert planner.metadata.state_dict_metadata["model.w"].size == torch.Size([6, 4]), name
+        assert planner.state_dict["model.w"] is target["model"]["w"] and planner.original_state_dict is target
+
+
+def test_load_assigns_top_level_values_back_as_torch_does(tmp_path):
+    """torch's load ends with state_dict[key] = loaded for each value that is not Stateful."""
+
+    class Watched(dict):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.assigned: list[str] = []
+
+        def __setitem__(self, key, value):
+            self.assigned.append(key)
+            super().__setitem__(key, value)
+
+    sd = small_sd()
+    save(sd, tmp_path, no_dist=True)
+    target = Watched(zeros_like_tree(sd))
+    load(target, checkpoint_id=tmp_path, no_dist=True)
+    assert sorted(set(target.assigned)) == ["model", "step"]
+    assert_same(dict(target), sd)
+
+
 def test_allow_partial_load_leaves_missing_keys_as_they_are(tmp_path):
     sd = small_sd()
     save(sd, tmp_path, no_dist=True)

@@ -47,6 +47,8 @@ import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
 from ..base.errors import CorruptCheckpointError
 from ..format.metadata import METADATA_FILE
 from ..format.metadata import Metadata as Document
@@ -162,7 +164,8 @@ class StorageReader(abc.ABC):
     def read_metadata(self) -> Any:
         """torch DCP's ``StorageReader.read_metadata``: the checkpoint as torch's ``Metadata``
         (``state_dict_metadata``, ``planner_data``, ``storage_data``, ``storage_meta``), a
-        :class:`~..format.torch_view.TorchView` of our document, built per key on access.
+        :class:`~..format.torch_view.TorchView` of our document, built per key on access, with
+        the ``version`` torch's writer stamps (``CURRENT_DCP_VERSION``).
 
         A checkpoint saved rank-local (fragments, no ``.metadata``) is described by ``load``,
         which merges the fragments; this raises :class:`NotACheckpointError` for it.
@@ -171,7 +174,8 @@ class StorageReader(abc.ABC):
             raise NotImplementedError(f"{type(self).__name__} must implement read_metadata_bytes()")
         where = getattr(self, "path", None) or getattr(self, "url", None)
         label = f"{where}/{METADATA_FILE}" if where else METADATA_FILE
-        view = TorchView(Document.from_json(self.read_metadata_bytes(), where=label).attach(), checkpoint_id=where)
+        view = TorchView(Document.from_json(self.read_metadata_bytes(), where=label).attach(), checkpoint_id=where,
+                         version=CURRENT_DCP_VERSION)
         view.storage_meta.load_id = self.load_id
         return view
 

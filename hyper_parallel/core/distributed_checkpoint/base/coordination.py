@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ....platform import member_group
-from .errors import CheckpointError, LostContactError, RankFailedError
+from .errors import CheckpointError, LostContactError, RankFailedError, RankFailure
 from .priority import lower_priority, thread_ids
 
 T = TypeVar("T")
@@ -232,8 +232,9 @@ class Coordinator:
     def statuses(self, phase: str, fn: Callable[[], T]) -> tuple[list[tuple[str, Any]], BaseException | None]:
         """Run ``fn`` here and learn every rank's outcome, without raising for failures.
 
-        Returns ``([(kind, payload_or_message) per rank], own exception or None)``: kind is
-        ``"ok"`` (payload is ``fn``'s result) or ``"error"`` (a one-line description). Any
+        Returns ``([(kind, payload_or_failure) per rank], own exception or None)``: kind is
+        ``"ok"`` (payload is ``fn``'s result) or ``"error"`` (a :class:`~.errors.RankFailure`:
+        the exception, its stack and a one-line description). Any
         ``BaseException`` of ``fn`` counts (a KeyboardInterrupt on one rank must not leave
         the others waiting). Raises LostContactError when the exchange itself fails.
         """
@@ -242,7 +243,7 @@ class Coordinator:
             status: tuple[str, Any] = ("ok", fn())
         except BaseException as exc:  # reported to every rank; the caller re-raises
             own = exc
-            status = ("error", _describe(exc))
+            status = ("error", rank_failure(exc))
         try:
             gathered = self._all_gather(phase, (*status, phase.split(" ", 1)[0]))
         except LostContactError as lost:
@@ -288,7 +289,7 @@ class Coordinator:
         try:
             payload, status = fn(), "ok"
         except BaseException as exc:
-            own, payload, status = exc, None, _describe(exc)
+            own, payload, status = exc, None, rank_failure(exc)
         if not self.distributed:
             if own is not None:
                 raise own
@@ -300,7 +301,7 @@ class Coordinator:
             # The coordinator learned every status; share only the failures with everyone.
             verdict = None
             if self.is_coordinator:
-                verdict = {r: s for r, (s, _) in enumerate(gathered) if s != "ok"}
+                verdict = {r: s for r, (s, _) in enumerate(gathered) if isinstance(s, RankFailure)}
             verdict = self.broadcast(verdict, phase)
         except LostContactError as lost:
             if own is not None and not isinstance(own, Exception):
@@ -440,6 +441,11 @@ def _broadcast_object(obj: Any, is_src: bool, src: int, group: Any) -> Any:
     dist.broadcast(payload, src=src, group=group)
     _settle([payload])
     return obj if is_src else _from_bytes_tensor(payload, payload.numel())
+
+
+def rank_failure(exc: BaseException) -> RankFailure:
+    """``exc`` as it travels to the other ranks: torch's (exception, stack) pair and our line of text."""
+    return RankFailure.of(exc, _describe(exc))
 
 
 def _describe(exc: BaseException) -> str:

@@ -16,6 +16,8 @@ class whose ``__init__`` takes more than the message says how to rebuild itself
 
 from __future__ import annotations
 
+import pickle
+import traceback
 from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -25,8 +27,9 @@ class CheckpointError(RuntimeError, CheckpointException):
     """Base class of every error this package raises on purpose.
 
     ``failures`` (torch's ``CheckpointException.failures``) maps each failing rank to what
-    failed there: filled by :class:`RankFailedError` (rank -> its error's text, never a
-    pickled exception); empty for an error raised on this rank alone.
+    failed there: filled by :class:`RankFailedError` (rank -> :class:`RankFailure`, torch's
+    ``(exception, stack)`` pair that also reads as the error's text); empty for an error
+    raised on this rank alone.
     """
 
     # RuntimeError's message, not CheckpointException's "ranks:" report (which needs failures)
@@ -98,14 +101,76 @@ class CommitError(CheckpointError):
         return type(self), (self.args[0] if self.args else "", self.committed, self.save_id), self.__dict__
 
 
+class RankFailure(tuple):
+    """One rank's failure in the two shapes code reads it in.
+
+    torch's ``CheckpointException.failures`` maps a rank to ``(exception, stack)`` (a
+    ``traceback.StackSummary``), and torch code unpacks it (``exc, stack = failures[r]``,
+    ``type(failures[r][0])``); this library's messages and its users read a rank's failure as
+    one line of text (``str(f)``, ``"disk full" in f``, ``f == "OSError: disk full"``). A
+    RankFailure is the pair, and compares, contains and prints as the text.
+
+    The exception is the failing rank's own when it crosses processes intact (it pickles and
+    unpickles as itself), otherwise a ``RuntimeError`` carrying the text.
+    """
+
+    text: str
+
+    def __new__(cls, exception: BaseException, stack: Any, text: str) -> RankFailure:
+        made = super().__new__(cls, (exception, stack))
+        made.text = text
+        return made
+
+    @classmethod
+    def of(cls, exc: BaseException, text: str) -> RankFailure:
+        """``exc`` (raised here) as it will travel to the other ranks."""
+        stack = traceback.extract_tb(exc.__traceback__)
+        try:
+            pickle.loads(pickle.dumps((exc, stack)))
+            kept: BaseException = exc
+        except Exception:  # an exception that cannot cross processes: its text does
+            kept = RuntimeError(text)
+        return cls(kept, stack, text)
+
+    @property
+    def exception(self) -> BaseException:
+        return self[0]
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return repr(self.text)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return self.text == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __contains__(self, item: object) -> bool:
+        if isinstance(item, str):
+            return item in self.text
+        return tuple.__contains__(self, item)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self[0], self[1], self.text)
+
+
 class RankFailedError(CheckpointError):
     """Raised on every rank when one or more ranks failed a phase of save or load.
 
-    ``failures`` maps each failing rank to the text of its error; the message lists them
-    all, root causes first, so every rank's log tells the same story.
+    ``failures`` maps each failing rank to its :class:`RankFailure` (torch's ``(exception,
+    stack)`` pair, reading as the error's text; a plain string given here is kept as text);
+    the message lists them all, root causes first, so every rank's log tells the same story.
     """
 
-    def __init__(self, phase: str, failures: dict[int, str]):
+    def __init__(self, phase: str, failures: dict[int, Any]):
         self.phase = phase
         self.failures = dict(sorted(failures.items()))
         lines = [f"checkpoint {phase} failed on rank(s) {sorted(self.failures)}:"]

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
 from ..backends.locations import location
 from ..backends.protocol import StorageReader, StorageWriter
@@ -40,7 +41,7 @@ from ..planning.plan_cache import CachedSaveResult, announce_plan, cache_scope, 
 from ..planning.planner import LoadPlanner, SavePlan, SavePlanner
 from ..planning.seed_protocol import is_seed_planner, is_seed_reader
 from ..planning.standard_planner import StandardPlanner
-from ..planning.torch_planners import as_our_planner
+from ..planning.torch_planners import as_our_planner, leave_set_up
 from ..planning.torch_protocol import is_torch_planner, torch_load_planner
 from ..state.flatten import FlatStateDict, flatten, unflatten
 from ..transfer.loader import read_plan
@@ -72,7 +73,7 @@ from .scope import (
     resolve_path,
     storage_in_path_slot,
 )
-from .targets import apply_loaded, asked_for, check_all_asked_for, check_keys, materialize_meta
+from .targets import apply_loaded, asked_for, assign_back, check_all_asked_for, check_keys, materialize_meta
 
 __all__ = ["save", "load"]
 
@@ -538,7 +539,9 @@ def load(
                                OwnFormatReader(reader, md.Metadata.from_json(meta_bytes, where=label).attach(),
                                                where=where or "checkpoint", allow_pickle=allow_pickle,
                                                thread_count=thread_count, verify=verify))
-                return _load_on_torch_protocol(state_dict, on_protocol, given, coord, my_rank, strict, allow_pickle)
+                out = _load_on_torch_protocol(state_dict, on_protocol, given, coord, my_rank, strict, allow_pickle)
+                leave_set_up(given, out, on_protocol.read_metadata, coord.is_coordinator)
+                return out
 
             share = sharing_wanted(coord, enabled, rank_local)
             planned: dict[str, Any] = {}
@@ -579,5 +582,11 @@ def load(
         return unflatten({meta.entries[k].path: values[k] for k in sorted(values, key=order.__getitem__)})
     # Putting values back can raise too (a Stateful's load_state_dict): in an exchange of its
     # own, after every rank has read, so no rank is left waiting and none applies half-read data.
-    coord.exchange("load (applying)", lambda: apply_loaded(flat, values, planner, materialized))
+    def apply() -> None:
+        apply_loaded(flat, values, planner, materialized)
+        assign_back(state_dict)
+
+    coord.exchange("load (applying)", apply)
+    leave_set_up(planner, state_dict, lambda: TorchView(meta, where, version=CURRENT_DCP_VERSION),
+                 coord.is_coordinator)
     return state_dict

@@ -35,8 +35,10 @@ what torch asks its own classes when no storage is given; here the storage is ch
 
 Every step runs inside an exchange of :class:`~..base.coordination.Coordinator`: a hook that
 raises on one rank fails every rank with the same :class:`~..base.errors.RankFailedError`
-naming the rank and the error, a rank that never arrives fails the others after ``timeout``,
-and one process (``no_dist``, no process group) runs everything locally. Plans travel as
+(torch's ``CheckpointException``) whose ``failures`` map the rank to its exception and stack,
+a rank that never arrives fails the others after ``timeout``, and one process (``no_dist``, no
+process group, a rank-local save) runs everything locally, its hooks' errors raised as that
+same ``RankFailedError`` naming the one rank, as torch's ``_DistWrapper`` raises them. Plans travel as
 torch's do (each rank's local plan to the coordinator, each rank's final plan back to it
 alone); results go to the coordinator only.
 
@@ -61,13 +63,17 @@ the planners and storage it runs (torch's, the caller's, :mod:`..backends.torch_
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..backends.torch_format import safe_metadata_reads
-from ..base.coordination import Coordinator
-from ..base.errors import CheckpointError
+from ..base.coordination import Coordinator, rank_failure
+from ..base.errors import CheckpointError, RankFailedError
 from ..planning.seed_protocol import as_torch_planner, as_torch_reader
 from ..planning.torch_protocol import safe_byte_loads, torch_save_planner
 
@@ -136,6 +142,20 @@ def _planned(coord: Coordinator, what: str, planner: Any, storage: Any, local_st
     return mine, kept[0] if kept else None
 
 
+@contextmanager
+def _failures_as_torch_raises(coord: Coordinator, what: str, rank: int) -> Iterator[None]:
+    """A hook's error in one process raised as torch raises it: a ``CheckpointException``
+    (:class:`RankFailedError`) naming this rank, its ``failures[rank]`` the exception and
+    stack. With several ranks the exchanges already do that; this library's own errors are
+    ``CheckpointException`` already and stay what they are."""
+    try:
+        yield
+    except Exception as exc:
+        if coord.distributed or isinstance(exc, CheckpointException):
+            raise
+        raise RankFailedError(what, {rank: rank_failure(exc)}) from exc
+
+
 def _one_per_rank(plans: Any, coord: Coordinator, what: str) -> list[Any]:
     plans = list(plans)
     if len(plans) != coord.world_size:
@@ -169,6 +189,12 @@ def run_save(state_dict: dict[str, Any], storage_writer: Any, planner: Any, coor
         CheckpointError: a global step returned the wrong number of plans.
     """
     rank = coord.rank if rank is None else rank
+    with _failures_as_torch_raises(coord, "save", rank):
+        return _run_save(state_dict, storage_writer, planner, coord, checkpoint_id, use_collectives, rank)
+
+
+def _run_save(state_dict: dict[str, Any], storage_writer: Any, planner: Any, coord: Coordinator,
+              checkpoint_id: Any, use_collectives: bool, rank: int) -> Any:
     is_coordinator = coord.is_coordinator if use_collectives else rank == coord.coordinator_rank
     planner = torch_save_planner(as_torch_planner(planner, "save", rank, use_collectives))
     if checkpoint_id is not None:
@@ -227,9 +253,13 @@ def run_load(state_dict: dict[str, Any], storage_reader: Any, planner: Any, coor
     Raises:
         RankFailedError: a hook failed on some rank (every rank raises it, naming the rank).
     """
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     rank = coord.rank if rank is None else rank
+    with _failures_as_torch_raises(coord, "load", rank):
+        return _run_load(state_dict, storage_reader, planner, coord, checkpoint_id, rank, allow_pickle)
+
+
+def _run_load(state_dict: dict[str, Any], storage_reader: Any, planner: Any, coord: Coordinator,
+              checkpoint_id: Any, rank: int, allow_pickle: bool) -> dict[str, Any]:
     reader = as_torch_reader(storage_reader)
     planner = as_torch_planner(planner, "load", rank)
     planner = DefaultLoadPlanner() if planner is None else planner

@@ -13,9 +13,11 @@ while planning (:mod:`..planning.standard_planner`, :mod:`..planning.leaves`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
@@ -24,7 +26,7 @@ from ..sharding.sharded_tensor import local_tensors
 from ..state.flatten import update_in_place
 from ..state.version_stamp import mark_written
 
-__all__ = ["check_keys", "materialize_meta", "asked_for", "check_all_asked_for", "apply_loaded"]
+__all__ = ["check_keys", "materialize_meta", "asked_for", "check_all_asked_for", "apply_loaded", "assign_back"]
 
 
 def materialize_meta(flat: Any) -> list[Any]:
@@ -121,6 +123,18 @@ def apply_loaded(flat: Any, values: dict[str, Any], planner: Any, materialized: 
             leaf.set(leaf.value)
     for obj, inner in flat.statefuls:
         obj.load_state_dict(inner)
+
+
+def assign_back(state_dict: Any) -> None:
+    """End a load as torch's does: each top-level value that is not ``Stateful`` is assigned
+    back (``state_dict[key] = loaded``), so a mapping that watches its assignments (a dict
+    subclass, a trainer's state container) sees the load. The values were loaded in place, so
+    each key gets the object it already holds; ``Stateful`` values were loaded through
+    ``load_state_dict`` and are left, as torch leaves them."""
+    if isinstance(state_dict, MutableMapping):
+        for key, value in list(state_dict.items()):
+            if not isinstance(value, Stateful):
+                state_dict[key] = value
 
 
 def check_keys(planner: Any, strict: bool | str) -> None:

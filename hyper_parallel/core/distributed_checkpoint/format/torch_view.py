@@ -212,10 +212,13 @@ class TorchView(Metadata):
 
     ``document`` is our own record (:class:`.metadata.Metadata`); its attributes are reachable
     on the view too (``view.entries``, ``view.save_id``, ``view.world_size``). ``version`` is the
-    seed's metadata version ("2.0"); our document's format version is ``document.version``.
+    record version of the ecosystem asking: HyperParallel's ("2.0", the default) or torch DCP's
+    (``"1.0.0"``, what torch's writer stamps; torch's readers of ours pass it); our document's
+    format version is ``document.version``.
     """
 
-    def __init__(self, document: md.Metadata, checkpoint_id: Any = None) -> None:
+    def __init__(self, document: md.Metadata, checkpoint_id: Any = None,
+                 version: str = CURRENT_CHECKPOINT_VERSION) -> None:
         self.__dict__["document"] = document
         keys = _TorchKeys(document)
         super().__init__(
@@ -225,7 +228,7 @@ class TorchView(Metadata):
                                   else object_leaves(document)[k][1]),
             storage_data=_ChunkLocations(document),
             storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=document.save_id),
-            version=CURRENT_CHECKPOINT_VERSION,
+            version=version,
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -235,7 +238,8 @@ class TorchView(Metadata):
         return getattr(self.__dict__["document"], name)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.document, self.storage_meta.checkpoint_id if self.storage_meta else None))
+        return (type(self), (self.document, self.storage_meta.checkpoint_id if self.storage_meta else None,
+                             self.version))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TorchView):

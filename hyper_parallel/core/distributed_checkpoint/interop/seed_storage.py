@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ..backends import filesystem as _fs
 from ..base.file_exchange import RecordUnpickler
 from ..format.metadata import METADATA_FILE
+from ..format.records import CURRENT_CHECKPOINT_VERSION
 from ..format.storage_info import StorageInfo
 from ..format.validation import validate_file_name
 from ..planning.records import LoadItemType, WriteItemType
@@ -296,6 +297,13 @@ class FileSystemReader(_fs.FileSystemReader):
         """Read ``checkpoint_id`` from now on (None: the same directory)."""
         if checkpoint_id:
             self.reset(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """The checkpoint as ``Metadata`` (see the torch reader's), stamped with HyperParallel's
+        record version ("2.0") as its reader stamps what it reads."""
+        view = super().read_metadata(*args, **kwargs)
+        view.version = CURRENT_CHECKPOINT_VERSION
+        return view
 
     def load_metadata(self, **kwargs: Any) -> Any:
         """The checkpoint's pickled ``Metadata`` record: ``<rank>.metadata`` when ``rank`` is

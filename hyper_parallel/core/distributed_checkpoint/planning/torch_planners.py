@@ -27,7 +27,7 @@ from ..base.overrides import foreign_base, own_methods
 from .per_call import TORCH_HOOKS
 from .standard_planner import StandardPlanner
 
-__all__ = ["DefaultSavePlanner", "DefaultLoadPlanner", "as_our_planner"]
+__all__ = ["DefaultSavePlanner", "DefaultLoadPlanner", "as_our_planner", "leave_set_up"]
 
 # torch DCP's planner hooks beyond those of per_call.TORCH_HOOKS, and what to override instead
 _MORE_HOOKS = {
@@ -98,9 +98,11 @@ def as_our_planner(planner: Any, what: str, foreign_ok: bool = False) -> Any:
             dedup_save_to_lowest_rank=planner.dedup_save_to_lowest_rank,
             enable_plan_caching=bool(getattr(planner, "_enable_plan_caching", False)))
     if base is torch_load and not own:
-        return DefaultLoadPlanner(flatten_state_dict=planner.flatten_state_dict,
+        ours = DefaultLoadPlanner(flatten_state_dict=planner.flatten_state_dict,
                                   flatten_sharded_tensors=planner.flatten_sharded_tensors,
                                   allow_partial_load=planner.allow_partial_load)
+        ours.stands_for = planner  # the caller's object, set up after the load (leave_set_up)
+        return ours
     if foreign_ok:
         return planner
     name = f"{cls.__module__}.{cls.__qualname__}"
@@ -118,3 +120,14 @@ def as_our_planner(planner: Any, what: str, foreign_ok: bool = False) -> Any:
         f"{', '.join(own)}: async_save runs this library's planners, never torch's planner hooks (save and load "
         f"do), so that code would be silently skipped. Subclass hyper_parallel's {ours} (or StandardPlanner) and "
         f"override instead: {hooks}")
+
+
+def leave_set_up(planner: Any, state_dict: Any, metadata: Any, is_coordinator: bool) -> None:
+    """Leave the caller's torch planner that ``planner`` stood in for (see :func:`as_our_planner`)
+    as torch's ``load`` leaves it: set up with the loaded state dict and the checkpoint's
+    ``Metadata`` (torch code reads ``planner.metadata``/``planner.state_dict`` after a load).
+    Nothing for any other planner. ``metadata``: a callable giving the ``Metadata``, asked only
+    when there is a planner to set up."""
+    caller = getattr(planner, "stands_for", None)
+    if caller is not None and state_dict is not None:
+        caller.set_up_planner(state_dict, metadata(), is_coordinator)
