@@ -1,17 +1,23 @@
 """Real clients, unchanged: the DCP call sequences of widely used training code, run with
-ours imported where the client has ``import torch.distributed.checkpoint as dcp`` (issue 32).
+ours imported where the client has ``import torch.distributed.checkpoint as dcp`` (issue 32,
+issue 44 item 9).
 
 Each sequence is copied from the client's own code (named in each test) and runs on 2 real
-gloo ranks with an FSDP2 model and AdamW. The same rank function runs it with torch's module
-(``impl="torch"``: proves the sequence itself is right) and then with ours
-(``impl="ours"``: the drop-in); the values the fresh model and optimizer hold after the load
-are compared bit for bit with those at save time, and ours' with torch's. A further training
-step on the saved and the restored state must give the same loss, bit for bit.
+gloo ranks with an FSDP2 model and AdamW. A run saves with one implementation and resumes
+with another, ``(save, load)``: ``torch->torch`` proves the sequence itself is right;
+``ours->ours`` is the drop-in; ``torch->ours`` resumes with ours from a checkpoint stock torch
+wrote in its own format (pickled ``.metadata``, read directly: no conversion, no
+``trust=True``); and where the client builds its own writer, ``ours-torch-format->torch``
+writes torch's format through ours' documented switch (``TorchFormatWriter``) for stock torch
+to resume from. The values the fresh model and optimizer hold after the load are compared bit
+for bit with those at save time, and a further training step on the saved and the restored
+state must give the same loss, bit for bit.
 
-``impl="ours"`` resolves every ``torch.distributed.checkpoint`` module a client imports
-(``default_planner``, ``stateful``, ``staging``, ``state_dict_saver``) to ours of the same
-name; ``torch.distributed.checkpoint.state_dict`` (the model/optimizer side: FSDP state
-dicts) stays torch's, as it does for a user who swaps only the checkpoint import.
+``ours`` resolves every ``torch.distributed.checkpoint`` module a client imports
+(``default_planner``, ``stateful``, ``staging``, ``state_dict_saver``, ``format_utils``,
+``state_dict_loader``) to ours of the same name; ``torch.distributed.checkpoint.state_dict``
+(the model/optimizer side: FSDP state dicts) stays torch's, as it does for a user who swaps only
+the checkpoint import.
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-MODULES = {"torch": "torch.distributed.checkpoint", "ours": "hyper_parallel.core.distributed_checkpoint"}
+OURS_TORCH_FORMAT = "ours-torch-format"  # ours, writing torch's own format through TorchFormatWriter
+MODULES = {"torch": "torch.distributed.checkpoint", "ours": "hyper_parallel.core.distributed_checkpoint",
+           OURS_TORCH_FORMAT: "hyper_parallel.core.distributed_checkpoint"}
 VOCAB, DIM, HIDDEN, SEQ = 37, 16, 50, 8  # 37 and 50 rows: uneven FSDP shards on 2 ranks
 WS = 2
 ACCELERATE_DIRS = ("pytorch_model_fsdp_0", "optimizer_0")  # where accelerate puts model and optimizer
@@ -132,21 +140,25 @@ def assert_same(got: Any, want: Any, where: str = "") -> None:
 
 
 def written_by(path: str) -> str:
-    """Which implementation wrote the checkpoint at ``path``: ours seals a JSON ``.metadata``."""
+    """Which format the checkpoint at ``path`` is in: ours seals a JSON ``.metadata``, torch pickles it."""
     with open(os.path.join(path, ".metadata"), "rb") as f:
         return "ours" if b'"format":"hyper-parallel-dcp"' in f.read(4096) else "torch"
 
 
-def check(results: list[dict[str, Any]], impl: str) -> None:
-    """Every rank: restored == saved, the next loss is equal, and ours' values == torch's; each
-    checkpoint was written by the implementation the client was given."""
+def run_name(save: str, load: str) -> str:
+    return f"{save}->{load}"
+
+
+def check(results: list[dict[str, Any]]) -> None:
+    """Every rank and run: restored == saved, the next loss is equal, and the checkpoint is in the
+    format its saver writes (torch's for ``torch`` and ``ours-torch-format``)."""
     for rank, out in enumerate(results):
         for name, run in out.items():
+            save = name.split("->")[0]
             assert_same(run["loaded"], run["saved"], f"rank {rank} {name}: loaded vs saved")
             assert run["next_loss"][0] == run["next_loss"][1], f"rank {rank} {name}: {run['next_loss']}"
-            assert set(run["written_by"]) == {name}, f"rank {rank} {name}: written by {run['written_by']}"
-        if impl == "ours":
-            assert_same(out["ours"]["loaded"], out["torch"]["loaded"], f"rank {rank}: ours vs torch")
+            fmt = "ours" if save == "ours" else "torch"
+            assert set(run["written_by"]) == {fmt}, f"rank {rank} {name}: written by {run['written_by']}"
 
 
 def ours_lacks(*names: str) -> bool:
@@ -156,24 +168,29 @@ def ours_lacks(*names: str) -> bool:
                for n in names)
 
 
-def impls(ours_fails_with: str | None = None, until: tuple[str, ...] = ()) -> list[Any]:
-    """torch's module, and ours, marked xfail (not strict) with the error it gives while the
-    pieces named in ``until`` are missing; once they exist, ours must pass."""
+def pairs(*extra: tuple[str, str], ours_fails_with: str | None = None, until: tuple[str, ...] = ()) -> list[Any]:
+    """The ``(save, load)`` pairs a client runs: torch's module alone, ours alone, ours resuming from
+    a checkpoint stock torch wrote, and ``extra``. Pairs with ours are marked xfail (not strict)
+    with the error it gives while the pieces named in ``until`` are missing; once they exist, ours
+    must pass."""
     marks = [pytest.mark.xfail(ours_lacks(*until), strict=False, reason=ours_fails_with)] if ours_fails_with else []
-    return [pytest.param("torch"), pytest.param("ours", marks=marks)]
+    return [pytest.param(p, id=run_name(*p), marks=marks if "ours" in run_name(*p) else [])
+            for p in (("torch", "torch"), ("ours", "ours"), ("torch", "ours"), *extra)]
 
 
 # ---------------------------------------------------------------------------- (a) accelerate
 
 
-def accelerate_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) -> dict[str, Any]:
+def accelerate_sequence(rank: int, ws: int, root: str, runs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     """accelerate 1.15 ``utils/fsdp_utils.py``, FSDP2 + SHARDED_STATE_DICT, as written there:
-    save_fsdp_model / save_fsdp_optimizer, then load_fsdp_model / load_fsdp_optimizer."""
+    save_fsdp_model / save_fsdp_optimizer, then load_fsdp_model / load_fsdp_optimizer. The client
+    builds its writer (``dist_cp.FileSystemWriter(ckpt_dir)``); ``ours-torch-format`` builds ours'
+    ``filesystem.TorchFormatWriter`` there instead, the one name a team changes to write torch's format."""
     out = {}
-    for impl in impls:
-        dist_cp = dcp_for(impl)
-        planners = face(impl, "default_planner")
-        output_dir = os.path.join(root, impl)
+    for save, load in runs:
+        dist_cp, save_planners = dcp_for(save), face(save, "default_planner")
+        writer = face(save, "filesystem").TorchFormatWriter if save == OURS_TORCH_FORMAT else dist_cp.FileSystemWriter
+        output_dir = os.path.join(root, f"{save}-{load}")
         # _prepare_sd_options for SHARDED_STATE_DICT (the plugin's default offload_to_cpu=True)
         sd_options = StateDictOptions(full_state_dict=False, cpu_offload=True, broadcast_from_rank0=False)
         model, opt = build(ws, seed=0)
@@ -185,15 +202,16 @@ def accelerate_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) -
         state_dict = get_model_state_dict(model, options=sd_options)
         ckpt_dir = os.path.join(output_dir, "pytorch_model_fsdp_0")
         os.makedirs(ckpt_dir, exist_ok=True)
-        dist_cp.save(state_dict={"model": state_dict}, storage_writer=dist_cp.FileSystemWriter(ckpt_dir),
-                     planner=planners.DefaultSavePlanner())
+        dist_cp.save(state_dict={"model": state_dict}, storage_writer=writer(ckpt_dir),
+                     planner=save_planners.DefaultSavePlanner())
         # save_fsdp_optimizer
         optim_state = get_optimizer_state_dict(model, opt, options=sd_options)
         ckpt_dir = os.path.join(output_dir, "optimizer_0")
         os.makedirs(ckpt_dir, exist_ok=True)
-        dist_cp.save(state_dict={"optimizer": optim_state}, storage_writer=dist_cp.FileSystemWriter(ckpt_dir),
-                     planner=planners.DefaultSavePlanner())
+        dist_cp.save(state_dict={"optimizer": optim_state}, storage_writer=writer(ckpt_dir),
+                     planner=save_planners.DefaultSavePlanner())
 
+        dist_cp, planners = dcp_for(load), face(load, "default_planner")  # the resumed job's import
         fresh, fresh_opt = build(ws, seed=1)
         # load_fsdp_model
         dist.barrier()
@@ -214,32 +232,49 @@ def accelerate_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) -
 
         loaded = training_state(fresh, fresh_opt)
         next_loss = (train_step(model, opt, 2, rank, ws), train_step(fresh, fresh_opt, 2, rank, ws))
-        out[impl] = {"saved": saved, "loaded": loaded, "next_loss": next_loss,
-                     "written_by": [written_by(os.path.join(output_dir, d)) for d in ACCELERATE_DIRS]}
+        out[run_name(save, load)] = {"saved": saved, "loaded": loaded, "next_loss": next_loss,
+                                     "written_by": [written_by(os.path.join(output_dir, d)) for d in ACCELERATE_DIRS]}
     return out
 
 
-@pytest.mark.parametrize("impl", impls(
-    "ModuleNotFoundError: No module named 'hyper_parallel.core.distributed_checkpoint.default_planner'",
+@pytest.mark.parametrize("pair", pairs(
+    (OURS_TORCH_FORMAT, "torch"),
+    ours_fails_with="ModuleNotFoundError: No module named 'hyper_parallel.core.distributed_checkpoint.default_planner'",
     until=("default_planner",)))
-def test_accelerate_style_fsdp2_model_and_optimizer(tmp_path, impl):
+def test_accelerate_style_fsdp2_model_and_optimizer(tmp_path, pair):
     """accelerate's sharded save/load: ``dist_cp.save(state_dict=..., storage_writer=
-    dist_cp.FileSystemWriter(d), planner=DefaultSavePlanner())`` and the matching load."""
-    impls = ("torch",) if impl == "torch" else ("torch", "ours")
-    check(run_ranks(accelerate_sequence, WS, str(tmp_path), impls, timeout_s=180), impl)
+    dist_cp.FileSystemWriter(d), planner=DefaultSavePlanner())`` and the matching load; also ours
+    writing torch's format (``TorchFormatWriter``) for stock torch to resume from."""
+    check(run_ranks(accelerate_sequence, WS, str(tmp_path), (pair,), timeout_s=180))
 
 
 # ---------------------------------------------------------------------------- (c) Lightning
 
 
-def lightning_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) -> dict[str, Any]:
+def lightning_consolidate(impl: str, checkpoint_folder: str) -> dict[str, Any]:
+    """Lightning Fabric's consolidation helper (``strategies/fsdp.py`` ``_load_distributed_checkpoint``,
+    run by ``utilities/consolidate_checkpoint.py`` in one process): the whole sharded checkpoint
+    into an empty dict, then Fabric's ``meta.pt`` merged in."""
+    FileSystemReader = dcp_for(impl).FileSystemReader  # noqa: N806 (the client's imported name)
+    _EmptyStateDictLoadPlanner = face(impl, "format_utils")._EmptyStateDictLoadPlanner  # noqa: N806
+    _load_state_dict = face(impl, "state_dict_loader")._load_state_dict
+    checkpoint: dict[str, Any] = {}
+    _load_state_dict(checkpoint, storage_reader=FileSystemReader(checkpoint_folder),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    extra_file = os.path.join(checkpoint_folder, "meta.pt")
+    checkpoint.update(torch.load(extra_file, map_location="cpu") if os.path.isfile(extra_file) else {})
+    return checkpoint
+
+
+def lightning_sequence(rank: int, ws: int, root: str, runs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     """Lightning Fabric ``strategies/model_parallel.py`` (FSDP2): ``_save_checkpoint`` and
     ``_load_checkpoint`` of a sharded checkpoint; ``_distributed_checkpoint_save/_load`` are
-    ``save(converted_state, checkpoint_id=path)`` / ``load(module_state, checkpoint_id=path)``."""
+    ``save(converted_state, checkpoint_id=path)`` / ``load(module_state, checkpoint_id=path)``.
+    Then rank 0 consolidates the checkpoint as Lightning's helper does."""
     out = {}
-    for impl in impls:
-        dcp = dcp_for(impl)
-        path = os.path.join(root, impl, "epoch=0-step=2.ckpt")
+    for save, load in runs:
+        dcp = dcp_for(save)
+        path = os.path.join(root, f"{save}-{load}", "epoch=0-step=2.ckpt")
         model, opt = build(ws, seed=0)
         for step in range(2):
             train_step(model, opt, step, rank, ws)
@@ -257,6 +292,7 @@ def lightning_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) ->
         dist.barrier()
 
         # _load_checkpoint(path, state={"model": fresh, "optimizer": fresh_opt, "step": 0})
+        dcp = dcp_for(load)  # the resumed job's import
         fresh, fresh_opt = build(ws, seed=1)
         module_state = {"model": get_model_state_dict(fresh)}
         dcp.load(module_state, checkpoint_id=path)
@@ -269,16 +305,22 @@ def lightning_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) ->
 
         loaded = training_state(fresh, fresh_opt)
         next_loss = (train_step(model, opt, 2, rank, ws), train_step(fresh, fresh_opt, 2, rank, ws))
-        out[impl] = {"saved": saved, "loaded": loaded, "next_loss": next_loss, "written_by": [written_by(path)]}
+        consolidated = snapshot(lightning_consolidate(load, path)) if rank == 0 else None
+        dist.barrier()
+        out[run_name(save, load)] = {"saved": saved, "loaded": loaded, "next_loss": next_loss,
+                                     "written_by": [written_by(path)], "consolidated": consolidated}
     return out
 
 
-@pytest.mark.parametrize("impl", impls())
-def test_lightning_style_checkpoint_id(tmp_path, impl):
+@pytest.mark.parametrize("pair", pairs())
+def test_lightning_style_checkpoint_id(tmp_path, pair):
     """Lightning's ``save(state, checkpoint_id=path)`` / ``load(state, checkpoint_id=path)``, with
-    its own ``meta.pt`` written into the checkpoint directory beside DCP's files."""
-    impls = ("torch",) if impl == "torch" else ("torch", "ours")
-    check(run_ranks(lightning_sequence, WS, str(tmp_path), impls, timeout_s=180), impl)
+    its own ``meta.pt`` written into the checkpoint directory beside DCP's files; its consolidation
+    helper gives the full saved model and optimizer state and ``meta.pt``'s entries."""
+    results = run_ranks(lightning_sequence, WS, str(tmp_path), (pair,), timeout_s=180)
+    check(results)
+    for name, run in results[0].items():
+        assert_same(run["consolidated"], {**run["saved"], "step": 2}, f"rank 0 {name}: consolidated vs saved")
 
 
 # ---------------------------------------------------------------------------- (b) torchtitan
@@ -397,23 +439,23 @@ def find_load_step(folder: str) -> int:
     return max(steps, default=-1)
 
 
-def torchtitan_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) -> dict[str, Any]:
+def torchtitan_sequence(rank: int, ws: int, root: str, runs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     """torchtitan ``components/checkpointer/dcp.py`` (CheckpointManager), interval 2, 3 steps:
     step 2 saved with ``async_mode="async_with_pinned_mem"`` (``dcp.async_save`` with
     ``AsyncCheckpointerType.PROCESS`` and a ``DefaultStager``; staging awaited before the next
     step, the upload before the next save), the last step model-only in HF safetensors
     (``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)``). Then a
     fresh run resumes from step 2 with ``DefaultLoadPlanner(allow_partial_load=True)`` and a
-    state the checkpoint lacks, and a third loads the HF step as ``initial_load_in_hf`` does."""
+    state the checkpoint lacks, and a third loads the HF step as ``initial_load_in_hf`` does; the
+    restarted jobs import ``load``'s module."""
     from safetensors.torch import load_file
 
     out = {}
-    for impl in impls:
-        dcp = dcp_for(impl)
-        staging, saver, planners = face(impl, "staging"), face(impl, "state_dict_saver"), face(impl, "default_planner")
-        folder = os.path.join(root, impl, "checkpoint")
+    for save, load in runs:
+        dcp, staging, saver = dcp_for(save), face(save, "staging"), face(save, "state_dict_saver")
+        folder = os.path.join(root, f"{save}-{load}", "checkpoint")
         pg = dist.new_group(backend="gloo")
-        run = Trainer(impl, rank, ws, seed=0)
+        run = Trainer(save, rank, ws, seed=0)
         losses = [run.step() for _ in range(2)]
         saved = run.values()
 
@@ -437,7 +479,8 @@ def torchtitan_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) -
 
         # A restarted job: _load(step=2) into fresh objects, plus a state the checkpoint lacks.
         assert find_load_step(folder) in (2, 3), os.listdir(folder)
-        resumed = Trainer(impl, rank, ws, seed=1)
+        dcp, planners = dcp_for(load), face(load, "default_planner")
+        resumed = Trainer(load, rank, ws, seed=1)
         resumed.states["ema"] = {"shadow": torch.full((3,), 7.0)}
         sd = resumed.flattened()
         dcp.load(sd, checkpoint_id=os.path.join(folder, "step-2"),
@@ -448,31 +491,31 @@ def torchtitan_sequence(rank: int, ws: int, root: str, impls: tuple[str, ...]) -
         next_loss = (losses[2], resumed.step())
 
         # initial_load_in_hf: dcp_load(from_hf=True) of the last step into a fresh model
-        hf_run = Trainer(impl, rank, ws, seed=2)
+        hf_run = Trainer(load, rank, ws, seed=2)
         hf_sd = to_hf(hf_run.states["model"].state_dict())
         dcp.load(hf_sd, storage_reader=dcp.HuggingFaceStorageReader(os.path.join(folder, "step-3")))
         hf_run.states["model"].load_state_dict(from_hf(hf_sd))
         hf_files = {}
         for f in sorted(glob.glob(os.path.join(folder, "step-3", "*.safetensors"))):
             hf_files.update(load_file(f))
-        out[impl] = {"saved": saved, "loaded": loaded, "next_loss": next_loss,
-                     "written_by": [written_by(os.path.join(folder, "step-2"))],
-                     "last": last, "hf_loaded": snapshot(hf_run.states["model"].state_dict()),
-                     "hf_files": snapshot(from_hf(hf_files))}
+        out[run_name(save, load)] = {"saved": saved, "loaded": loaded, "next_loss": next_loss,
+                                     "written_by": [written_by(os.path.join(folder, "step-2"))],
+                                     "last": last, "hf_loaded": snapshot(hf_run.states["model"].state_dict()),
+                                     "hf_files": snapshot(from_hf(hf_files))}
     return out
 
 
-@pytest.mark.parametrize("impl", impls(
-    "ModuleNotFoundError: No module named 'hyper_parallel.core.distributed_checkpoint.default_planner'; then "
-    "UnsupportedValueError: async_stager=<DefaultStager>: torch DCP's stagers are not supported; then "
-    "AttributeError: module 'hyper_parallel.core.distributed_checkpoint' has no attribute 'HuggingFaceStorageWriter'",
+@pytest.mark.parametrize("pair", pairs(
+    ours_fails_with="ModuleNotFoundError: No module named 'hyper_parallel.core.distributed_checkpoint."
+    "default_planner'; then UnsupportedValueError: async_stager=<DefaultStager>: torch DCP's stagers are not "
+    "supported; then AttributeError: module 'hyper_parallel.core.distributed_checkpoint' has no attribute "
+    "'HuggingFaceStorageWriter'",
     until=("default_planner", "HuggingFaceStorageWriter")))
-def test_torchtitan_style_manager(tmp_path, impl):
+def test_torchtitan_style_manager(tmp_path, pair):
     """torchtitan's CheckpointManager sequence; the consolidated HF files hold the last step's
     full tensors, and loading them through ``HuggingFaceStorageReader`` restores them."""
-    impls = ("torch",) if impl == "torch" else ("torch", "ours")
-    results = run_ranks(torchtitan_sequence, WS, str(tmp_path), impls, timeout_s=240)
-    check(results, impl)
+    results = run_ranks(torchtitan_sequence, WS, str(tmp_path), (pair,), timeout_s=240)
+    check(results)
     for rank, out in enumerate(results):
         for name, run in out.items():
             assert_same(run["hf_loaded"], run["last"], f"rank {rank} {name}: HF load vs last step")
@@ -491,9 +534,15 @@ def torch_dcp_resolves_to(module: Any):
     ``c`` of ``a.b``; both are pointed at ``module`` and restored afterwards. Submodule imports
     (``from torch.distributed.checkpoint.default_planner import DefaultSavePlanner``) still
     find torch's modules in ``sys.modules``, so accelerate hands torch's planner objects to
-    ours, as a user who swaps only the package would.
+    ours, as a user who swaps only the package would. ``import torch.distributed.checkpoint.
+    format_utils as m`` (``merge_fsdp_weights``) finds torch's ``format_utils`` in ``sys.modules``
+    and takes the attribute of ``module``; both are imported first, so that the swapped package is
+    never asked to import a submodule under torch's name (a second copy of it).
     """
     name = "torch.distributed.checkpoint"
+    for sub in ("format_utils",):
+        importlib.import_module(f"{name}.{sub}")
+        importlib.import_module(f"{module.__name__}.{sub}")
     before = sys.modules[name]
     sys.modules[name] = module
     try:
@@ -503,44 +552,60 @@ def torch_dcp_resolves_to(module: Any):
         sys.modules[name] = before
 
 
-def accelerate_functions(rank: int, ws: int, root: str, impls: tuple[str, ...]) -> dict[str, Any]:
+def accelerate_functions(rank: int, ws: int, root: str, runs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     """accelerate 1.15's own save_fsdp_model / save_fsdp_optimizer / load_fsdp_model /
     load_fsdp_optimizer with a real ``Accelerator`` and ``FullyShardedDataParallelPlugin``
     (fsdp_version=2, SHARDED_STATE_DICT); the model is FSDP2-sharded by ``fully_shard``
-    directly, as accelerate's own FSDP2 preparation needs a GPU."""
+    directly, as accelerate's own FSDP2 preparation needs a GPU. Then ``merge_fsdp_weights`` of
+    the model's checkpoint into one safetensors file, as accelerate's CLI ``merge-weights`` does."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ws), LOCAL_WORLD_SIZE=str(ws))
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+    from accelerate.utils.fsdp_utils import (
+        load_fsdp_model,
+        load_fsdp_optimizer,
+        merge_fsdp_weights,
+        save_fsdp_model,
+        save_fsdp_optimizer,
+    )
+    from safetensors.torch import load_file
 
     accelerator = Accelerator(cpu=True)  # joins the process group already set up
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     out = {}
-    for impl in impls:
-        output_dir = os.path.join(root, impl)
+    for save, load in runs:
+        output_dir = os.path.join(root, f"{save}-{load}")
         model, opt = build(ws, seed=0)
         for step in range(2):
             train_step(model, opt, step, rank, ws)
         saved = training_state(model, opt)
         fresh, fresh_opt = build(ws, seed=1)
-        with torch_dcp_resolves_to(dcp_for(impl)):
+        with torch_dcp_resolves_to(dcp_for(save)):
             save_fsdp_model(plugin, accelerator, model, output_dir)
             save_fsdp_optimizer(plugin, accelerator, opt, model, output_dir)
+        with torch_dcp_resolves_to(dcp_for(load)):
             load_fsdp_model(plugin, accelerator, fresh, output_dir)
             load_fsdp_optimizer(plugin, accelerator, fresh_opt, fresh, output_dir)
+            merged = os.path.join(output_dir, "merged")
+            merge_fsdp_weights(os.path.join(output_dir, ACCELERATE_DIRS[0]), merged)
         loaded = training_state(fresh, fresh_opt)
         next_loss = (train_step(model, opt, 2, rank, ws), train_step(fresh, fresh_opt, 2, rank, ws))
-        out[impl] = {"saved": saved, "loaded": loaded, "next_loss": next_loss,
-                     "written_by": [written_by(os.path.join(output_dir, d)) for d in ACCELERATE_DIRS]}
+        out[run_name(save, load)] = {
+            "saved": saved, "loaded": loaded, "next_loss": next_loss,
+            "written_by": [written_by(os.path.join(output_dir, d)) for d in ACCELERATE_DIRS],
+            "merged": snapshot(load_file(os.path.join(merged, "model.safetensors"))) if rank == 0 else None}
     return out
 
 
-@pytest.mark.parametrize("impl", impls(
-    "UnsupportedValueError: planner=DefaultSavePlanner(): torch.distributed.checkpoint's planners do not fit "
-    "this library's planner protocol; pass StandardPlanner() (or a subclass of it) instead",
+@pytest.mark.parametrize("pair", pairs(
+    ours_fails_with="UnsupportedValueError: planner=DefaultSavePlanner(): torch.distributed.checkpoint's planners "
+    "do not fit this library's planner protocol; pass StandardPlanner() (or a subclass of it) instead",
     until=("default_planner",)))
-def test_accelerate_own_functions(tmp_path, impl):
-    """accelerate's own FSDP checkpoint functions, unchanged, with ``dist_cp`` resolving to ours."""
+def test_accelerate_own_functions(tmp_path, pair):
+    """accelerate's own FSDP checkpoint functions, unchanged, with ``dist_cp`` resolving to ours;
+    ``merge_fsdp_weights`` writes the full saved model."""
     pytest.importorskip("accelerate")
-    impls = ("torch",) if impl == "torch" else ("torch", "ours")
-    check(run_ranks(accelerate_functions, WS, str(tmp_path), impls, timeout_s=180), impl)
+    results = run_ranks(accelerate_functions, WS, str(tmp_path), (pair,), timeout_s=180)
+    check(results)
+    for name, run in results[0].items():
+        assert_same(run["merged"], run["saved"]["model"], f"rank 0 {name}: merged vs saved model")
