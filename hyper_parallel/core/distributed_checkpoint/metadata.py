@@ -1,7 +1,8 @@
 """Checkpoint metadata records (torch DCP's and HyperParallel's path ``distributed_checkpoint.metadata``).
 
 A face. ``Metadata``, ``MetadataIndex``, ``TensorProperties``, ``TensorStorageMetadata`` accept
-torch's form and HyperParallel's (:mod:`.format.records` tabulates the differences);
+torch's form and HyperParallel's (:mod:`.format.records` tabulates the differences), and
+``isinstance`` against them holds for the records torch's own functions build;
 ``ChunkStorageMetadata``, ``BytesStorageMetadata``, ``StorageMeta`` are torch's own. ``CHUNK_INFO``
 and ``ChunkInfo`` are HyperParallel's marks on a plain tensor saying which part of a global tensor
 it holds. Our own on-disk document is not this ``Metadata``: it is

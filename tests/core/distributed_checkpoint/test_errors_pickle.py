@@ -30,6 +30,7 @@ def samples() -> dict[type[BaseException], BaseException]:
         errors.MetadataError: errors.MetadataError("'/x/.metadata' is version 99"),
         errors.CorruptCheckpointError: errors.CorruptCheckpointError("crc32c mismatch in 'w' of data-r0"),
         errors.StateDictMismatchError: errors.StateDictMismatchError("'w' is missing from the checkpoint"),
+        errors.StateDictLookupError: errors.StateDictLookupError("'w' has no chunk at offsets (4,) on rank 1"),
         errors.UnsupportedValueError: errors.UnsupportedValueError("'obj' needs pickle"),
         errors.LostContactError: errors.LostContactError("checkpoint save: lost contact on rank 2"),
         errors.StorageTimeoutError: errors.StorageTimeoutError("no answer from s3 within 30 s"),

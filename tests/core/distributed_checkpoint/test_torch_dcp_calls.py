@@ -221,7 +221,7 @@ def test_find_state_dict_object_on_plain_values():
     assert find_state_dict_object(sd, MetadataIndex("w")) is sd["w"]
     assert find_state_dict_object(sd, MetadataIndex("w", torch.Size([0, 0]))) is sd["w"]
     assert find_state_dict_object(sd, MetadataIndex("step")) == 7
-    with pytest.raises(StateDictMismatchError, match="'nope' is not a key"):
+    with pytest.raises(StateDictMismatchError, match="Could not find FQN 'nope'"):
         find_state_dict_object(sd, MetadataIndex("nope"))
     with pytest.raises(StateDictMismatchError, match=r"no chunk at offsets \(1, 0\)"):
         find_state_dict_object(sd, MetadataIndex("w", torch.Size([1, 0])))

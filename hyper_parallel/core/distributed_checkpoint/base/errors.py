@@ -63,6 +63,12 @@ class StateDictMismatchError(CheckpointError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class StateDictLookupError(StateDictMismatchError, ValueError):
+    """A ``MetadataIndex`` names nothing in a state dict: no such key, or no chunk of the
+    value at that offset on this rank. Also a ``ValueError``, what torch DCP's ``utils``
+    raise for the same lookups, so ``except ValueError`` written for torch catches it."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A state-dict value cannot be saved safely (e.g. needs pickle without opt-in)."""
 

@@ -26,6 +26,14 @@ offset compares equal to, and hashes like, torch's index with ``offset=None``; d
 either side can be looked up with the other's index. (The one lookup that does not cross: a 0-d
 tensor's chunk indexed by torch as ``offset=torch.Size([])``.)
 
+Records torch builds itself (``create_default_global_save_plan`` makes torch's
+``TensorStorageMetadata``, ``create_default_local_save_plan`` torch's ``WriteItem``, ...) are
+instances of the class exported here too: each class here is made by :class:`TorchRecordType`,
+whose ``isinstance`` admits an instance of the torch record it extends. So ``isinstance(md,
+TensorStorageMetadata)`` answers the same for torch's record and ours, whichever class the code
+imported. A torch-built record does not gain our methods (``nbytes``...): code that needs them
+asks :func:`is_own_record` and converts.
+
 What it is not: our own on-disk document (:mod:`.metadata`, the columnar format every reader here
 parses), nor the torch view of it that readers hand to torch-protocol planners (:mod:`.torch_view`).
 """
@@ -41,7 +49,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as _torch_md
 
-__all__ = ["CURRENT_CHECKPOINT_VERSION", "MetadataIndex", "TensorProperties", "TensorStorageMetadata", "Metadata",
+__all__ = ["CURRENT_CHECKPOINT_VERSION", "TorchRecordType", "is_own_record", "MetadataIndex", "TensorProperties",
+           "TensorStorageMetadata", "Metadata",
            "ChunkStorageMetadata", "BytesStorageMetadata", "StorageMeta", "dtype_element_size"]
 
 # The version HyperParallel stamps on its metadata record (see :mod:`.versioning` for older ones).
@@ -53,12 +62,41 @@ BytesStorageMetadata = _torch_md.BytesStorageMetadata
 StorageMeta = _torch_md.StorageMeta
 
 
+class TorchRecordType(type):
+    """The class of a record class that extends one of torch DCP's records: ``isinstance(x, C)``
+    also holds for an instance of the torch record ``C`` extends directly.
+
+    Why: code reached through our import path (``isinstance(md, TensorStorageMetadata)`` with the
+    import swapped) meets records torch's own functions built; to it they are the same record. A
+    subclass of such a class that does not itself extend a torch record (``TorchView``, a user's)
+    is strict: only its own instances pass.
+    """
+
+    def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kwargs: Any) -> TorchRecordType:
+        cls = super().__new__(mcs, name, bases, namespace, **kwargs)
+        torch_bases = tuple(b for b in bases if b.__module__.startswith("torch."))
+        cls._torch_record = torch_bases[0] if torch_bases else None  # type: ignore[attr-defined]
+        return cls
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        if type.__instancecheck__(cls, instance):
+            return True
+        torch_record = cls.__dict__.get("_torch_record")
+        return torch_record is not None and type.__instancecheck__(torch_record, instance)
+
+
+def is_own_record(instance: Any, cls: type) -> bool:
+    """True if ``instance`` is an instance of ``cls`` itself (or a subclass), not only a torch
+    record that :class:`TorchRecordType` admits: whether it has our fields and methods."""
+    return type.__instancecheck__(cls, instance)
+
+
 def _lookup_key(fqn: str, offset: Any) -> tuple[str, tuple[int, ...] | None]:
     """What two indexes must share to be equal: an empty or missing offset is "no offset"."""
     return fqn, (tuple(offset) if offset else None)
 
 
-class MetadataIndex(_torch_md.MetadataIndex):
+class MetadataIndex(_torch_md.MetadataIndex, metaclass=TorchRecordType):
     """Where an item sits in a state dict or a ``Metadata``: ``fqn``, the chunk's ``offset`` and
     an optional ``index`` hint (ignored by equality, as in torch).
 
@@ -112,7 +150,7 @@ def _same_fields(a: Any, b: Any, base: type) -> bool | type(NotImplemented):
 _KEEP = object()  # "argument not given": the form decides the default
 
 
-class TensorProperties(_torch_md.TensorProperties):
+class TensorProperties(_torch_md.TensorProperties, metaclass=TorchRecordType):
     """How to create a tensor: ``dtype`` (a ``torch.dtype``, or HyperParallel's dtype string,
     kept as given), ``requires_grad``, and torch's deprecated ``layout``/``memory_format``/``pin_memory``.
 
@@ -152,7 +190,7 @@ class TensorProperties(_torch_md.TensorProperties):
 
 
 @dataclass(eq=False)
-class TensorStorageMetadata(_torch_md.TensorStorageMetadata):
+class TensorStorageMetadata(_torch_md.TensorStorageMetadata, metaclass=TorchRecordType):
     """A saved tensor: its properties, global ``size`` and saved ``chunks`` (default: none yet)."""
 
     chunks: list[ChunkStorageMetadata] = field(default_factory=list)
@@ -169,7 +207,7 @@ class TensorStorageMetadata(_torch_md.TensorStorageMetadata):
 
 
 @dataclass
-class Metadata(_torch_md.Metadata):
+class Metadata(_torch_md.Metadata, metaclass=TorchRecordType):
     """A checkpoint's description in torch DCP's shape: ``state_dict_metadata`` (key -> tensor or
     bytes record), ``planner_data``, ``storage_data`` (index -> where the item's bytes are),
     ``storage_meta`` and ``version`` (HyperParallel's "2.0" by default; see :mod:`.versioning`).

@@ -14,6 +14,9 @@ and ``isinstance`` checks take it) that also accepts HyperParallel's form:
   torch's counts ``size``, HyperParallel's the chunk's ``sizes`` with a dtype given by name.
 - ``ReadItem`` adds ``broadcastable`` (default True) and ``source`` (a :class:`BroadcastSource`:
   which rank reads a replicated shard for its group, default None).
+- ``isinstance`` takes torch's records and members for ours (:class:`.TorchRecordType`), so
+  ``isinstance(item, WriteItem)`` holds for the items torch's planners build; code that needs
+  our fields asks :func:`.is_own_record`.
 - ``SavePlan()``/``LoadPlan()`` default to no items; ``LoadPlan.identity()`` is the plan with
   each item's checkpoint location elided (what ranks exchange to agree on broadcasts).
 
@@ -30,7 +33,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import planner as _torch_planner
 
-from ..format.records import MetadataIndex, dtype_element_size
+from ..format.records import MetadataIndex, TorchRecordType, dtype_element_size, is_own_record
 
 __all__ = ["WriteItemType", "LoadItemType", "TensorWriteData", "BytesIOWriteData", "WriteItem", "ReadItem",
            "SavePlan", "LoadPlan", "BroadcastSource"]
@@ -39,11 +42,22 @@ BytesIOWriteData = _torch_planner.BytesIOWriteData
 _TORCH_ENUMS = (_torch_planner.WriteItemType, _torch_planner.LoadItemType)
 
 
-class _TorchEqualEnum(enum.Enum):
+class _TorchEqualEnumType(enum.EnumType):
+    """The class of an enum that stands for torch's enum of the same name: ``isinstance``
+    admits torch's members too (what :class:`.TorchRecordType` does for the records)."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        if type.__instancecheck__(cls, instance):
+            return True
+        kind = type(instance)
+        return kind in _TORCH_ENUMS and kind.__name__ == cls.__name__
+
+
+class _TorchEqualEnum(enum.Enum, metaclass=_TorchEqualEnumType):
     """An enum whose members equal torch's members of the same name (and hash alike)."""
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, type(self)):
+        if type(other) is type(self):
             return self is other
         if type(other) in _TORCH_ENUMS and type(other).__name__ == type(self).__name__:
             return self.name == other.name  # type: ignore[attr-defined]
@@ -69,7 +83,7 @@ class LoadItemType(_TorchEqualEnum):
 
 
 @dataclass(frozen=True)
-class TensorWriteData(_torch_planner.TensorWriteData):
+class TensorWriteData(_torch_planner.TensorWriteData, metaclass=TorchRecordType):
     """A tensor write's geometry: ``chunk`` (offsets, sizes), ``properties`` and global ``size``;
     readable as attributes (torch) and as keys (HyperParallel's dict)."""
 
@@ -87,7 +101,7 @@ class TensorWriteData(_torch_planner.TensorWriteData):
 
 def _as_tensor_data(data: Any) -> tuple[TensorWriteData | None, bool]:
     """(the record, whether it came as HyperParallel's dict)."""
-    if data is None or isinstance(data, TensorWriteData):
+    if data is None or is_own_record(data, TensorWriteData):
         return data, False
     if isinstance(data, dict):
         if "chunk" not in data:
@@ -100,7 +114,7 @@ def _as_tensor_data(data: Any) -> tuple[TensorWriteData | None, bool]:
 
 
 @dataclass(frozen=True)
-class WriteItem(_torch_planner.WriteItem):
+class WriteItem(_torch_planner.WriteItem, metaclass=TorchRecordType):
     """One item a rank writes: ``index`` (where it goes), ``type``, and its tensor geometry
     (``tensor_data``) or bytes description (``bytes_io_data``)."""
 
@@ -142,7 +156,7 @@ class BroadcastSource:
 
 
 @dataclass(frozen=True)
-class ReadItem(_torch_planner.ReadItem):
+class ReadItem(_torch_planner.ReadItem, metaclass=TorchRecordType):
     """Copy ``lengths`` elements from ``storage_index`` at ``storage_offsets`` into ``dest_index``
     at ``dest_offsets``; ``source`` says which rank reads it for a group (None: this rank reads)."""
 
@@ -155,14 +169,14 @@ _STORAGE_ELIDED = MetadataIndex("")
 
 
 @dataclass(frozen=True)
-class SavePlan(_torch_planner.SavePlan):
+class SavePlan(_torch_planner.SavePlan, metaclass=TorchRecordType):
     """A rank's writes (``items``, none by default) and what its storage and planner add."""
 
     items: list[Any] = field(default_factory=list)
 
 
 @dataclass
-class LoadPlan(_torch_planner.LoadPlan):
+class LoadPlan(_torch_planner.LoadPlan, metaclass=TorchRecordType):
     """A rank's reads (``items``, none by default) and what its storage and planner add."""
 
     items: list[Any] = field(default_factory=list)
@@ -175,7 +189,7 @@ class LoadPlan(_torch_planner.LoadPlan):
         (the location is the bulk of an item), and the plan it came from is left untouched.
         """
         items = [replace(i, dest_offsets=(), storage_index=_STORAGE_ELIDED, storage_offsets=())
-                 if isinstance(i, ReadItem) else
+                 if is_own_record(i, ReadItem) else
                  ReadItem(type=i.type, dest_index=i.dest_index, dest_offsets=(), storage_index=_STORAGE_ELIDED,
                           storage_offsets=(), lengths=i.lengths)
                  for i in self.items]
