@@ -106,3 +106,33 @@ def test_create_group_registers_groups_on_real_ranks():
         assert r["sum"] == 3.0 and r["same"] and r["own_size"] == 1
         assert r["keys"] == sorted([(0, 1), (rank,)])
         assert (r["rank"], r["world"]) == (rank, 2)
+
+
+def test_hyper_parallels_torch_platform_path_is_the_same_class(tmp_path):
+    """HyperParallel code patches hyper_parallel.platform.torch.platform.TorchPlatform.<method>."""
+    import hyper_parallel.platform.torch.platform as seed_path
+
+    assert seed_path.TorchPlatform is platform_pkg.TorchPlatform
+    assert isinstance(platform_mod.get_platform(), seed_path.TorchPlatform)
+
+
+def test_single_file_checkpoints_round_trip_and_never_run_code(tmp_path):
+    import pickle
+
+    plat = platform_pkg.TorchPlatform
+    tensors = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
+    plat.save_checkpoint(tensors, tmp_path / "m.safetensors")
+    back = plat.load_checkpoint(tmp_path / "m.safetensors")
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    module = torch.nn.Linear(3, 2)
+    plat.save_checkpoint(module, tmp_path / "m.pt")  # a module is saved as its state_dict
+    loaded = plat.load_checkpoint(tmp_path / "m.pt")
+    assert torch.equal(loaded["weight"], module.weight.detach())
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    torch.save({"x": Payload()}, tmp_path / "evil.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        plat.load_checkpoint(tmp_path / "evil.pt")

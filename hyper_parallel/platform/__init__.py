@@ -20,11 +20,13 @@ taking part; see :func:`member_group`. The current platform object (resettable, 
 from __future__ import annotations
 
 import enum
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-import torch
+import safetensors.torch
+import torch as _torch  # "torch" in this namespace is the subpackage hyper_parallel.platform.torch
 import torch.distributed as dist
 
 __all__ = ["get_platform", "set_platform", "TorchPlatform", "PlatformType", "member_group",
@@ -99,8 +101,8 @@ class TorchPlatform:
     """The platform object HyperParallel code gets from :func:`get_platform`, on torch."""
 
     platform_type = PlatformType.PYTORCH
-    Tensor = torch.Tensor
-    dtype = torch.dtype
+    Tensor = _torch.Tensor
+    dtype = _torch.dtype
 
     @staticmethod
     def get_rank(group: Any = None) -> int:
@@ -148,35 +150,35 @@ class TorchPlatform:
 
     @staticmethod
     def is_tensor(obj: Any) -> bool:
-        return isinstance(obj, torch.Tensor)
+        return isinstance(obj, _torch.Tensor)
 
     @staticmethod
-    def detach(tensor: torch.Tensor) -> torch.Tensor:
+    def detach(tensor: _torch.Tensor) -> _torch.Tensor:
         """The tensor's data without autograd history (a view, no copy)."""
         return tensor.detach()
 
     @staticmethod
-    def new_tensor(size: Sequence[int], dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+    def new_tensor(size: Sequence[int], dtype: _torch.dtype | None = None, device: Any = None) -> _torch.Tensor:
         """An uninitialised tensor of ``size`` (a staging buffer)."""
-        return torch.empty(tuple(size), dtype=dtype, device=device)
+        return _torch.empty(tuple(size), dtype=dtype, device=device)
 
     @staticmethod
-    def copy_each(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    def copy_each(dests: list[_torch.Tensor], srcs: list[_torch.Tensor]) -> None:
         """Copy ``srcs[i]`` into ``dests[i]`` for every ``i``, in one fused call."""
         if dests:
-            torch._foreach_copy_(dests, srcs)
+            _torch._foreach_copy_(dests, srcs)
 
     @staticmethod
     def synchronize() -> None:
         """Wait for the work queued on the current accelerator stream (nothing to wait for on
         a host without an initialised accelerator)."""
         for name in ("cuda", "npu"):
-            device = getattr(torch, name, None)
+            device = getattr(_torch, name, None)
             if device is not None and device.is_available() and device.is_initialized():
                 device.current_stream().synchronize()
 
     @staticmethod
-    def broadcast_async(tensor: torch.Tensor, src_rank: int, group: Any = None) -> Any:
+    def broadcast_async(tensor: _torch.Tensor, src_rank: int, group: Any = None) -> Any:
         """Start broadcasting ``tensor`` from global rank ``src_rank`` over ``group``, in place;
         returns the work handle to ``wait()`` on (``None`` when the backend already finished)."""
         return dist.broadcast(tensor, src_rank, group=group, async_op=True)
@@ -206,7 +208,7 @@ class TorchPlatform:
         return dist.group.WORLD
 
     @staticmethod
-    def get_tensor_storage_size(tensor: torch.Tensor) -> int:
+    def get_tensor_storage_size(tensor: _torch.Tensor) -> int:
         """Bytes the tensor's elements take when serialized (numel times element size)."""
         return tensor.numel() * tensor.element_size()
 
@@ -217,40 +219,61 @@ class TorchPlatform:
         return str(name) if name is not None else str(func)
 
     @staticmethod
-    def parameters_dict(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    def parameters_dict(module: _torch.nn.Module) -> dict[str, _torch.nn.Parameter]:
         """``{fully qualified name: parameter}`` of ``module`` (HyperParallel's name for
         ``dict(module.named_parameters())``, which MindSpore spells ``parameters_dict()``)."""
         return dict(module.named_parameters())
 
     @staticmethod
-    def get_cells_and_names(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    def get_cells_and_names(module: _torch.nn.Module) -> list[tuple[str, _torch.nn.Module]]:
         """``(name, submodule)`` pairs, the module itself first (MindSpore calls modules cells)."""
         return list(module.named_modules())
 
     @staticmethod
-    def get_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    def get_modules(module: _torch.nn.Module) -> list[_torch.nn.Module]:
         return list(module.modules())
 
     @staticmethod
-    def search_parameter_by_name(module: torch.nn.Module, param_name: str) -> tuple[str, Any] | None:
+    def search_parameter_by_name(module: _torch.nn.Module, param_name: str) -> tuple[str, Any] | None:
         """``(name, parameter)`` for ``param_name`` in ``module``, or None when it has none."""
         param = dict(module.named_parameters()).get(param_name)
         return None if param is None else (param_name, param)
 
     @staticmethod
-    def get_param_local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    def get_param_local_shape(param: _torch.Tensor) -> tuple[int, ...]:
         """The shape this rank holds: a DTensor's local shard, else the tensor's shape."""
         local = param.to_local() if hasattr(param, "to_local") else param
         return tuple(local.shape)
 
     @staticmethod
-    def get_param_local_data(param: torch.Tensor) -> torch.Tensor:
+    def get_param_local_data(param: _torch.Tensor) -> _torch.Tensor:
         """The tensor this rank holds: a DTensor's local shard, else the tensor itself."""
         return param.to_local() if hasattr(param, "to_local") else param
 
     @staticmethod
-    def get_param_type_size(param: torch.Tensor) -> int:
+    def get_param_type_size(param: _torch.Tensor) -> int:
         return param.element_size()
+
+    @staticmethod
+    def save_checkpoint(obj: Any, file_path: str | os.PathLike) -> None:
+        """Write one file: a dict of tensors to ``*.safetensors`` (safetensors), anything else
+        with ``torch.save`` (a module is saved as its ``state_dict()``, so loading it needs no
+        code). HyperParallel's single-file save; sharded checkpoints use DCP."""
+        if isinstance(obj, _torch.nn.Module):
+            obj = obj.state_dict()
+        if os.fspath(file_path).endswith(".safetensors"):
+            safetensors.torch.save_file({k: v.contiguous() for k, v in obj.items()}, os.fspath(file_path))
+        else:
+            _torch.save(obj, file_path)
+
+    @staticmethod
+    def load_checkpoint(file_path: str | os.PathLike) -> dict[str, Any]:
+        """Read one file written by :meth:`save_checkpoint` (or by safetensors / ``torch.save``):
+        ``*.safetensors`` through safetensors, anything else with ``torch.load(weights_only=True)``,
+        so a file naming a class or function is refused (``UnpicklingError``), never run."""
+        if os.fspath(file_path).endswith(".safetensors"):
+            return safetensors.torch.load_file(os.fspath(file_path))
+        return _torch.load(file_path, map_location="cpu", weights_only=True)
 
 
 # The platform module (``hyper_parallel.platform.platform``) holds the resettable instance and
