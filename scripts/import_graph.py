@@ -30,7 +30,7 @@ PICTURE = ROOT / "docs" / "layers.md"
 # import only the modules listed before it.
 LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "sizes",
-              "file_names", "file_exchange", "atomic_file", "protowire", "priority", "overrides", "either_protocol",
+              "file_names", "allowlist_pickle", "file_exchange", "atomic_file", "protowire", "priority", "overrides", "either_protocol",
               "coordination"]},
     {"state": ["flatten", "nested_paths", "topology_mapper", "train_state", "version_stamp"]},
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from .allowlist_pickle import AllowlistUnpickler
+
 __all__ = ["FileType", "COMPLETE_FLAG", "RecordUnpickler", "assemble_file_path", "write_file", "load_file",
            "construct_file_batches", "batch_read_worker", "parallel_read_files",
            "gather_all_results_from_storage"]
@@ -60,30 +62,28 @@ _RECONSTRUCTORS = {("copyreg", "_reconstructor"), ("copyreg", "__newobj__"), ("c
                    ("torch.serialization", "_get_layout")}  # a layout by its name (torch.strided)
 
 
-class RecordUnpickler(pickle.Unpickler):
+class RecordUnpickler(AllowlistUnpickler):
     """Unpickles plan and metadata records and plain data only (see the module docstring);
     ``where`` names the file in the error raised for anything else."""
 
-    def __init__(self, file: Any, where: str):
-        super().__init__(file)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
+    def admit(self, module: str, name: str) -> Any | None:
         if (module, name) in _RECONSTRUCTORS or (module == "builtins" and name in _BUILTINS):
-            return super().find_class(module, name)
+            return pickle.Unpickler.find_class(self, module, name)
         if module == "torch" and name in ("Size", "device"):
-            return super().find_class(module, name)
+            return pickle.Unpickler.find_class(self, module, name)
         if module.startswith(_RECORD_MODULES) or module == "torch":
-            found = super().find_class(module, name)
+            found = pickle.Unpickler.find_class(self, module, name)
             if isinstance(found, (torch.dtype, torch.memory_format, torch.layout)):
                 return found
             if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
                 return found
-        raise pickle.UnpicklingError(f"{self.where}: refusing {module}.{name}; only plan and metadata records "
-                                     "and plain data are read from this file")
+        return None
 
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError(f"{self.where}: this file holds no persistent references")
+    def refusal(self, what: str) -> Exception:
+        if what.startswith("a persistent id"):
+            return pickle.UnpicklingError(f"{self.where}: this file holds no persistent references")
+        return pickle.UnpicklingError(f"{self.where}: refusing {what}; only plan and metadata records and plain "
+                                      "data are read from this file")
 
 
 def assemble_file_path(checkpoint_id: str | os.PathLike, file_type: FileType, file_id: int) -> str:

@@ -41,6 +41,7 @@ import torch
 from torch.distributed.checkpoint import filesystem as _torch_fs
 from torch.distributed.checkpoint import metadata as _torch_md
 
+from ..base.allowlist_pickle import AllowlistUnpickler
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
 from ..base.limits import MAX_NDIM, MAX_VALUE_DEPTH, MAX_VALUE_ITEMS
 from .metadata import METADATA_FILE
@@ -77,27 +78,21 @@ def is_pickle(raw: bytes) -> bool:
     return raw[:1] == _PICKLE_PROTO
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(AllowlistUnpickler):
     """Resolves only :data:`ALLOWED_GLOBALS`; persistent ids (which call a loader) are refused too."""
 
-    def __init__(self, raw: bytes, where: str):
-        super().__init__(io.BytesIO(raw))
-        self.where = where
+    def admit(self, module: str, name: str) -> Any | None:
+        return ALLOWED_GLOBALS.get((module, name))
 
-    def find_class(self, module: str, name: str) -> Any:
-        found = ALLOWED_GLOBALS.get((module, name))
-        if found is None:
-            raise MetadataError(
-                f"{self.where}: the pickle names {module}.{name}, which is not one of torch.distributed.checkpoint's "
-                "metadata records or the types they hold; refused without running it. A checkpoint of "
-                "HyperParallel's DCP or a tampered file names such globals: convert it once with "
-                "import_hyper_parallel(src, dst, trust=True) or import_torch_dcp(src, dst, trust=True) only if you "
-                "trust where it came from")
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise MetadataError(f"{self.where}: the pickle holds a persistent id ({pid!r:.60}); torch DCP's metadata "
-                            "has none. Refused")
+    def refusal(self, what: str) -> Exception:
+        if what.startswith("a persistent id"):
+            return MetadataError(f"{self.where}: the pickle holds {what}; torch DCP's metadata has none. Refused")
+        return MetadataError(
+            f"{self.where}: the pickle names {what}, which is not one of torch.distributed.checkpoint's "
+            "metadata records or the types they hold; refused without running it. A checkpoint of "
+            "HyperParallel's DCP or a tampered file names such globals: convert it once with "
+            "import_hyper_parallel(src, dst, trust=True) or import_torch_dcp(src, dst, trust=True) only if you "
+            "trust where it came from")
 
 
 def read_torch_metadata(raw: bytes, where: str = METADATA_FILE) -> _torch_md.Metadata:

@@ -22,7 +22,6 @@ still pickled (never unpickled here), for ``load(..., allow_pickle=True)`` to re
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import pickle
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from ..backends.locations import location
+from ..base.allowlist_pickle import AllowlistUnpickler
 from ..base.box import Box, first_overlap
 from ..base.dtypes import itemsize, torch_dtype
 from ..base.errors import CheckpointError, CorruptCheckpointError, MetadataError, UnsupportedValueError
@@ -137,39 +137,29 @@ for _pkg in _METADATA_MODULES:
     _ALLOWED[(f"{_pkg}.storage", "StorageInfo")] = HPStorageInfo
 
 
-class HyperParallelUnpickler(pickle.Unpickler):
+class HyperParallelUnpickler(AllowlistUnpickler):
     """Unpickles HyperParallel's checkpoint metadata and nothing else.
 
-    ``find_class`` answers only HyperParallel's metadata classes (by module path and name,
-    both package locations it has used) with this module's stand-ins, and ``torch.Size``
-    with a tuple builder; any other global raises :class:`UnsupportedValueError` naming it,
-    before it is imported or called. Persistent ids are refused too.
+    It admits only HyperParallel's metadata classes (by module path and name, both package
+    locations it has used), answered with this module's stand-ins, and ``torch.Size`` with a
+    tuple builder; any other global raises :class:`UnsupportedValueError` naming it, before it
+    is imported or called. Persistent ids are refused too.
     """
 
-    def __init__(self, file: Any, where: str):
-        super().__init__(file)
-        self.where = where
+    def admit(self, module: str, name: str) -> Any | None:
+        return _ALLOWED.get((module, name))
 
-    def find_class(self, module: str, name: str) -> Any:
-        found = _ALLOWED.get((module, name))
-        if found is None:
-            raise UnsupportedValueError(
-                f"{self.where}: refusing to unpickle {module}.{name}: it is not one of HyperParallel's "
-                "checkpoint metadata classes (the file may be corrupt or hostile)")
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsupportedValueError(f"{self.where}: refusing a pickle persistent id")
+    def refusal(self, what: str) -> Exception:
+        return UnsupportedValueError(
+            f"{self.where}: refusing to unpickle {what}: it is not one of HyperParallel's checkpoint metadata "
+            "classes (the file may be corrupt or hostile)")
 
 
-class _NoGlobals(pickle.Unpickler):
+class _NoGlobals(AllowlistUnpickler):
     """Plain values only: numbers, strings, bytes, None, bools, lists, tuples, dicts, sets."""
 
-    def find_class(self, module: str, name: str) -> Any:
-        raise _NeedsGlobal(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _NeedsGlobal("a persistent id")
+    def refusal(self, what: str) -> Exception:
+        return _NeedsGlobal(what)
 
 
 class _NeedsGlobal(Exception):
@@ -224,7 +214,7 @@ def _unpickle_metadata(path: str) -> HPMetadata:
     with open(path, "rb") as f:
         raw = f.read()
     try:
-        meta = HyperParallelUnpickler(io.BytesIO(raw), where).load()
+        meta = HyperParallelUnpickler(raw, where).load()
     except UnsupportedValueError:
         raise
     except Exception as exc:
@@ -452,7 +442,7 @@ def _decode_value(raw: bytes, key: str, where: str, allow_pickle: bool) -> tuple
     """A stored value's kind and data: ("object", value), ("bytes", raw) or ("pickle", raw)."""
     if raw[:1] == b"\x80" and _is_one_pickle(raw):
         try:
-            value = _NoGlobals(io.BytesIO(raw)).load()
+            value = _NoGlobals(raw, where).load()
         except _NeedsGlobal as need:
             if allow_pickle:
                 return "pickle", raw

@@ -49,7 +49,6 @@ are read through :func:`use_patch_points` at call time.
 from __future__ import annotations
 
 import dataclasses
-import io
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..base.allowlist_pickle import AllowlistUnpickler
 from ..base.box import Box
 from ..base.errors import CorruptCheckpointError, StateDictMismatchError, UnsupportedValueError
 from ..format.chunk_info import CHUNK_INFO, ChunkInfo
@@ -164,26 +164,21 @@ def create_read_items_for_chunk_list(fqn: str, checkpoint_md: Any, local_chunks:
     return items
 
 
-class _PlainUnpickler(pickle.Unpickler):
+class _PlainUnpickler(AllowlistUnpickler):
     """Containers, numbers, strings and bytes only: a pickle naming any class or function is
-    refused, so decoding runs no code from the checkpoint."""
+    refused, so decoding runs no code from the checkpoint. ``where`` is the value's key."""
 
-    def __init__(self, file: Any, key: str):
-        super().__init__(file)
-        self.key = key
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise UnsupportedValueError(
-            f"{self.key!r}: the saved value is a pickled {module}.{name}; loading it would run code from the "
+    def refusal(self, what: str) -> Exception:
+        if what.startswith("a persistent id"):
+            return UnsupportedValueError(f"{self.where!r}: the saved value holds a persistent reference")
+        return UnsupportedValueError(
+            f"{self.where!r}: the saved value is a pickled {what}; loading it would run code from the "
             "checkpoint. Build the planner with allow_pickle=True only if you trust where it came from")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsupportedValueError(f"{self.key!r}: the saved value holds a persistent reference")
 
 
 def plain_loads(value: bytes, key: str) -> Any:
     """Unpickle ``value`` if it holds plain data only (see :class:`_PlainUnpickler`)."""
-    return _PlainUnpickler(io.BytesIO(value), key).load()
+    return _PlainUnpickler(value, key).load()
 
 
 def _own_plan_index(all_plans: Sequence[Any], rank: int) -> int:
