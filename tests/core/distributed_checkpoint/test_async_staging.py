@@ -168,6 +168,39 @@ def test_checkpoint_holds_the_values_at_call_time_across_back_to_back_saves(tmp_
         assert info["allocations"] == 1 and info["reuses"] == 4, info
 
 
+def rank_load_between_saves(rank: int, ws: int, root: str) -> dict:
+    """A job that saves and loads in turn: a load in between keeps the staging buffer (it is
+    found by the state's structure, not by its tensors), and the call right after a load
+    still snapshots the values of that moment."""
+    ckpt = AsyncCheckpointer()
+    sd = build_state(ws)
+    ckpt.save(sd, os.path.join(root, "first")).result(timeout=60)
+    allocated = ckpt.stats.allocations
+    for i in range(2):
+        mutate(sd)
+        load(sd, os.path.join(root, "first"))  # in place: the same tensors get the saved values
+        expected = snapshot(sd)
+        resp = ckpt.save(sd, os.path.join(root, f"after_load{i}"))  # the first call after a load
+        mutate(sd)  # training changes everything right after the call returns
+        resp.result(timeout=60)
+        assert_same(expected, load_back(expected, os.path.join(root, f"after_load{i}")), f"after_load{i}")
+    fresh = build_state(ws, seed=3)  # a state rebuilt with new tensors and a new mesh, then loaded
+    load(fresh, os.path.join(root, "first"))
+    expected = snapshot(fresh)
+    resp = ckpt.save(fresh, os.path.join(root, "rebuilt"))
+    mutate(fresh)
+    resp.result(timeout=60)
+    assert_same(expected, load_back(expected, os.path.join(root, "rebuilt")), "rebuilt")
+    stats = ckpt.stats
+    ckpt.close()
+    return {"first": allocated, "allocations": stats.allocations, "reuses": stats.reuses}
+
+
+def test_a_load_between_saves_keeps_the_staging_buffer_and_the_values_at_call_time(tmp_path):
+    for info in run_ranks(rank_load_between_saves, 2, str(tmp_path)):
+        assert info == {"first": 1, "allocations": 1, "reuses": 3}, info
+
+
 # ----------------------------------------------------------------------------- 2 ranks: failures
 
 
