@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from ..base import timeline
 from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.atomic_file import atomic_file, sync_directory, temporary_name
 from ..base.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
@@ -539,10 +540,11 @@ class FileSystemReader(StorageReader):
     def _open(self, name: str, extra: int = 0) -> int:
         full = os.path.join(self.path, name)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | extra
+        t0 = timeline.start()
         try:
-            if "/" not in name:
-                return os.open(full, flags)
-            return self._open_below(name, flags)
+            fd = os.open(full, flags) if "/" not in name else self._open_below(name, flags)
+            timeline.record("open", t0, 0, f"{name} {'direct' if extra else 'buffered'}")
+            return fd
         except FileNotFoundError:
             raise CorruptCheckpointError(f"data file {full!r} is missing; the checkpoint is incomplete") from None
         except OSError as exc:
@@ -629,6 +631,7 @@ class FileSystemReader(StorageReader):
         if fd is None:
             fd = self._fd(name)
         calls = 0
+        t0 = timeline.start()
         while view.nbytes:
             try:
                 n = os.preadv(fd, [view], offset)
@@ -647,6 +650,7 @@ class FileSystemReader(StorageReader):
                 )
             view = view[n:]
             offset += n
+        timeline.record("read", t0, want, "buffered" if fd == self._fds.get(name) else "direct")
         with self._lock:
             self.bytes_read += want
             self.read_calls += calls

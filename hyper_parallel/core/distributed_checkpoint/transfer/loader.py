@@ -24,7 +24,6 @@ import math
 import threading
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +33,7 @@ import torch
 
 from ..backends import direct_io
 from ..backends.protocol import StorageReader, check_range
+from ..base import timeline
 from ..base.alignment import TENSOR_ALIGN
 from ..base.box import Box
 from ..base.dtypes import torch_dtype
@@ -43,6 +43,7 @@ from ..format.chunks import ChunkRef, overlapping
 from ..format.data_file import FileIndex, UncheckedIndex, check_index, tensor_bytes
 from ..planning.planner import LoadPlan, ReadItem
 from .host_copy import copy_into
+from .read_threads import Lane, fetch_pool, file_pool, in_file_thread
 from .streams import StreamFence
 
 DEFAULT_BUFFER_BYTES = 96 << 20  # scratch memory per file being read (runs in flight included)
@@ -76,6 +77,7 @@ class ReadStats:
 def _check_blocks(item: ReadItem, data: memoryview, first_block: int, row_bytes: int, where: str) -> None:
     chunk = item.chunk
     step = chunk.block_rows * row_bytes
+    t0 = timeline.start()
     for i, off in enumerate(range(0, data.nbytes, step)):
         b = first_block + i
         got = crc32c.crc32c(data[off:off + step])
@@ -86,6 +88,7 @@ def _check_blocks(item: ReadItem, data: memoryview, first_block: int, row_bytes:
                 f"(chunk {Box(chunk.offsets, chunk.sizes)}, block {b}): expected crc32c "
                 f"{chunk.crc32c[b]:#010x}, found {got:#010x}. The file is corrupt"
             )
+    timeline.record("checksum", t0, data.nbytes)
 
 
 def _scratch(nbytes: int) -> memoryview:
@@ -154,7 +157,9 @@ def _apply(seg: _Segment, data: memoryview, verify: bool) -> None:
     if not chunk.sizes:
         if verify:
             _check_blocks(item, data, seg.block, row_bytes, chunk.file)
+        t0 = timeline.start()
         seg.dest.copy_(typed.reshape(()))
+        timeline.record("copy", t0, seg.dest.element_size())
         return
     block = typed.view((seg.row_hi - seg.row_lo, *chunk.sizes[1:]))
     inner = seg.inner
@@ -169,8 +174,10 @@ def _apply(seg: _Segment, data: memoryview, verify: bool) -> None:
                           seg.block + (r0 - seg.row_lo) // chunk.block_rows, row_bytes, chunk.file)
         a, b = max(r0, lo), min(r1, hi)
         if a < b:
-            copy_into(seg.dest[a - inner.offsets[0]:b - inner.offsets[0]],
-                      block[(slice(a - seg.row_lo, b - seg.row_lo), *cols)])
+            dest = seg.dest[a - inner.offsets[0]:b - inner.offsets[0]]
+            t0 = timeline.start()
+            copy_into(dest, block[(slice(a - seg.row_lo, b - seg.row_lo), *cols)])
+            timeline.record("copy", t0, dest.numel() * dest.element_size())
 
 
 def _typed(data: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -289,8 +296,7 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
     if align and runs and sum(s[-1].hi - s[0].lo for _, s in runs) < SMALL_RUN * len(runs):
         threads = SMALL_RUN_THREADS
     ahead: deque = deque()  # (future, bytes)
-    pool = (ThreadPoolExecutor(threads, thread_name_prefix="dcp-prefetch") if len(runs) > 1 and depth
-            else None)
+    pool = Lane(fetch_pool(), threads) if len(runs) > 1 and depth else None
     next_run = 0
 
     def fill() -> None:
@@ -317,7 +323,9 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
                 lo, hi = _run_range(segs, file_size, align)
                 if pool is not None:
                     fill()
+                    t0 = timeline.start()
                     buf = ahead.popleft()[0].result()
+                    timeline.record("wait", t0, hi - lo, file)
                     fill()
                 else:
                     buf = _fetch(reader, file, lo, hi)
@@ -327,9 +335,7 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
                 read += hi - lo
     finally:
         if pool is not None:
-            for f, _ in ahead:
-                f.cancel()
-            pool.shutdown(wait=True)
+            pool.close()  # reads not started are dropped; running ones finish before we return
     return read
 
 
@@ -378,7 +384,9 @@ def _read_exact(item: ReadItem, inner: Box, dest_view: torch.Tensor, reader: Sto
         if full_rows:
             block = block[(slice(None),) * (d + 1) + tuple(
                 slice(o, o + m) for o, m in zip(inner.offsets[d + 1:], inner.sizes[d + 1:], strict=True))]
+        t0 = timeline.start()
         copy_into(dest_view[s0:s1], block) if d else copy_into(dest_view, block)
+        timeline.record("copy", t0, block.numel() * block.element_size())
     return read
 
 
@@ -428,6 +436,7 @@ class IndexCache:
         found = self._indexes.get(f)
         if found is not None:
             return found
+        t0 = timeline.start()
         index = self.reader.file_index(f)  # a reader of foreign files supplies its own
         if index is None:
             check_range(self.reader, f.path, f.index_offset, f.index_length, "its index")
@@ -435,6 +444,7 @@ class IndexCache:
             self.reader.read_into(f.path, f.index_offset, memoryview(raw))
             check_index(raw, f.index_crc, f.path)
             index = FileIndex(raw, f.path, f.index_offset)
+        timeline.record("index", t0, f.index_length, f.path)
         with self._lock:
             if len(self._indexes) >= self.max_files:
                 self._indexes.clear()
@@ -484,8 +494,12 @@ def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: i
         for f in files.values():  # hinted: read in order while the storage works in parallel
             _try(cache, f)
     elif len(files) > 1 and thread_count > 1:  # read the indexes of different files in parallel
-        with ThreadPoolExecutor(min(thread_count, len(files)), thread_name_prefix="dcp-index") as pool:
-            list(pool.map(lambda f: _try(cache, f), files.values()))
+        lane = Lane(fetch_pool(), min(thread_count, len(files)))
+        try:
+            for fut in [lane.submit(_try, cache, f) for f in files.values()]:
+                fut.result()
+        finally:
+            lane.close()
     return [i if isinstance(i.chunk, md.ChunkRecord) else ReadItem(i.key, resolve(i.chunk, cache), i.region)
             for i in items]
 
@@ -510,7 +524,20 @@ def read_plan(
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     verify: bool = True,
 ) -> ReadStats:
-    """Fill every target of ``plan``; raises CorruptCheckpointError on any bad byte or file."""
+    """Fill every target of ``plan``; raises CorruptCheckpointError on any bad byte or file.
+
+    With ``HP_DCP_LOAD_TIMELINE`` set, its work is recorded (:mod:`..base.timeline`)."""
+    timeline.refresh()
+    t_plan, since = timeline.start(), timeline.mark()
+    try:
+        return _read_plan(plan, planner, reader, thread_count, buffer_bytes, verify)
+    finally:
+        timeline.record("read_plan", t_plan)
+        timeline.dump(since)
+
+
+def _read_plan(plan: LoadPlan, planner: TargetResolver, reader: StorageReader, thread_count: int,
+               buffer_bytes: int, verify: bool) -> ReadStats:
     stats = ReadStats()
     plan = LoadPlan(_resolve_items(plan.items, reader, thread_count), plan.targets)
     # Check every range against its file's size before reading (and before trusting sizes).
@@ -552,15 +579,19 @@ def read_plan(
                               buffered=items[0].chunk.file in small)
 
     large = [items for items in streams if items[0].chunk.file not in small]
-    workers = max(1, min(thread_count, len(large)))
+    # (a load started on one of the file threads reads its files itself: it may not wait on them)
+    workers = 1 if in_file_thread() else max(1, min(thread_count, len(large)))
     # Scratch runs in flight are at most buffer_bytes per file being read: kept for reuse
     # while this load runs, so each read lands in memory already faulted in.
     with direct_io.POOL.held(workers * buffer_bytes):
         if workers > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="dcp-read") as pool:
-                done = pool.map(run_file, large)
+            lane = Lane(file_pool(), workers)
+            try:
+                done = [lane.submit(run_file, items) for items in large]
                 stats.bytes_read = sum(run_file(items) for items in streams if items[0].chunk.file in small)
-                stats.bytes_read += sum(done)
+                stats.bytes_read += sum(f.result() for f in done)
+            finally:
+                lane.close()
         else:
             stats.bytes_read = sum(run_file(items) for items in streams)
     fence.after_copies()
