@@ -10,7 +10,9 @@ One invocation, one state dict, one storage directory, one world size:
    the same layout; resharded loads (Shard(0)->Shard(1) with verify on and off, 2N ranks ->
    N, N ranks -> 1 process with no_dist); torch.save / safetensors single-process
    references; async save with a matmul loop running (ours if ``async_save`` exists, and
-   torch's ``dcp.async_save``). Loads start from a cold page cache.
+   torch's ``dcp.async_save``). Loads start from a cold page cache, on files every reader
+   (ours, torch DCP, raw ``readinto``) has read once before (this VM serves the first read of
+   freshly written data slower than later ones, dropped cache or not), alternating.
    Then the model-shaped case: a GPT-like model (117.5 M parameters by default) under FSDP2
    with AdamW stepped once, model + optimizer state through ``get_state_dict`` /
    ``set_state_dict``, saved and loaded (cold) by ours and torch DCP.
@@ -87,8 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="64 MiB, 1 repetition, small planning: < 60 s")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints go (a fresh subfolder)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="results folder")
-    ap.add_argument("--cold", choices=("auto", "drop_caches", "fadvise"), default="auto",
-                    help="how to empty the page cache before a load (auto: drop_caches if permitted)")
+    ap.add_argument("--cold", choices=("auto", "drop_caches", "fadvise"), default="fadvise",
+                    help="how to empty the page cache before a load (default fadvise: DONTNEED on the "
+                         "load's files only, any user, leaves other processes' caches alone; auto: "
+                         "drop_caches if permitted)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed saves of each library first (default 1)")
     ap.add_argument("--io-chunk", default="64MiB", help="bytes per write/read call of the raw limits")
     ap.add_argument("--compute-n", type=int, default=768, help="matmul size of the async compute loop (0: none)")
