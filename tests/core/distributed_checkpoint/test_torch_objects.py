@@ -126,12 +126,25 @@ def test_load_assigns_top_level_values_back_as_torch_does(tmp_path):
             self.assigned.append(key)
             super().__setitem__(key, value)
 
+    class Counter:  # Stateful: loaded through load_state_dict, never assigned
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def state_dict(self) -> dict:
+            return {"n": torch.tensor(self.n)}
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.n = int(sd["n"])
+
     sd = small_sd()
-    save(sd, tmp_path, no_dist=True)
+    save({**sd, "counter": Counter(5)}, tmp_path, no_dist=True)
     target = Watched(zeros_like_tree(sd))
+    counter = Counter(0)
+    dict.__setitem__(target, "counter", counter)
     load(target, checkpoint_id=tmp_path, no_dist=True)
     assert sorted(set(target.assigned)) == ["model", "step"]
-    assert_same(dict(target), sd)
+    assert target["counter"] is counter and counter.n == 5
+    assert_same({k: v for k, v in target.items() if k != "counter"}, sd)
 
 
 def test_allow_partial_load_leaves_missing_keys_as_they_are(tmp_path):
