@@ -29,7 +29,7 @@ def test_a_lane_runs_at_most_its_width_at_once_in_submission_order():
             running[0] -= 1
         return i * i
 
-    lane = Lane(fetch_pool(), 2)
+    lane = Lane(fetch_pool, 2)
     futures = [lane.submit(task, i) for i in range(8)]
     assert [f.result(timeout=10) for f in futures] == [i * i for i in range(8)]
     lane.close()
@@ -45,7 +45,7 @@ def test_close_drops_calls_not_started_and_waits_for_the_running_one():
         time.sleep(0.05)
         done.append("slow")
 
-    lane = Lane(fetch_pool(), 1)
+    lane = Lane(fetch_pool, 1)
     first = lane.submit(slow)
     later = [lane.submit(done.append, i) for i in range(3)]
     closer = threading.Thread(target=lane.close)
@@ -63,7 +63,7 @@ def test_an_error_in_a_call_reaches_whoever_waits_and_the_lane_goes_on():
     def fail() -> None:
         raise ValueError("bad read")
 
-    lane = Lane(fetch_pool(), 1)
+    lane = Lane(fetch_pool, 1)
     bad, good = lane.submit(fail), lane.submit(lambda: 7)
     with pytest.raises(ValueError, match="bad read"):
         bad.result(timeout=10)
@@ -73,14 +73,14 @@ def test_an_error_in_a_call_reaches_whoever_waits_and_the_lane_goes_on():
 
 def test_calls_on_file_threads_know_it_so_a_load_there_reads_its_files_itself():
     assert not read_threads.in_file_thread()
-    lane = Lane(file_pool(), 1)
+    lane = Lane(file_pool, 1)
     assert lane.submit(read_threads.in_file_thread).result(timeout=10) is True
     lane.close()
     assert not read_threads.in_file_thread()
 
 
 def _child(q) -> None:
-    lane = Lane(fetch_pool(), 2)
+    lane = Lane(fetch_pool, 2)
     try:
         q.put(sum(f.result(timeout=5) for f in [lane.submit(lambda i=i: i) for i in range(4)]))
     except Exception as exc:  # a pool of the parent's threads would never run the calls
@@ -89,19 +89,23 @@ def _child(q) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
 def test_a_forked_child_starts_threads_of_its_own():
-    lane = Lane(fetch_pool(), 4)  # the parent's threads exist, idle: each would take a call
+    lane = Lane(fetch_pool, 4)  # the parent's threads exist, idle: each would take a call
     for f in [lane.submit(time.sleep, 0.05) for _ in range(4)]:
         f.result(timeout=10)
-    lane.close()
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(q,))
-    p.start()
-    assert q.get(timeout=30) == 6
-    p.join(30)
+    try:  # forked while the lane is open: the pool's threads exist in the parent only
+        ctx = mp.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_child, args=(q,))
+        p.start()
+        assert q.get(timeout=30) == 6
+        p.join(30)
+    finally:
+        lane.close()
 
 
-def test_loads_reuse_the_kept_threads(tmp_path):
+def test_loads_leave_no_thread_behind(tmp_path):
+    """The pools live while a load's lanes are open (HyperParallel's pipelined-load test counts
+    the threads after each load)."""
     full = {f"t{i}": torch.randn(256, 1024) for i in range(4)}
     path = str(tmp_path / "ckpt")
     save(full, path, no_dist=True)
@@ -113,5 +117,6 @@ def test_loads_reuse_the_kept_threads(tmp_path):
             v.zero_()
         load(target, path, storage_reader=FileSystemReader(path), no_dist=True)
         assert all(torch.equal(target[k], full[k]) for k in full)
-    started = {t.ident for t in threading.enumerate()} - before
-    assert not started, [t.name for t in threading.enumerate() if t.ident in started]
+        started = {t.ident for t in threading.enumerate()} - before
+        assert not started, [t.name for t in threading.enumerate() if t.ident in started]
+    assert not any(t.name.startswith(("dcp-read", "dcp-prefetch")) for t in threading.enumerate())

@@ -296,7 +296,7 @@ def _read_file(items: list[_Targeted], dests: list[torch.Tensor], reader: Storag
     if align and runs and sum(s[-1].hi - s[0].lo for _, s in runs) < SMALL_RUN * len(runs):
         threads = SMALL_RUN_THREADS
     ahead: deque = deque()  # (future, bytes)
-    pool = Lane(fetch_pool(), threads) if len(runs) > 1 and depth else None
+    pool = Lane(fetch_pool, threads) if len(runs) > 1 and depth else None
     next_run = 0
 
     def fill() -> None:
@@ -494,7 +494,7 @@ def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: i
         for f in files.values():  # hinted: read in order while the storage works in parallel
             _try(cache, f)
     elif len(files) > 1 and thread_count > 1:  # read the indexes of different files in parallel
-        lane = Lane(fetch_pool(), min(thread_count, len(files)))
+        lane = Lane(fetch_pool, min(thread_count, len(files)))
         try:
             for fut in [lane.submit(_try, cache, f) for f in files.values()]:
                 fut.result()
@@ -585,7 +585,7 @@ def _read_plan(plan: LoadPlan, planner: TargetResolver, reader: StorageReader, t
     # while this load runs, so each read lands in memory already faulted in.
     with direct_io.POOL.held(workers * buffer_bytes):
         if workers > 1:
-            lane = Lane(file_pool(), workers)
+            lane = Lane(file_pool, workers)
             try:
                 done = [lane.submit(run_file, items) for items in large]
                 stats.bytes_read = sum(run_file(items) for items in streams if items[0].chunk.file in small)

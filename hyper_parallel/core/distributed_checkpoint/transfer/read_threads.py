@@ -5,7 +5,7 @@ reading ahead, and some to read indexes — a dozen for a 2-rank ``Shard(0)`` ->
 ``Shard(1)`` load. ``Thread.start`` returns only once the new thread has run; on a machine
 whose cores are busy (2 cores shared by several jobs: a load average of 17) that wait
 measured 10-40 ms a thread, 0.1-0.4 s a load in all, beside reading that takes 0.8 s.
-Here the threads are started once per process and wait for work between loads, and the
+Here the threads are started once per load and reused by its files, and the
 thread that finishes a call of a lane runs the lane's next one itself (handing it to an
 idle thread costs one more wake-up: a first version that did was no faster than fresh
 threads). 2 ranks, 436 tensors, 1 GiB, cold, 8 alternating repetitions at a load average of
@@ -17,8 +17,11 @@ index reads (they never wait on other tasks). A :class:`Lane` puts a bound on ho
 group of tasks run at once (one file's reads ahead, the files of one load) and starts them
 in the order given, so one file is still read front to back by as many threads as before.
 
-After ``fork`` the child has none of the parent's threads: the pools are dropped there and
-started again on first use.
+No thread outlives the loads using it: the pools exist while a :class:`Lane` is open and are
+shut down (their threads joined) when the last one closes, so a load returns with the
+process's thread count as it found it (HyperParallel's pipelined-load test checks that three
+loads in a row leave no thread behind). After ``fork`` the child has none of the parent's
+threads: the pools are dropped there and started again on first use.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ MAX_FETCH_THREADS = 64  # reads in flight at once, over every load running in th
 
 _lock = threading.Lock()
 _pools: dict[str, ThreadPoolExecutor] = {}
+_open_lanes = 0  # the pools live while this is above 0
 _in_file_thread = threading.local()
 
 
@@ -74,15 +78,20 @@ def _mark_file_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Lane:
-    """Runs calls on ``pool``, at most ``width`` at a time, started in submission order.
+    """Runs calls on the threads of ``pool`` (:func:`file_pool` or :func:`fetch_pool`), at most
+    ``width`` at a time, started in submission order.
 
     :meth:`close` cancels the calls not yet started and waits for those running, so no
     call touches the caller's memory after it returns.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor, width: int):
-        self._pool, self._width = pool, max(1, width)
-        self._mark = pool is file_pool()
+    def __init__(self, pool: Callable[[], ThreadPoolExecutor], width: int):
+        global _open_lanes
+        with _lock:  # counted before the pool is taken, so a closing lane cannot shut it under us
+            _open_lanes += 1
+        self._closed = False
+        self._pool, self._width = pool(), max(1, width)
+        self._mark = pool is file_pool
         self._queue: deque[tuple[Future, Callable[..., Any], tuple]] = deque()
         self._running = 0
         self._cond = threading.Condition()
@@ -130,18 +139,35 @@ class Lane:
             fut, fn, args = nxt
 
     def close(self) -> None:
-        """Cancel what has not started; wait for what has."""
+        """Cancel what has not started; wait for what has. The last lane to close shuts the
+        pools down (see the module docstring)."""
         with self._cond:
             for fut, _, _ in self._queue:
                 fut.cancel()
             self._queue.clear()
             while self._running:
                 self._cond.wait()
+        if not self._closed:
+            self._closed = True
+            _release()
+
+
+def _release() -> None:
+    global _open_lanes
+    with _lock:
+        _open_lanes -= 1
+        idle = list(_pools.values()) if _open_lanes == 0 else []
+        if idle:
+            _pools.clear()
+    on_pool = threading.current_thread().name.startswith(("dcp-read", "dcp-prefetch"))
+    for pool in idle:  # a pool's own thread cannot join itself: it only lets the others go
+        pool.shutdown(wait=not on_pool)
 
 
 def _forget_pools() -> None:  # in a forked child: the parent's threads are not there
-    global _lock
+    global _lock, _open_lanes
     _pools.clear()
+    _open_lanes = 0
     _lock = threading.Lock()
 
 
