@@ -17,19 +17,24 @@ Two loaders, the same rules, checked equal bit for bit after the last repetition
 - planner (``load_hf_checkpoint`` with :class:`HFLoadPlanner`): each rank reads only the regions
   of the checkpoint its shards need.
 
-Reported per loader: seconds of the slowest rank (best / median of ``--reps``), and the peak extra
-memory of the worst rank: the process's peak resident set during the load (``VmHWM``, reset before
-each repetition through ``/proc/self/clear_refs``) minus its resident set just before.
+Reported per loader: seconds of the slowest rank (best / median of ``--reps``; the loaders
+alternate, so a change in the machine's load hits both), the CPU seconds of the busiest rank (what
+the load costs whatever else the machine runs), and the peak extra memory of the worst rank: the
+process's peak resident set during the load (``VmHWM``, reset before each repetition through
+``/proc/self/clear_refs``) minus its resident set just before. ``--profile`` writes a cProfile of
+rank 0's last load of one loader.
 
 Usage::
 
     python benchmarks/bench_hf_moe.py                          # 8 layers x 64 experts, 4 ranks
     python benchmarks/bench_hf_moe.py --layers 4 --experts 128 --hidden 512
+    python benchmarks/bench_hf_moe.py --reps 2 --checkpoint /tmp/moe --profile /tmp/planner.prof
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
@@ -63,7 +68,6 @@ def make_checkpoint(a: argparse.Namespace, path: str) -> int:
     """Save a random Qwen3-MoE with transformers; returns how many tensors the checkpoint holds."""
     import torch
     import transformers
-    from safetensors import safe_open
 
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config(a)).to(torch.bfloat16)
@@ -71,6 +75,13 @@ def make_checkpoint(a: argparse.Namespace, path: str) -> int:
         for p in model.parameters():
             p.normal_()
     model.save_pretrained(path)
+    return count_tensors(path)
+
+
+def count_tensors(path: str) -> int:
+    """How many tensors the checkpoint in ``path`` holds."""
+    from safetensors import safe_open
+
     count = 0
     for name in os.listdir(path):
         if name.endswith(".safetensors"):
@@ -145,28 +156,36 @@ def rank_main(a: argparse.Namespace) -> None:
         "planner: region reads": lambda m: load_hf_checkpoint(
             m, a.ckpt, planner=HFLoadPlanner(m, extra_weights_mapping=rules())),
     }
-    out: dict[str, dict[str, list[float]]] = {}
+    out: dict[str, dict[str, list[float]]] = {name: {"seconds": [], "extra_bytes": [], "cpu_seconds": []}
+                                                  for name in loaders}
     last = {}
-    for name, run in loaders.items():
-        times, extras = [], []
-        for _ in range(a.reps):
+    for rep in range(a.reps):  # the loaders alternate, so a change in the machine's load hits both alike
+        order = list(loaders) if rep % 2 == 0 else list(reversed(loaders))
+        for name in order:
             model = sharded_model(a, mesh)
             gc.collect()
             dist.barrier()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current resident set
             before = _status("VmRSS")
-            start = time.perf_counter()
-            run(model)
-            seconds = time.perf_counter() - start
+            profiler = cProfile.Profile(time.process_time) if a.profile and a.rank == 0 and name.startswith(a.profile_loader) else None
+            start, cpu_start = time.perf_counter(), time.process_time()
+            if profiler is not None:
+                profiler.runcall(loaders[name], model)
+            else:
+                loaders[name](model)
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            if profiler is not None:
+                profiler.dump_stats(a.profile)
             extra = _status("VmHWM") - before
-            both = torch.tensor([seconds, float(extra)], dtype=torch.float64)
+            both = torch.tensor([seconds, float(extra), cpu], dtype=torch.float64)
             dist.all_reduce(both, op=dist.ReduceOp.MAX)
-            times.append(both[0].item())
-            extras.append(both[1].item())
+            out[name]["seconds"].append(both[0].item())
+            out[name]["extra_bytes"].append(both[1].item())
+            out[name]["cpu_seconds"].append(both[2].item())
             last[name] = model
-        out[name] = {"seconds": times, "extra_bytes": extras}
-    a_sd, b_sd = (m.state_dict() for m in last.values())
+            del model
+    a_sd, b_sd = (last[name].state_dict() for name in loaders)
     equal = all(torch.equal(a_sd[k].to_local(), b_sd[k].to_local()) for k in a_sd)
     flag = torch.tensor([int(equal)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -185,6 +204,14 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="cProfile rank 0's loads of one loader (--profile-loader), in CPU time, and write the stats of the last "
+                         "repetition to FILE (read it with python -m pstats FILE)")
+    ap.add_argument("--profile-loader", default="planner", choices=("planner", "obvious"),
+                    help="which loader --profile profiles (default: planner)")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="use the checkpoint in DIR, saving it there first when DIR does not exist yet, and keep it "
+                         "(default: save one in a temporary directory, removed afterwards)")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -194,13 +221,16 @@ def main() -> None:
         return
     where = tempfile.mkdtemp(prefix="bench_hf_moe_", dir=a.dir)
     try:
-        ckpt = os.path.join(where, "ckpt")
-        count = make_checkpoint(a, ckpt)
+        ckpt = os.path.abspath(a.checkpoint) if a.checkpoint else os.path.join(where, "ckpt")
+        count = make_checkpoint(a, ckpt) if not os.path.isdir(ckpt) else count_tensors(ckpt)
         size = sum(os.path.getsize(os.path.join(ckpt, n)) for n in os.listdir(ckpt) if n.endswith(".safetensors"))
         args = [sys.executable, os.path.abspath(__file__), "--layers", str(a.layers), "--experts", str(a.experts),
                 "--hidden", str(a.hidden), "--expert-dim", str(a.expert_dim), "--ranks", str(a.ranks),
-                "--reps", str(a.reps), "--store", os.path.join(where, "store"), "--ckpt", ckpt]
+                "--reps", str(a.reps), "--profile-loader", a.profile_loader,
+                *(["--profile", os.path.abspath(a.profile)] if a.profile else []),
+                "--store", os.path.join(where, "store"), "--ckpt", ckpt]
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
         procs = [subprocess.Popen([*args, "--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env)
                  for r in range(a.ranks)]
         outs = [p.communicate(timeout=3600)[0] for p in procs]
@@ -215,16 +245,23 @@ def main() -> None:
           f"experts, Shard(0) over {a.ranks} gloo ranks; {a.reps} reps; one expert matrix = "
           f"{expert_slice / 2**10:.0f} KiB; results equal bit for bit: {result['equal']}")
     print("\n".join(table_head("loader", "seconds, slowest rank: best / median",
+                               "CPU seconds, busiest rank: best / median",
                                "peak extra memory, worst rank: best / median (MiB)")))
     for name, r in result.items():
         if name == "equal":
             continue
-        s, m = r["seconds"], [x / 2**20 for x in r["extra_bytes"]]
+        s, c, m = r["seconds"], r["cpu_seconds"], [x / 2**20 for x in r["extra_bytes"]]
         print(table_row(name, f"{min(s):.2f} / {statistics.median(s):.2f}",
-                        f"{min(m):.1f} / {statistics.median(m):.1f}"))
+                        f"{min(c):.2f} / {statistics.median(c):.2f}", f"{min(m):.1f} / {statistics.median(m):.1f}"))
     names = [n for n in result if n != "equal"]
-    obvious, planner = (statistics.median(result[n]["seconds"]) for n in names)
-    print(f"speed-up (median): {obvious / planner:.1f}x")
+    obvious, planner = (result[n]["seconds"] for n in names)
+    ratios = [o / p for o, p in zip(obvious, planner, strict=True)]
+    print(f"speed-up, obvious / planner: median of the loaders' medians "
+          f"{statistics.median(obvious) / statistics.median(planner):.1f}x; per repetition "
+          f"{', '.join(f'{r:.1f}x' for r in ratios)}; load average before / after: {load_before} / "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    cpu_obvious, cpu_planner = (statistics.median(result[n]["cpu_seconds"]) for n in names)
+    print(f"CPU seconds, obvious / planner (medians): {cpu_obvious / cpu_planner:.1f}x")
 
 
 if __name__ == "__main__":
