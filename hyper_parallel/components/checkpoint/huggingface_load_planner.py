@@ -29,6 +29,7 @@ second conversion stage of models whose replacement modules convert normalized w
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from copy import copy
@@ -43,7 +44,7 @@ from torch import nn
 
 from hyper_parallel.core.distributed_checkpoint import load
 from hyper_parallel.core.distributed_checkpoint.hf_storage import HuggingFaceStorageReader
-from hyper_parallel.core.distributed_checkpoint.remap_planner import DeferredRead, RemapLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.remap_planner import DeferredRead, RemapBlock, RemapLoadPlanner
 
 from .checkpoint_files import resolve_checkpoint_location
 from .load_groups import (
@@ -58,6 +59,7 @@ from .load_groups import (
     select_unique_converter,
 )
 from .load_report import LoadReport, check_missing, log_unexpected, sorted_names
+from .local_region_load import can_load_locally, open_local_safetensors, run_local_load
 from .region_tensor import RegionTensor, materialize
 from .target_shards import check_target, copy_into_target
 from .weight_conversion import dot_natural_key, get_model_conversion_mapping
@@ -149,6 +151,58 @@ def _same_outputs(traced: Mapping[str, Any], expected: Mapping[str, Any]) -> boo
         for n, v in traced.items())
 
 
+_NUMBER = re.compile(r"\d+")
+
+
+class _Leaf:
+    """The loader of checkpoint tensor ``key`` while planning: its :class:`RegionTensor`, made on
+    first call (a layer that converts as an earlier one did never needs it)."""
+
+    __slots__ = ("key", "shape", "dtype", "_value")
+
+    def __init__(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.key, self.shape, self.dtype, self._value = key, shape, dtype, None
+
+    def __call__(self) -> RegionTensor:
+        if self._value is None:
+            self._value = RegionTensor.leaf(self.key, self.shape, self.dtype)
+        return self._value
+
+
+@dataclass(frozen=True)
+class _Reusable:
+    """A traced conversion as a pattern for others of its signature: per output, its name split
+    around the numbers of the conversion's name, its shape, and its blocks with the input each reads."""
+
+    outputs_: tuple[tuple[tuple[str, ...], tuple[int, ...], tuple[tuple[RemapBlock, int], ...]], ...]
+
+    @staticmethod
+    def of(first_target_name: str, sources: list[str], outputs: Mapping[str, tuple[Any, Any]]) -> _Reusable | None:
+        """The pattern of a conversion named ``first_target_name`` reading ``sources`` (its inputs, in
+        order) with these outputs; None when it cannot serve as one (an output not traced, an output
+        whose numbers are not the conversion's, a block reading something else than an input)."""
+        numbers = _NUMBER.findall(first_target_name)
+        where = {source: i for i, source in enumerate(sources)}
+        if len(where) != len(sources):
+            return None
+        out = []
+        for name, (value, blocks) in outputs.items():
+            if blocks is None or _NUMBER.findall(name) != numbers or any(b.source not in where for b in blocks):
+                return None
+            out.append((tuple(_NUMBER.split(name)), tuple(value.shape),
+                        tuple((b, where[b.source]) for b in blocks)))
+        return _Reusable(tuple(out))
+
+    def outputs(self, first_target_name: str, sources: list[str]) -> list[tuple[str, tuple[int, ...], list[Any]]]:
+        """``(name, shape, blocks)`` of each output for a conversion of the same signature."""
+        numbers = _NUMBER.findall(first_target_name)
+        out = []
+        for parts, shape, blocks in self.outputs_:
+            name = parts[0] + "".join(n + p for n, p in zip(numbers, parts[1:], strict=True))
+            out.append((name, shape, [b.with_source(sources[i]) for b, i in blocks]))
+        return out
+
+
 class HFLoadPlanner(RemapLoadPlanner):
     """Load planner for a Hugging Face checkpoint read into a finalized (materialized, maybe sharded) model.
 
@@ -174,8 +228,14 @@ class HFLoadPlanner(RemapLoadPlanner):
     conversions run on whole tensors, and ``report`` the :class:`LoadReport`.
 
     Hooks a subclass may override: :meth:`default_weights_mapping`, :meth:`map_checkpoint_key`,
-    :meth:`select_converter`, :meth:`supports_symbolic`.
+    :meth:`select_converter`, :meth:`supports_symbolic`, :attr:`reuse_traced_layers`.
     """
+
+    reuse_traced_layers: bool = True
+    """Trace one conversion per signature (the rule it copies, its input patterns, shapes and dtypes,
+    and its names with the numbers left out: the same conversion of every layer) and give the others
+    its blocks, renamed, instead of tracing each. Assumes a conversion does not look at the numbers in
+    its names, as transformers' operations do not; a subclass whose rules do sets it False."""
 
     def __init__(self, model: nn.Module, *, weights_mapping: Sequence[Transform] | None = None,
                  extra_weights_mapping: Sequence[Transform] = (), key_mapping: Mapping[str, str] | None = None,
@@ -274,24 +334,54 @@ class HFLoadPlanner(RemapLoadPlanner):
     def _compile(self, metadata: Any) -> _Plan:
         keys = self._checkpoint_keys(metadata)
 
-        def leaf(mapped: str) -> Any:
+        def leaf(mapped: str) -> _Leaf:
             key = keys[mapped]
             md = metadata.state_dict_metadata[key]
-            return partial(_same, RegionTensor.leaf(key, tuple(md.size), _dtype(md.properties.dtype, key)))
+            return _Leaf(key, tuple(int(n) for n in md.size), _dtype(md.properties.dtype, key))
 
         rules = self._rules()
         groups, unexpected = build_load_groups(self.model, sorted(keys, key=dot_natural_key), self._targets, rules,
                                                leaf, self.select_converter)
         plan = _Plan(unexpected=[keys[k] for k in unexpected])
+        reusable: dict[tuple, _Reusable | None] = {}
         for group in groups:
-            inputs = [(pattern, loader()) for pattern, loaders in group.transform.collected_tensors.items()
-                      for loader in loaders]
+            loaders = [(pattern, loader) for pattern, loaders in group.transform.collected_tensors.items()
+                       for loader in loaders]
             group.transform.collected_tensors.clear()
+            signature = self._signature(group, loaders)
+            earlier = reusable.get(signature) if signature is not None else None
+            if earlier is not None:  # converts as an earlier layer did: its blocks, renamed
+                sources = [loader.key for _, loader in loaders]
+                for name, shape, blocks in earlier.outputs(group.first_target_name, sources):
+                    self._claim(plan, name, shape, blocks=blocks)
+                continue
+            inputs = [(pattern, loader()) for pattern, loader in loaders]
             conversion = _Conversion(group.transform, group.first_target_name, self.model, inputs)
+            outputs = {}
             for name, value in self._plan_conversion(conversion).items():
-                self._claim(plan, name, value)
+                if isinstance(value, RegionTensor):
+                    blocks = value.remap_blocks()
+                    self._claim(plan, name, value.shape, blocks=blocks)
+                else:
+                    blocks = None
+                    self._claim(plan, name, value.shape, deferred=value)
+                outputs[name] = (value, blocks)
+            if signature is not None and signature not in reusable:
+                reusable[signature] = _Reusable.of(group.first_target_name, [ld.key for _, ld in loaders], outputs)
         self._used = [rule for rule in rules if rule.was_used()]
         return plan
+
+    def _signature(self, group: LoadGroup, loaders: list[tuple[str, Any]]) -> tuple | None:
+        """What a conversion's outcome depends on, its numbers (layer, expert) left out: the rule it
+        copies, its input patterns, shapes and dtypes, and its names with every number as ``#``.
+        Conversions of one signature trace alike (see :attr:`reuse_traced_layers`); None: not reused."""
+        if not self.reuse_traced_layers or not all(isinstance(loader, _Leaf) for _, loader in loaders):
+            return None
+        origin = id(group.origin) if group.origin is not None else None
+        inputs = tuple((_NUMBER.sub("#", pattern), _NUMBER.sub("#", loader.key), loader.shape, loader.dtype)
+                       for pattern, loader in loaders)
+        return (origin, type(group.transform), _NUMBER.sub("#", group.first_target_name), inputs,
+                self.supports_symbolic(group.transform))
 
     def _plan_conversion(self, conversion: _Conversion) -> dict[str, Any]:
         """Every output of ``conversion``: a :class:`RegionTensor` when it traces, else a :class:`_Deferred`."""
@@ -322,21 +412,24 @@ class HFLoadPlanner(RemapLoadPlanner):
         names = list(traced) if traced else [conversion.name]
         return {n: _Deferred(None, conversion, n) for n in names}
 
-    def _claim(self, plan: _Plan, name: str, value: Any) -> None:
-        """Load model tensor ``name`` from ``value``, unless something planned earlier already does."""
+    def _claim(self, plan: _Plan, name: str, shape: Any, blocks: list[RemapBlock] | None = None,
+               deferred: _Deferred | None = None) -> None:
+        """Load model tensor ``name`` of ``shape`` (None: known once a deferred conversion ran) from
+        ``blocks``, or else from the ``deferred`` output, unless something planned earlier already does."""
         target = self._targets.get(name)
         if target is None:
             plan.unexpected.append(name)
             return
         tid = id(target)
         if tid not in plan.loaded_ids:
-            if isinstance(value, RegionTensor) or value.shape is not None:
-                check_target(name, target, tuple(value.shape))
+            if shape is not None:
+                check_target(name, target, tuple(shape))
             key = self._state_keys[tid]
-            if isinstance(value, RegionTensor):
-                plan.table[key] = value.remap_blocks()
+            if blocks is not None:
+                plan.table[key] = blocks
             else:
-                plan.deferred.setdefault(id(value.conversion), (value.conversion, []))[1].append((value.name, name))
+                plan.deferred.setdefault(id(deferred.conversion), (deferred.conversion, []))[1].append(
+                    (deferred.name, name))
             plan.loaded_ids.add(tid)
         plan.loaded_keys.update(self._names[tid])
 
@@ -353,7 +446,7 @@ class HFLoadPlanner(RemapLoadPlanner):
                                              targets=tuple(self._state_keys[id(self._targets[t])] for _, t in claims)))
             else:
                 complete({})  # a conversion of empty tensors reads nothing
-        self.table = {key: self._checked_blocks(key, blocks) for key, blocks in plan.table.items()}
+        self.table = {key: tuple(blocks) for key, blocks in plan.table.items()}  # traced blocks tile their tensor
         self.deferred = tuple(deferred)
         self._loaded_ids = set(plan.loaded_ids)
         self.report = LoadReport(loaded_keys=sorted_names(plan.loaded_keys), missing_keys=missing,
@@ -397,8 +490,11 @@ def load_hf_checkpoint(model: nn.Module, pretrained_path: str | Path, *,
         weights_mapping: rules replacing the model's default ones (ignored with ``planner``).
         strict: fail when a model tensor would be left unloaded (ignored with ``planner``).
         planner: an :class:`HFLoadPlanner` (or subclass) for rules beyond ``weights_mapping``.
-        storage_reader: what reads the files. Default: this library's ``HuggingFaceStorageReader``
-            (the index's files, or ``model.safetensors``, or the one file given).
+        storage_reader: what reads the files, through ``load``. Default: the plan is carried out
+            straight from the files (the index's, or ``model.safetensors``, or the one file given;
+            :mod:`.local_region_load`) when the model's tensors are on the CPU, no ``load_kwargs``
+            are given and the planner does not broadcast replicated shards; otherwise ``load`` with
+            this library's ``HuggingFaceStorageReader``.
         **load_kwargs: passed to ``load`` (``use_collectives``, ``thread_count``, ...).
 
     Returns:
@@ -412,12 +508,20 @@ def load_hf_checkpoint(model: nn.Module, pretrained_path: str | Path, *,
         report = load_hf_checkpoint(model, "/models/qwen3-moe")
         assert not report.missing_keys
     """
-    if storage_reader is None:
-        location = resolve_checkpoint_location(pretrained_path)
-        storage_reader = _SingleFileReader(location) if location.is_file() else HuggingFaceStorageReader(location)
     if planner is None:
         planner = HFLoadPlanner(model, weights_mapping=weights_mapping, strict=strict)
+    state_dict = planner.state_dict_for_load()
+    if storage_reader is None:
+        location = resolve_checkpoint_location(pretrained_path)
+        if not load_kwargs and not planner.broadcast_replicated_tensors and can_load_locally(state_dict):
+            checkpoint = open_local_safetensors(location)
+            try:
+                run_local_load(planner, state_dict, checkpoint)
+            finally:
+                checkpoint.close()
+            return planner.finish(pretrained_path)
+        storage_reader = _SingleFileReader(location) if location.is_file() else HuggingFaceStorageReader(location)
     if not (dist.is_available() and dist.is_initialized()):
         load_kwargs.setdefault("no_dist", True)
-    load(planner.state_dict_for_load(), storage_reader=storage_reader, planner=planner, **load_kwargs)
+    load(state_dict, storage_reader=storage_reader, planner=planner, **load_kwargs)
     return planner.finish(pretrained_path)

@@ -42,6 +42,8 @@ class LoadGroup:
 
     first_target_name: str
     transform: Transform
+    origin: Any = None
+    """The rule ``transform`` is a fresh copy of (None for a plain renaming made for one key)."""
 
 
 def build_load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -143,7 +145,7 @@ def build_load_groups(model: Any, source_keys: Iterable[str], targets: Mapping[s
         group = groups.get(name)
         if group is None:  # each group collects into a fresh copy of its rule
             fresh = WeightRenaming(source_patterns=key, target_patterns=name) if rule is None else deepcopy(rule)
-            group = groups[name] = LoadGroup(name, fresh)
+            group = groups[name] = LoadGroup(name, fresh, rule)
         group.transform.add_tensor(name, key, pattern, make_loader(key))
     return list(groups.values()), unexpected
 

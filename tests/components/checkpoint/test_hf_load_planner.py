@@ -34,6 +34,7 @@ from hyper_parallel.components.checkpoint import (
     load_hf_checkpoint,
 )
 from hyper_parallel.components.checkpoint.whole_tensor_loader import load_whole_tensors
+from hyper_parallel.core.distributed_checkpoint import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint import load as our_load
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -135,6 +136,61 @@ def test_a_sharded_checkpoint_with_an_index_loads_the_same(tmp_path):
     report = load_whole_tensors(legacy, directory, extra_weights_mapping=extra_rules())
     assert plan_load(model, directory, extra_weights_mapping=extra_rules()).report == report
     assert_same_tensors(legacy, model)
+
+
+@pytest.mark.parametrize("layout", ["one file", "index"])
+def test_load_hf_checkpoint_reads_straight_from_the_files_what_the_legacy_loader_loads(tmp_path, layout):
+    directory = save_checkpoint(tmp_path / "ckpt", **({"max_shard_size": "20KB"} if layout == "index" else {}))
+    legacy, model = fused_model(), fused_model()
+    report = load_whole_tensors(legacy, directory, extra_weights_mapping=extra_rules())
+    assert load_hf_checkpoint(model, directory, planner=HFLoadPlanner(model, extra_weights_mapping=extra_rules())) \
+        == report
+    assert_same_tensors(legacy, model)
+    # and through load with this library's reader (the path taken with load arguments) alike
+    again = fused_model()
+    assert load_hf_checkpoint(again, directory, planner=HFLoadPlanner(again, extra_weights_mapping=extra_rules()),
+                              no_dist=True) == report
+    assert_same_tensors(legacy, again)
+
+
+def test_a_truncated_file_fails_the_straight_read_naming_it(tmp_path):
+    directory = save_checkpoint(tmp_path / "ckpt")
+    file = directory / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    model = fused_model()
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
+        load_hf_checkpoint(model, directory, planner=HFLoadPlanner(model, extra_weights_mapping=extra_rules()))
+
+
+class _TracingEveryLayer(HFLoadPlanner):
+    reuse_traced_layers = False
+
+
+def _blocks(planner: HFLoadPlanner) -> dict[str, list[tuple]]:
+    return {key: [(b.offsets, b.lengths, b.source, b.base, b.coeff, len(b.post)) for b in blocks]
+            for key, blocks in planner.table.items()}
+
+
+def test_reusing_one_layers_trace_plans_what_tracing_every_layer_plans(tmp_path):
+    from hyper_parallel.components.checkpoint.local_region_load import open_local_safetensors
+
+    directory = save_checkpoint(tmp_path / "ckpt", layers=3)
+    checkpoint = open_local_safetensors(directory)
+    traced = {}
+    for cls in (HFLoadPlanner, _TracingEveryLayer):
+        planner = cls(fused_model(layers=3), extra_weights_mapping=extra_rules())
+        count = []
+        run = planner._plan_conversion
+        planner._plan_conversion = lambda conversion, run=run, count=count: count.append(1) or run(conversion)
+        planner.set_up_planner(planner.state_dict_for_load(), checkpoint.metadata(), True)
+        traced[cls] = (len(count), _blocks(planner), planner.report)
+    checkpoint.close()
+    (reused, blocks, report), (every, expected, expected_report) = traced.values()
+    assert blocks == expected and report == expected_report
+    assert every > reused, f"tracing every layer traced {every} conversions, reusing {reused}"
+    for key, key_blocks in blocks.items():  # each layer reads its own tensors
+        layer = key.split(".")[2] if key.startswith("model.layers.") else None
+        assert layer is None or all(f"layers.{layer}." in source for _, _, source, *_ in key_blocks), key
 
 
 def test_a_model_tensor_nothing_loads_fails_a_strict_load_naming_it(moe_dir):
@@ -257,6 +313,10 @@ def _sharded_rank(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         again = _sharded_fused_model(mesh)
         plan_load(again, Path(directory), driver, extra_weights_mapping=extra_rules())
         assert_same_tensors(legacy, again)
+    straight = _sharded_fused_model(mesh)
+    assert load_hf_checkpoint(straight, directory,
+                              planner=HFLoadPlanner(straight, extra_weights_mapping=extra_rules())) == report
+    assert_same_tensors(legacy, straight)
     gate_up = model.model.layers[0].mlp.experts.gate_up_proj
     whole = gate_up.full_tensor()
     # this rank's reads: plan again on the same metadata and list the checkpoint tensors read
@@ -276,3 +336,22 @@ def test_two_ranks_holding_shards_load_what_the_legacy_loader_loads_and_read_onl
         assert result["whole"] == torch.cat([gate, up], dim=1).tolist()
         experts_read = {int(name.split(".")[5]) for name in result["read"] if ".mlp.experts." in name}
         assert experts_read == {2 * rank, 2 * rank + 1}, f"rank {rank} read experts {experts_read}"
+
+
+def _one_rank_fails_to_plan(rank: int, world_size: int, directory: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _sharded_fused_model(init_device_mesh("cpu", (world_size,)))
+    if rank == 1:  # a model tensor of another shape: planning fails here only
+        model.model.norm.weight = nn.Parameter(torch.zeros(3))
+    try:
+        load_hf_checkpoint(model, directory, planner=HFLoadPlanner(model, extra_weights_mapping=extra_rules()))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_rank_that_fails_to_plan_fails_the_straight_read_on_every_rank(moe_dir):
+    results = run_ranks(_one_rank_fails_to_plan, 2, str(moe_dir), timeout_s=300)
+    assert "model.norm.weight" in results[1] and "shape" in results[1]
+    assert results[0].startswith("RuntimeError") and "rank(s) [1]" in results[0]

@@ -175,6 +175,7 @@ class RemapLoadPlanner(LoadPlanner):
         self.is_coordinator = False
         self.rank = 0
         self._landings: dict[tuple, _Landing] = {}
+        self._shards: dict[tuple, torch.Tensor] = {}
         self._local_plan: LoadPlan | None = None
 
     @staticmethod
@@ -218,6 +219,7 @@ class RemapLoadPlanner(LoadPlanner):
         if broadcast_replicated_tensors is not None:
             self.broadcast_replicated_tensors = bool(broadcast_replicated_tensors)
         self._landings = {}
+        self._shards = {}
         self._local_plan = None
 
     def configure_planner(self, state_dict: Any, metadata: Any, **kwargs: Any) -> None:
@@ -235,6 +237,7 @@ class RemapLoadPlanner(LoadPlanner):
         if self.state_dict is None or self.metadata is None:
             raise RuntimeError("RemapLoadPlanner is not set up: call set_up_planner (or configure_planner) first")
         self._landings = {}
+        self._shards = {}
         items: list[ReadItem] = []
         for fqn, blocks in self.table.items():
             if fqn not in self.state_dict:
@@ -324,7 +327,7 @@ class RemapLoadPlanner(LoadPlanner):
         the same way whatever shard it holds)."""
         md = self._checkpoint_tensor(block.source)
         size = tuple(int(n) for n in md.size)
-        region = block.region(block.box)
+        region = block.whole_region
         if region.ndim != len(size) or not Box.full(size).contains(region):
             raise ValueError(f"a block reads {region} of checkpoint tensor {block.source!r}, which has size {size}")
 
@@ -392,7 +395,15 @@ class RemapLoadPlanner(LoadPlanner):
         return landing
 
     def _shard_tensor(self, fqn: str, dest_index: Any) -> torch.Tensor:
-        """The local tensor holding the shard ``dest_index`` names, detached (written in place)."""
+        """The local tensor holding the shard ``dest_index`` names, detached (written in place);
+        found once per shard and plan (every read of the shard asks, twice)."""
+        key = (fqn, tuple(dest_index.offset or ()))
+        found = self._shards.get(key)
+        if found is None:
+            found = self._shards[key] = self._find_shard_tensor(fqn, dest_index)
+        return found
+
+    def _find_shard_tensor(self, fqn: str, dest_index: Any) -> torch.Tensor:
         obj = self.state_dict[fqn]
         if isinstance(obj, DTensor):
             local = get_ragged_box_tensor(obj, dest_index) if is_ragged_dtensor(obj) else obj.to_local()

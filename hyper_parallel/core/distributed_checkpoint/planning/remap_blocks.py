@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -107,10 +108,29 @@ class RemapBlock:
                             ("post", post)):
             object.__setattr__(self, name, value)
 
-    @property
+    def with_source(self, source: str) -> RemapBlock:
+        """This block reading ``source`` instead: the same geometry, already checked, so only the
+        name is (a planner reusing one layer's blocks for the next builds thousands of these).
+
+        Raises:
+            ValueError: ``source`` is not a non-empty string.
+        """
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"RemapBlock needs the checkpoint tensor's name as source, got {source!r}")
+        copy = object.__new__(RemapBlock)
+        copy.__dict__.update(self.__dict__)
+        object.__setattr__(copy, "source", source)
+        return copy
+
+    @cached_property
     def box(self) -> Box:
-        """The destination box the block fills (global coordinates)."""
+        """The destination box the block fills (global coordinates); made once, planning asks often."""
         return Box(self.offsets, self.lengths)
+
+    @cached_property
+    def whole_region(self) -> Box:
+        """The checkpoint region the whole block reads (:meth:`region` of :attr:`box`), made once."""
+        return self.region(self.box)
 
     def region(self, part: Box) -> Box:
         """The checkpoint region the destination box ``part`` (inside :attr:`box`) reads, gaps
