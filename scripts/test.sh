@@ -15,4 +15,6 @@ elif [ "${HP_WITH_MINDSPORE:-1}" = 1 ]; then
   bash scripts/setup_mindspore.sh || echo "MindSpore could not be installed: the tests that run it will skip"
 fi
 .venv/bin/ruff check .
+# The documentation site, warnings as errors (about 15 s); its examples run as tests (tests/docs/).
+bash scripts/docs.sh
 .venv/bin/python -m pytest -q "$@"
