@@ -168,7 +168,8 @@ def rank_main(a: argparse.Namespace) -> None:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current resident set
             before = _status("VmRSS")
-            profiler = cProfile.Profile(time.process_time) if a.profile and a.rank == 0 and name.startswith(a.profile_loader) else None
+            profiled = a.profile and a.rank == 0 and name.startswith(a.profile_loader)
+            profiler = cProfile.Profile(time.process_time) if profiled else None
             start, cpu_start = time.perf_counter(), time.process_time()
             if profiler is not None:
                 profiler.runcall(loaders[name], model)
@@ -205,8 +206,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
     ap.add_argument("--profile", default=None, metavar="FILE",
-                    help="cProfile rank 0's loads of one loader (--profile-loader), in CPU time, and write the stats of the last "
-                         "repetition to FILE (read it with python -m pstats FILE)")
+                    help="cProfile rank 0's loads of one loader (--profile-loader), in CPU time, and write the stats "
+                         "of the last repetition to FILE (read it with python -m pstats FILE)")
     ap.add_argument("--profile-loader", default="planner", choices=("planner", "obvious"),
                     help="which loader --profile profiles (default: planner)")
     ap.add_argument("--checkpoint", default=None, metavar="DIR",

@@ -29,9 +29,9 @@ PICTURE = ROOT / "docs" / "layers.md"
 # Bottom first. A layer is one or more sibling subpackages; inside a subpackage a module may
 # import only the modules listed before it.
 LAYERS: list[dict[str, list[str]]] = [
-    {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "timeline", "sizes",
-              "file_names", "allowlist_pickle", "file_exchange", "atomic_file", "protowire", "priority", "overrides", "either_protocol",
-              "coordination"]},
+    {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "timeline",
+              "sizes", "file_names", "allowlist_pickle", "file_exchange", "atomic_file", "protowire", "priority",
+              "overrides", "either_protocol", "coordination"]},
     {"state": ["flatten", "nested_paths", "topology_mapper", "train_state", "version_stamp"]},
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",
                   "mindspore_strategy", "layout_files",
@@ -47,8 +47,8 @@ LAYERS: list[dict[str, list[str]]] = [
                   "standard_planner", "chunk_reads", "torch_planners",
                   "torch_protocol", "seed_protocol",
                   "remap_blocks", "region_buffers", "deferred_reads", "remap"]},
-    {"transfer": ["host_copy", "read_threads", "streams", "unchanged", "chunk_checks", "saver", "row_exchange", "plan_writer", "loader",
-                  "torch_reads",
+    {"transfer": ["host_copy", "read_threads", "streams", "unchanged", "chunk_checks", "saver", "row_exchange",
+                  "plan_writer", "loader", "torch_reads",
                   "shared_reads", "broadcasts"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "step_siblings", "commit",
                 "streaming_writer", "scope", "targets", "plan_exchange", "rank_local_save", "protocol_run",
