@@ -130,15 +130,65 @@ def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes
     One pass, a few operations per item, the JSON header written as text directly:
     offline tools plan thousands of files of thousands of tiny chunks each.
     """
-    aligned = any(i.nbytes >= ALIGNED_PAYLOAD_MIN for i in items)
-    meta = {"format": md.FORMAT_NAME, "version": str(md.FORMAT_VERSION), "save_id": save_id}
-    out: list[str] = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"))]
     names: set[str] = set()
+    for item in items:
+        name = (item.key, item.box.offsets)
+        if name in names:
+            raise ValueError(f"{item.key!r}: two chunks at offsets {item.box.offsets} in one data file")
+        names.add(name)
+    t = _plan(items, save_id, hashes, block_bytes, None)
+    return t.layout(t.text)
+
+
+@dataclass
+class FileTemplate:
+    """The layout of data files that hold chunks of the same keys, sizes and dtypes in the
+    same order, with each chunk's box offsets left open: ``text`` is the JSON header as a
+    ``str.format`` template whose field ``{s}`` is the offsets text (``"0,128"``) of slot
+    ``s``. Offline tools that write thousands of files alike (every rank of a reshard holds
+    one box of each key) plan the file once and fill in each rank's offsets."""
+
+    text: str
+    rel: list[int]  # each item's payload start, relative to the end of the header
+    crc_first: list[int]
+    n_crcs: int
+    index_rel: int
+    index_length: int
+    index_span: int
+    aligned: bool
+
+    def header(self, text: str) -> bytes:
+        """The framed header bytes of a filled-in ``text``."""
+        return frame_header(text.encode(), DIRECT_IO_ALIGN if self.aligned else 8)
+
+    def layout(self, text: str) -> FileLayout:
+        blob = self.header(text)
+        base = len(blob)
+        return FileLayout(blob, [base + r for r in self.rel], self.crc_first, self.n_crcs, base + self.index_rel,
+                          self.index_length, self.index_span, base + self.index_rel + self.index_span, self.aligned)
+
+
+def plan_template(items: list[Item], slots: list[int], save_id: str, block_bytes: int = BLOCK_BYTES) -> FileTemplate:
+    """A :class:`FileTemplate` of ``items`` (their box sizes count, their offsets do not):
+    item ``i``'s name is ``<key>@{slots[i]}``. Keys must be distinct (one chunk per key)."""
+    if len(set(i.key for i in items)) != len(items):
+        raise ValueError("plan_template: one chunk per key (two items share a key)")
+    return _plan(items, save_id, False, block_bytes, slots)
+
+
+def _plan(items: list[Item], save_id: str, hashes: bool, block_bytes: int, slots: list[int] | None) -> FileTemplate:
+    """The one implementation of the file layout: with ``slots`` None the header text is
+    final (offsets written in), else a ``str.format`` template (braces doubled)."""
+    aligned = any(i.nbytes >= ALIGNED_PAYLOAD_MIN for i in items)
+    lb, rb = ("{{", "}}") if slots is not None else ("{", "}")
+    meta = json.dumps({"format": md.FORMAT_NAME, "version": str(md.FORMAT_VERSION), "save_id": save_id},
+                      separators=(",", ":"))
+    out: list[str] = [lb + '"__metadata__":', meta.replace("{", lb).replace("}", rb)]
     rel: list[int] = []
     crc_first: list[int] = []
     pos = pads = n_crcs = 0
     kinds: dict[str, tuple[str, int]] = {}  # dtype -> (safetensors name or "", itemsize)
-    for item in items:
+    for n_item, item in enumerate(items):
         kind = kinds.get(item.dtype)
         if kind is None:
             kind = kinds[item.dtype] = (safetensors_dtype(item.dtype) or "", max(1, itemsize(item.dtype)))
@@ -147,49 +197,57 @@ def plan_file(items: list[Item], save_id: str, hashes: bool = False, block_bytes
         a = DIRECT_IO_ALIGN if nbytes >= ALIGNED_PAYLOAD_MIN else size
         start = -(-pos // a) * a
         if start > pos:
-            out.append(f',"__pad{pads}":{{"dtype":"U8","shape":[{start - pos}],"data_offsets":[{pos},{start}]}}')
+            out.append(f',"__pad{pads}":{lb}"dtype":"U8","shape":[{start - pos}],"data_offsets":[{pos},{start}]{rb}')
             pads += 1
         box = item.box
-        name = f'{_json_key(item.key)}@{",".join(map(str, box.offsets))}"'
-        if name in names:
-            raise ValueError(f"{item.key!r}: two chunks at offsets {box.offsets} in one data file")
-        names.add(name)
+        if slots is None:
+            name = f'{_json_key(item.key)}@{",".join(map(str, box.offsets))}"'
+        else:
+            name = f'{_json_key(item.key).replace("{", "{{").replace("}", "}}")}@{{{slots[n_item]}}}"'
         shape = ",".join(map(str, box.sizes)) if st else str(nbytes)
-        out.append(f',{name}:{{"dtype":"{st or "U8"}","shape":[{shape}],"data_offsets":[{start},{start + nbytes}]}}')
+        end = start + nbytes
+        out.append(f',{name}:{lb}"dtype":"{st or "U8"}","shape":[{shape}],"data_offsets":[{start},{end}]{rb}')
         rel.append(start)
         pos = start + nbytes
         crc_first.append(n_crcs)
         n_crcs += (1 if nbytes else 0) if nbytes <= block_bytes else n_blocks(box.sizes, nbytes, block_bytes)
     index_rel = _align(pos, DIRECT_IO_ALIGN if aligned else 8)
     if index_rel > pos:
-        out.append(f',"__pad{pads}":{{"dtype":"U8","shape":[{index_rel - pos}],"data_offsets":[{pos},{index_rel}]}}')
+        gap = index_rel - pos
+        out.append(f',"__pad{pads}":{lb}"dtype":"U8","shape":[{gap}],"data_offsets":[{pos},{index_rel}]{rb}')
     index_length = _HEAD.size + _ROW * len(items) + 4 * n_crcs + (16 * len(items) if hashes else 0)
     span = _align(index_length, DIRECT_IO_ALIGN) if aligned else index_length  # the file ends on a block boundary
-    out.append(f',"{INDEX_NAME}":{{"dtype":"U8","shape":[{span}],"data_offsets":[{index_rel},{index_rel + span}]}}}}')
-    blob = frame_header("".join(out).encode(), DIRECT_IO_ALIGN if aligned else 8)
-    base = len(blob)
-    return FileLayout(blob, [base + r for r in rel], crc_first, n_crcs, base + index_rel, index_length, span,
-                      base + index_rel + span, aligned)
+    last = index_rel + span
+    out.append(f',"{INDEX_NAME}":{lb}"dtype":"U8","shape":[{span}],"data_offsets":[{index_rel},{last}]{rb}{rb}')
+    return FileTemplate("".join(out), rel, crc_first, n_crcs, index_rel, index_length, span, aligned)
 
 
 def encode_index(layout: FileLayout, items: list[Item], crcs: list[int], digests: list[bytes] | None,
                  block_bytes: int = BLOCK_BYTES) -> bytes:
     """The ``__index__`` blob of a file, padded to ``layout.index_span``."""
-    n = len(items)
     ids = np.array([key_id(i.key) for i in items], dtype=np.uint64)
     subs = np.array([i.sub for i in items], dtype=np.uint32)
     order = np.lexsort((subs, ids))
-    parts = [_HEAD.pack(_MAGIC, n, len(crcs), block_bytes, _HASHES if digests is not None else 0),
-             ids[order].tobytes(), subs[order].tobytes(),
-             np.array(layout.crc_first, dtype=np.uint32)[order].tobytes(),
-             np.array(layout.starts, dtype=np.uint64)[order].tobytes(),
-             np.array(crcs, dtype=np.uint32).tobytes()]
-    if digests is not None:
-        parts.append(b"".join(digests[i] for i in order))
-    blob = b"".join(parts)
+    blob = index_columns(ids[order], subs[order], np.array(layout.crc_first, dtype=np.uint32)[order],
+                         np.array(layout.starts, dtype=np.uint64)[order], np.array(crcs, dtype=np.uint32),
+                         b"".join(digests[i] for i in order) if digests is not None else None, block_bytes)
     if len(blob) != layout.index_length:
         raise AssertionError("index size differs from its plan")
     return blob + bytes(layout.index_span - len(blob))
+
+
+def index_columns(ids: np.ndarray, subs: np.ndarray, crc_first: np.ndarray, starts: np.ndarray, crcs: np.ndarray,
+                  digests: bytes | None = None, block_bytes: int = BLOCK_BYTES) -> bytes:
+    """The ``__index__`` blob (unpadded) from its columns, rows already sorted by (key id, sub id):
+    ``ids`` u64, ``subs`` u32, ``crc_first`` u32, ``starts`` u64 (absolute), ``crcs`` u32 in
+    the table's order (any integer arrays of those values)."""
+    parts = [_HEAD.pack(_MAGIC, len(ids), len(crcs), block_bytes, _HASHES if digests is not None else 0),
+             np.asarray(ids, dtype="<u8").tobytes(), np.asarray(subs, dtype="<u4").tobytes(),
+             np.asarray(crc_first, dtype="<u4").tobytes(), np.asarray(starts, dtype="<u8").tobytes(),
+             np.asarray(crcs, dtype="<u4").tobytes()]
+    if digests is not None:
+        parts.append(digests)
+    return b"".join(parts)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,11 @@ budget split into row slabs), checks that the source covers every box, then writ
 files of its share of destination ranks. Each chunk is filled by the loader's reader (only
 the byte ranges that overlap it) and streamed out by the saver (checksummed blocks), one
 chunk at a time, so memory stays within ``max_memory`` whatever the model size. The
-coordinator commits ``.metadata`` after every file is written.
+coordinator commits ``.metadata`` after every file is written. When every destination chunk
+is small (below 64 KiB: tens of thousands of ranks), :mod:`.bulk_write` writes the same files
+with numpy over ranks and keys instead (one file plan per distinct rank shape, the source
+read once per batch of ranks), so the cost per (rank, tensor) is a few array elements, not a
+few Python objects.
 
 The N-d box math (intersection, subtraction, splitting) lives in :mod:`.box`; :class:`Box`
 is re-exported here.
@@ -40,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ..backends.filesystem import FileSystemWriter
 from ..backends.locations import is_url, location
 from ..backends.protocol import StorageReader, StorageWriter
 from ..backends.resolve import reader_for, writer_for
@@ -53,7 +58,7 @@ from ..format import metadata as md
 from ..format.chunks import all_chunks, covered
 from ..format.data_file import tensor_bytes
 from ..planning.planner import EntrySpec, SavePlan, WriteItem
-from ..sharding.grid import Grid
+from ..sharding.grid import Grid, shared_grid
 from ..sharding.layout import Layout, TensorLayout
 from ..sharding.placements import placement_to_name
 from ..sharding.strategy import match_layout
@@ -61,6 +66,7 @@ from ..state.flatten import renamed_path
 from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
 from ..transfer.loader import check_files_hold, read_box
 from ..transfer.saver import WriteResult, build_metadata, data_file_names, write_plan
+from .bulk_write import BulkWriter, bulk_groups
 
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
 
@@ -249,8 +255,8 @@ def plan_reshard(
         # Tensors without a layout stay whole, held by every destination rank.
         storage = tl if tl is not None else TensorLayout(everywhere, {}, len(shape))
         try:
-            grid = Grid(shape, storage.layout.mesh_shape, [placement_to_name(p) for p in storage.placements],
-                        None if isinstance(storage.layout.rank_list, range) else list(storage.layout.rank_list))
+            grid = shared_grid(shape, storage.layout.mesh_shape, [placement_to_name(p) for p in storage.placements],
+                               None if isinstance(storage.layout.rank_list, range) else list(storage.layout.rank_list))
         except ValueError as exc:
             raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
         offset = zlib.crc32(key.encode()) % grid.replicas
@@ -503,6 +509,9 @@ def reshard(
             raise ValueError(f"dst_path {os.fspath(dst_path)!r} is the source checkpoint; write to a new path")
         # one file per destination rank: thousands of small files sync faster as one batch
         storage_writer = writer_for(dst_path, sync_files, defer_sync=True)
+        own_writer = True
+    else:
+        own_writer = False
     coord = Coordinator(process_group, process_group is None, coordinator_rank, timeout)
     # as given (absolute): nodes may reach one shared filesystem through different real paths
     target = (os.fspath(dst_path) if is_url(dst_path) else os.path.abspath(dst_path)) if dst_path is not None else (
@@ -531,6 +540,7 @@ def reshard(
                 meta = renamed(meta, mapper)  # the reader below reads by the new names too
             state["meta"] = meta
             state["plan"] = plan_reshard(meta, dst, src_mesh, rules, where, copy_replicas=copy_replicas)
+            state["bulk"] = bulk_groups(state["plan"])
             return target, str(dst), _plan_digest(state["plan"])
 
         seen = coord.exchange("reshard (planning)", plan)
@@ -541,6 +551,8 @@ def reshard(
                 f"the same dst_path, dst_mesh, src_mesh, rules and topology_mapper. Rank 0: {seen[0][0]!r} on "
                 f"{seen[0][1]}; " + ("; ".join(odd) if odd else "their plans differ (src_mesh, rules or "
                                      "topology_mapper)") + ". Nothing was written")
+        if own_writer and state["bulk"] is not None and isinstance(storage_writer, FileSystemWriter):
+            storage_writer.direct_io = False  # files of tiny chunks: O_DIRECT would pad, then truncate, each one
         coord.exchange("reshard (preparing the destination)", storage_writer.prepare)
         meta, rplan = state["meta"], state["plan"]
         if coord.is_coordinator and rplan.dropped:
@@ -559,6 +571,12 @@ def reshard(
             # every tensor once per file). The memory budget is split between them.
             source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify, progress,
                                  slab_bytes=max(1, max_memory // 4), cache_bytes=max_memory // 2)
+            if state["bulk"] is not None:  # small chunks only: numpy over ranks and keys, one plan per file shape
+                # the source slabs of a batch of ranks take half the budget (their chunks, copied
+                # SUB_BATCH ranks at a time, a fraction of the rest)
+                bulk = BulkWriter(rplan, state["bulk"], source, storage_writer, save_id, max(1, max_memory // 2),
+                                  progress)
+                return [r.for_coordinator() for r in bulk.write(mine)]
             kept = sum(e.nbytes for e in meta.entries.values() if source.keeps_whole(e))
             writers = max(1, min(WRITERS, len(mine))) if kept > source.cache_bytes else 1
             source.buffer_bytes = max(1, source.buffer_bytes // writers)
