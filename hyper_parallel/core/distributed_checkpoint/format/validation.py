@@ -35,6 +35,12 @@ def validate_file_name(name: Any, where: str) -> str:
     return name
 
 
+def plain_file_names(names: Any) -> bool:
+    """Whether every name passes :func:`validate_file_name` (one pass; no error to build)."""
+    match = _FILE_NAME.match
+    return all(type(n) is str and match(n) is not None and ".." not in n for n in names)
+
+
 def field_error(where: str, key: str | None, msg: str) -> MetadataError:
     """The error for a bad field of ``where`` (of entry ``key`` when given)."""
     at = f"{where}, key {key!r}" if key is not None else where

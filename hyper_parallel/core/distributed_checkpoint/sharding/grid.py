@@ -25,6 +25,8 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
+
 from ..base.box import Box
 from .placements import split_placement_name
 
@@ -78,6 +80,12 @@ def dim_intervals(length: int, steps: tuple[tuple, ...]) -> tuple[tuple[int, int
     ``(kind, parts, split_factor)``. Raises ValueError when a coordinate's elements are not
     one contiguous range (torch's strided shards of some uneven sizes).
     """
+    if len(steps) == 1 and steps[0][0] == _S:  # one plain shard (the common case): torch.chunk's pieces
+        parts = steps[0][1]
+        full = -(-length // parts) if length else 0
+        lo = np.minimum(length, full * np.arange(parts, dtype=np.int64))
+        size = np.maximum(0, np.minimum(length, lo + full) - lo)
+        return tuple(zip(lo.tolist(), size.tolist(), strict=True))
     states: list[list[tuple[int, int]]] = [[(0, length)]]
     for kind, parts, split in steps:
         nxt = []
