@@ -39,7 +39,7 @@ LAYERS: list[dict[str, list[str]]] = [
     {"format": ["values", "row_checksums", "chunk_info", "validation", "sealed_json", "records", "metadata",
                 "versioning", "chunks", "torch_view",
                 "storage_info", "safetensors", "data_file", "torch_pickles"]},
-    {"backends": ["locations", "protocol", "direct_io", "filesystem", "placed_writes", "fsspec", "resolve",
+    {"backends": ["locations", "protocol", "direct_io", "open_files", "filesystem", "placed_writes", "fsspec", "resolve",
                   "storage_mappings", "torch_abcs", "torch_format", "torch_storage"],
      "planning": ["records", "protocols", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot",
                   "leaves",

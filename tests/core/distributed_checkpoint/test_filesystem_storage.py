@@ -398,7 +398,8 @@ def test_reader_direct_io_reads_aligned_requests_with_o_direct(tmp_path, monkeyp
     name = os.path.basename(_data_files(path)[0])
     buf = direct_io.aligned_array(8192)
     reader.read_into(name, 4096, memoryview(buf))
-    assert reader._direct_fds.get(name) is not None
+    with reader._files.held(name, direct=True) as fd:  # opened with O_DIRECT, kept for the next read
+        assert fd is not None and os.get_blocking(fd) and os.O_DIRECT & fcntl.fcntl(fd, fcntl.F_GETFL)
     with open(os.path.join(path, name), "rb") as f:
         f.seek(4096)
         assert f.read(8192) == buf.tobytes()

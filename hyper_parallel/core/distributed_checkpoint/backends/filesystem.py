@@ -58,6 +58,7 @@ from ..format.metadata import METADATA_FILE
 from . import direct_io
 from .direct_io import O_DIRECT
 from .locations import checkpoint_path
+from .open_files import OpenFiles
 from .protocol import Buffer, StorageReader, StorageWriter
 
 COALESCE_BYTES = 256 << 10  # buffered: parts under this are gathered into one write
@@ -465,7 +466,10 @@ class FileSystemWriter(StorageWriter):
 
 
 class FileSystemReader(StorageReader):
-    """Reads a checkpoint directory; data files are opened once and read with ``preadv``.
+    """Reads a checkpoint directory; data files are opened once and read with ``preadv``
+    (at most :func:`~.open_files.default_limit` open at a time: idle ones are closed, least
+    recently used first, so a load touching tens of thousands of files stays under the
+    process's descriptor limit).
 
     Symbolic links are refused (``O_NOFOLLOW``), so a checkpoint cannot point a reader at
     files outside its directory; an earlier step's file (``../<step dir>/<file>``, incremental
@@ -490,8 +494,7 @@ class FileSystemReader(StorageReader):
         if direct_io and not O_DIRECT:
             raise CheckpointError("direct_io=True: this platform has no O_DIRECT; pass direct_io=None")
         self._direct: bool | None = None if direct_io is None else direct_io and bool(O_DIRECT)
-        self._fds: dict[str, int] = {}
-        self._direct_fds: dict[str, int | None] = {}
+        self._files = OpenFiles(self._open_mode)
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.read_calls = 0
@@ -570,29 +573,19 @@ class FileSystemReader(StorageReader):
         finally:
             os.close(fd)
 
-    def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is not None:
-            return fd
-        with self._lock:
-            if name not in self._fds:
-                self._fds[name] = self._open(name)
-            return self._fds[name]
-
-    def _direct_fd(self, name: str) -> int | None:
-        if name in self._direct_fds:
-            return self._direct_fds[name]
-        with self._lock:
-            if name not in self._direct_fds:
-                try:
-                    self._direct_fds[name] = self._open(name, O_DIRECT)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    if self.direct_io:
-                        raise self._refused(name, exc) from None
-                    self._direct_fds[name] = None  # this filesystem refuses O_DIRECT: read buffered
-            return self._direct_fds[name]
+    def _open_mode(self, name: str, direct: bool) -> int | None:
+        """``name`` opened for reading (``direct``: with O_DIRECT; None where the filesystem
+        refuses it and the mode is automatic: those reads go through the page cache)."""
+        if not direct:
+            return self._open(name)
+        try:
+            return self._open(name, O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            if self.direct_io:
+                raise self._refused(name, exc) from None
+            return None
 
     def _refused(self, name: str, exc: OSError) -> CheckpointError:
         return CheckpointError(
@@ -601,7 +594,8 @@ class FileSystemReader(StorageReader):
             "(automatic) or False")
 
     def file_size(self, name: str) -> int:
-        return os.fstat(self._fd(name)).st_size
+        with self._files.held(name) as fd:
+            return os.fstat(fd).st_size
 
     def prefetch(self, ranges: Iterable[tuple[str, int, int]]) -> bool:
         """``posix_fadvise(WILLNEED)`` on each range: the kernel reads them in parallel into
@@ -611,7 +605,8 @@ class FileSystemReader(StorageReader):
             return False
         for name, offset, length in ranges:
             try:
-                advise(self._fd(name), offset, length, os.POSIX_FADV_WILLNEED)
+                with self._files.held(name) as fd:  # the hint outlives the descriptor
+                    advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
             except (OSError, CorruptCheckpointError):
                 return False  # only a hint; the read itself reports real problems
         return True
@@ -624,33 +619,35 @@ class FileSystemReader(StorageReader):
     def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
         view = memoryview(buffer).cast("B")
         want = view.nbytes
-        fd = None
-        if (offset % DIRECT_IO_ALIGN == 0 and want % DIRECT_IO_ALIGN == 0 and want and self._uses_direct()
-                and direct_io.is_aligned(view)):
-            fd = self._direct_fd(name)
-        if fd is None:
-            fd = self._fd(name)
         calls = 0
         t0 = timeline.start()
-        while view.nbytes:
-            try:
-                n = os.preadv(fd, [view], offset)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or fd == self._fds.get(name):
-                    raise
-                if self.direct_io:
-                    raise self._refused(name, exc) from None
-                fd = self._fd(name)  # O_DIRECT refused this request: read it buffered
-                continue
-            calls += 1
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"data file {os.path.join(self.path, name)!r} ends early: wanted {want} bytes "
-                    f"at offset {offset - (want - view.nbytes)}"
-                )
-            view = view[n:]
-            offset += n
-        timeline.record("read", t0, want, "buffered" if fd == self._fds.get(name) else "direct")
+        with contextlib.ExitStack() as held:  # the descriptors stay open until the read is done
+            fd = None
+            if (offset % DIRECT_IO_ALIGN == 0 and want % DIRECT_IO_ALIGN == 0 and want and self._uses_direct()
+                    and direct_io.is_aligned(view)):
+                fd = held.enter_context(self._files.held(name, direct=True))
+            buffered = fd is None
+            if buffered:
+                fd = held.enter_context(self._files.held(name))
+            while view.nbytes:
+                try:
+                    n = os.preadv(fd, [view], offset)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL or buffered:
+                        raise
+                    if self.direct_io:
+                        raise self._refused(name, exc) from None
+                    fd, buffered = held.enter_context(self._files.held(name)), True  # O_DIRECT refused it
+                    continue
+                calls += 1
+                if n == 0:
+                    raise CorruptCheckpointError(
+                        f"data file {os.path.join(self.path, name)!r} ends early: wanted {want} bytes "
+                        f"at offset {offset - (want - view.nbytes)}"
+                    )
+                view = view[n:]
+                offset += n
+        timeline.record("read", t0, want, "buffered" if buffered else "direct")
         with self._lock:
             self.bytes_read += want
             self.read_calls += calls
@@ -667,11 +664,4 @@ class FileSystemReader(StorageReader):
         return out
 
     def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            for fd in self._direct_fds.values():
-                if fd is not None:
-                    os.close(fd)
-            self._fds.clear()
-            self._direct_fds.clear()
+        self._files.close()
