@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import slowest, text_table  # noqa: E402
+from benchmarks.common import bar_chart, slowest, text_table  # noqa: E402
 
 METRICS = [
     ("load", "load (ours, in place) before the saves"),
@@ -358,6 +358,8 @@ def main() -> None:
     parser.add_argument("--budget", action="store_true", help="measure peak extra RSS under max_host_bytes")
     parser.add_argument("--budget-fraction", type=float, default=0.25, help="max_host_bytes / a rank's state")
     parser.add_argument("--out", default=None, help="--budget: also write the table (markdown) here")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="also draw how long each way blocks the caller (e.g. docs/assets/async_blocking.png)")
     args = parser.parse_args()
     if args.budget:
         budget_main(args)
@@ -397,6 +399,20 @@ def main() -> None:
     print(f"CPU of the call / CPU of the memcpy: eager after a load {med['eager_after_load_cpu'] / cpu_memcpy:.2f}, "
           f"next call {med['eager_call_cpu'] / cpu_memcpy:.2f}, stage_bands=False "
           f"{med['flat_call_cpu'] / cpu_memcpy:.2f}")
+    if args.plot:
+        bars = [("sync save (committed)", med["sync_save"]),
+                ("torch DCP async_save: call", med["torch_blocking"]),
+                ("ours: call, first after a load", med["eager_after_load"]),
+                ("ours: call, next", med["eager_blocking"]),
+                ("ours, stage_bands=False: call", med["flat_blocking"]),
+                ("ours, lazy staging: call", med["lazy_blocking"]),
+                ("one memcpy of the rank's bytes", memcpy)]
+        drawn = bar_chart(args.plot, f"How long an async save blocks the caller: {mb:.0f} MiB per rank, "
+                          f"{args.world_size} ranks", [(label, v * 1e3) for label, v in bars],
+                          "milliseconds (median of the slowest rank)",
+                          f"benchmarks/bench_async.py --size-mb {args.size_mb:g} --reps {args.reps}; load average "
+                          f"{load_before[0]:.1f} -> {load_after[0]:.1f} on {os.cpu_count()} cores")
+        print(f"chart: {drawn}" if drawn else "no chart: matplotlib is not installed")
     targets = [
         ("eager call after a load <= 1.2x memcpy", med["eager_after_load"], 1.2 * memcpy),
         ("eager call (next) <= 1.2x memcpy", med["eager_blocking"], 1.2 * memcpy),

@@ -49,7 +49,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.common import Timer, table_head, table_row, text_table  # noqa: E402
+from benchmarks.common import Timer, bar_chart, table_head, table_row, text_table  # noqa: E402
 from hyper_parallel.core.distributed_checkpoint import CheckpointManager, load  # noqa: E402
 
 MiB = 1 << 20
@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--no-torch", action="store_true", help="leave torch DCP out")
     ap.add_argument("--no-write", action="store_true", help=f"do not write {os.path.relpath(RESULTS, ROOT)}")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also draw each way's step: time and bytes written (e.g. docs/assets/incremental.png)")
     args = ap.parse_args(argv)
 
     base = tempfile.mkdtemp(prefix="hp_bench_inc_", dir=args.dir)
@@ -250,6 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(columns, rows, indent=0))
     print()
     print("\n".join(lines))
+    if args.plot:
+        stem, ext = os.path.splitext(args.plot)
+        note = (f"benchmarks/bench_incremental.py: {total / MiB:.0f} MiB state, {args.runs} runs of {args.reps} saves; "
+                f"load average {load_before[0]:.1f} on {os.cpu_count()} cores")
+        drawn = [bar_chart(f"{stem}_time{ext}", "One save of a fine-tuning step: time (committed, fsync'd)",
+                           [(name, w * 1e3) for name, (w, _, _) in med.items()], "milliseconds (median)", note),
+                 bar_chart(f"{stem}_bytes{ext}", "One save of a fine-tuning step: bytes written",
+                           [(name, b / MiB) for name, (_, _, b) in med.items()], "MiB", note)]
+        print(f"charts: {', '.join(map(str, drawn))}" if all(drawn) else "no chart: matplotlib is not installed")
     if not args.no_write:
         cmd = "python benchmarks/bench_incremental.py " + " ".join(argv if argv is not None else sys.argv[1:])
         doc = [f"# Incremental saves ({datetime.date.today().isoformat()})", "", f"`{cmd.strip()}`", "", head, "",

@@ -162,3 +162,36 @@ def write_json(path: str | os.PathLike, doc: Any) -> None:
     """``doc`` as indented JSON (what is not JSON written as its ``str``)."""
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)
+
+
+def bar_chart(path: str | os.PathLike, title: str, bars: Sequence[tuple[str, float]], unit: str,
+              note: str = "") -> str | None:
+    """A horizontal bar chart (PNG) of ``bars`` (label, value), for the docs' performance page.
+
+    Returns the path, or None when matplotlib (a dev extra) is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(bars) + 1.4))
+    labels = [label for label, _ in bars]
+    values = [value for _, value in bars]
+    ax.barh(range(len(bars)), values, color="#3f51b5")
+    ax.set_yticks(range(len(bars)), labels)
+    ax.invert_yaxis()
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {v:.3g}", va="center", fontsize=8)
+    ax.set_xlim(0, max(values, default=1) * 1.15 or 1)  # room for the value labels
+    ax.set_xlabel(unit)
+    ax.set_title(title, fontsize=10)
+    if note:
+        fig.text(0.01, 0.01, note, fontsize=7, color="#555555")
+    fig.tight_layout(rect=(0, 0.04 if note else 0, 1, 1))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.fspath(path)
