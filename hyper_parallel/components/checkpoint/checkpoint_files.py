@@ -90,17 +90,28 @@ def _single(path: Path) -> CheckpointIndex:
         return CheckpointIndex(dict.fromkeys(f.keys(), path))
 
 
-def _indexed(directory: Path, index_path: Path) -> CheckpointIndex:
+def read_weight_map(index_path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index: tensor name -> file name in its directory.
+
+    Raises:
+        ValueError: not JSON with a non-empty ``weight_map``, or a value that is not a plain
+            file name (a path would lead outside the directory).
+    """
     try:
         weight_map = json.loads(index_path.read_text(encoding="utf-8")).get("weight_map")
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"{str(index_path)!r} is not a safetensors index (JSON with a weight_map): {exc}") from exc
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{str(index_path)!r} has no weight_map naming the file of each tensor")
-    files: dict[str, Path] = {}
     for key, name in weight_map.items():
         if not isinstance(name, str) or Path(name).name != name:
             raise ValueError(f"{str(index_path)!r} maps {key!r} to {name!r}, which is not a file name in the directory")
+    return weight_map
+
+
+def _indexed(directory: Path, index_path: Path) -> CheckpointIndex:
+    files: dict[str, Path] = {}
+    for key, name in read_weight_map(index_path).items():
         file = directory / name
         if not file.is_file():
             raise FileNotFoundError(f"{str(index_path)!r} puts {key!r} in {name!r}, which does not exist")

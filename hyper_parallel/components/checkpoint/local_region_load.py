@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.distributed_checkpoint import CorruptCheckpointError
 
-from .checkpoint_files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from .checkpoint_files import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, read_weight_map
 
 __all__ = ["LocalSafetensors", "open_local_safetensors", "can_load_locally", "run_local_load"]
 
@@ -166,17 +166,7 @@ def open_local_safetensors(location: Path) -> LocalSafetensors:
     if location.is_file():
         directory, names, weight_map = location.parent, [location.name], None
     elif (location / SAFE_WEIGHTS_INDEX_NAME).is_file():
-        index = location / SAFE_WEIGHTS_INDEX_NAME
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{str(index)!r} is not a safetensors index (JSON with a weight_map): {exc}") from exc
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{str(index)!r} has no weight_map naming the file of each tensor")
-        for key, name in weight_map.items():
-            if not isinstance(name, str) or Path(name).name != name:
-                raise ValueError(f"{str(index)!r} maps {key!r} to {name!r}, which is not a file name in the "
-                                 "directory")
+        weight_map = read_weight_map(location / SAFE_WEIGHTS_INDEX_NAME)
         directory, names = location, sorted(set(weight_map.values()))
     elif (location / SAFE_WEIGHTS_NAME).is_file():
         directory, names, weight_map = location, [SAFE_WEIGHTS_NAME], None
