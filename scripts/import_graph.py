@@ -31,7 +31,7 @@ PICTURE = ROOT / "docs" / "layers.md"
 LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "timeline",
               "sizes", "file_names", "allowlist_pickle", "file_exchange", "atomic_file", "protowire", "priority",
-              "overrides", "either_protocol", "coordination"]},
+              "overrides", "either_protocol", "options", "coordination"]},
     {"state": ["flatten", "nested_paths", "topology_mapper", "train_state", "version_stamp"]},
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",
                   "mindspore_strategy", "layout_files",
