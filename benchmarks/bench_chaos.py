@@ -338,7 +338,7 @@ def verify_committed(directory: str, step: int) -> list[str]:
     import torch
 
     from hyper_parallel.core.distributed_checkpoint import load
-    from hyper_parallel.core.distributed_checkpoint.format.metadata import step_dir_name
+    from hyper_parallel.core.distributed_checkpoint._src.format.metadata import step_dir_name
 
     try:
         got = load(path=os.path.join(directory, step_dir_name(step)), no_dist=True)
@@ -510,7 +510,7 @@ DIRECTORY_OPS = ("listing", "dir_read_metadata", "remove_tree", "uncommit")
 def manager_class(injector: Injector | None):
     """CheckpointManager whose durable directory goes through ``injector``."""
     from hyper_parallel.core.distributed_checkpoint import CheckpointManager
-    from hyper_parallel.core.distributed_checkpoint.manager.step_directory import LocalDirectory
+    from hyper_parallel.core.distributed_checkpoint._src.manager.step_directory import LocalDirectory
 
     if injector is None or injector.plan is None:
         return CheckpointManager
@@ -725,7 +725,7 @@ class Disk:
 
 def local_files(disk: Disk) -> list[tuple[int, int, str]]:
     """``(node, step, path)`` of every committed local-tier shard file of both nodes."""
-    from hyper_parallel.core.distributed_checkpoint.manager.local_format import parse_shard_file_name
+    from hyper_parallel.core.distributed_checkpoint._src.manager.local_format import parse_shard_file_name
 
     out = []
     for node in (0, 1):

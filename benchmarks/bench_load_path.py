@@ -102,7 +102,7 @@ def _timeline(b, fn, path: str) -> dict:
     rank's call span, the span of its reading (``read_plan``) inside it, and per kind of
     work (opens, reads, checksums, copies, waits for reads started ahead) the busy seconds
     summed over threads and the seconds during which some thread did it."""
-    from hyper_parallel.core.distributed_checkpoint.base import timeline
+    from hyper_parallel.core.distributed_checkpoint._src.base import timeline
 
     b.make_cold([path])
     os.environ[timeline.ENV] = "1"

@@ -99,7 +99,7 @@ def local_snapshot(state) -> dict:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from hyper_parallel.core.distributed_checkpoint.state.flatten import flatten
+    from hyper_parallel.core.distributed_checkpoint._src.state.flatten import flatten
 
     out = {}
     for key, leaf in flatten(state).leaves.items():

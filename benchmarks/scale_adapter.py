@@ -68,7 +68,7 @@ def all_rank_plans(rank_plan: Any, ranks: int, boxes_of: Callable[[int], Iterabl
     """SIMULATION (not timed): what the exchange delivers to every rank. v2: every rank of
     this job has the same structure, so each rank holds the one structure it received
     (entries only: boxes follow from the layouts; ``boxes_of`` is not needed)."""
-    from hyper_parallel.core.distributed_checkpoint.planning.planner import SavePlan
+    from hyper_parallel.core.distributed_checkpoint._src.planning.planner import SavePlan
 
     plan, digest = rank_plan
     shared = SavePlan(plan.entries, [], [])
@@ -87,7 +87,7 @@ def decode_exchange(blobs: list[bytes]) -> Any:
     """MEASURED: what a rank does with the gathered exchange before it can plan globally
     (v2: unpickle every rank's digest tuple). The caller times it on a sample of ranks and
     scales to all ranks."""
-    from hyper_parallel.core.distributed_checkpoint.base.gc_pause import paused_gc
+    from hyper_parallel.core.distributed_checkpoint._src.base.gc_pause import paused_gc
 
     with paused_gc():
         return [pickle.loads(b) for b in blobs]
@@ -99,7 +99,7 @@ def global_save_plan(plans: list[Any]) -> list[Any]:
     structure, ``StandardPlanner.create_global_save_plan`` over the structures, then this
     rank's own writes (``plans[rank]``)."""
     from hyper_parallel.core.distributed_checkpoint import StandardPlanner
-    from hyper_parallel.core.distributed_checkpoint.planning.planner import SavePlan
+    from hyper_parallel.core.distributed_checkpoint._src.planning.planner import SavePlan
 
     entries = pickle.loads(plans[0].structure)
     shared = SavePlan(entries, [], [])
@@ -112,8 +112,8 @@ def simulated_writes(global_plans: list[Any]) -> list[Any]:
     """SIMULATION (not timed): what each rank's writer reports to the coordinator after
     writing its share, without writing anything. v2: one file record per rank (where its
     index is, its checksum); the chunks' offsets and checksums stay in the data file."""
-    from hyper_parallel.core.distributed_checkpoint.format import metadata as md
-    from hyper_parallel.core.distributed_checkpoint.transfer.saver import WriteResult
+    from hyper_parallel.core.distributed_checkpoint._src.format import metadata as md
+    from hyper_parallel.core.distributed_checkpoint._src.transfer.saver import WriteResult
 
     results = []
     for r in range(len(global_plans)):
@@ -127,7 +127,7 @@ def simulated_writes(global_plans: list[Any]) -> list[Any]:
 def build_metadata(global_plans: list[Any], results: list[Any], ranks: int) -> Any:
     """MEASURED: the coordinator's merge of every rank's write report into the checkpoint's
     metadata object (v2: ``saver.build_metadata`` over the global plan's entries)."""
-    from hyper_parallel.core.distributed_checkpoint.transfer.saver import build_metadata as build
+    from hyper_parallel.core.distributed_checkpoint._src.transfer.saver import build_metadata as build
 
     return build(global_plans[0].entries, results, "0123456789abcdef", ranks, {})
 
@@ -141,7 +141,7 @@ def serialise_metadata(meta: Any) -> bytes:
 def parse_metadata(raw: bytes) -> Any:
     """MEASURED: what every loading rank does with the ``.metadata`` bytes before planning:
     decode and validate every field (v1: ``Metadata.from_json``)."""
-    from hyper_parallel.core.distributed_checkpoint.format import metadata as md
+    from hyper_parallel.core.distributed_checkpoint._src.format import metadata as md
 
     return md.Metadata.from_json(raw)
 

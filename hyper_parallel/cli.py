@@ -31,15 +31,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .core.distributed_checkpoint.backends.locations import is_url
-from .core.distributed_checkpoint.backends.resolve import reader_for, writer_for
-from .core.distributed_checkpoint.base.dtypes import itemsize
-from .core.distributed_checkpoint.base.errors import CheckpointError
-from .core.distributed_checkpoint.engine.commit import DEBRIS_MIN_AGE_S
-from .core.distributed_checkpoint.engine.metadata_reader import read_checkpoint_metadata
-from .core.distributed_checkpoint.format.chunks import count as chunk_count
-from .core.distributed_checkpoint.format.values import encode_value
-from .core.distributed_checkpoint.tools.verify import verify_checkpoint
+from .core.distributed_checkpoint._src.backends.locations import is_url
+from .core.distributed_checkpoint._src.backends.resolve import reader_for, writer_for
+from .core.distributed_checkpoint._src.base.dtypes import itemsize
+from .core.distributed_checkpoint._src.base.errors import CheckpointError
+from .core.distributed_checkpoint._src.engine.commit import DEBRIS_MIN_AGE_S
+from .core.distributed_checkpoint._src.engine.metadata_reader import read_checkpoint_metadata
+from .core.distributed_checkpoint._src.format.chunks import count as chunk_count
+from .core.distributed_checkpoint._src.format.values import encode_value
+from .core.distributed_checkpoint._src.tools.verify import verify_checkpoint
 
 
 def _human(n: float) -> str:
@@ -139,8 +139,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.engine.commit import sweep_debris
-    from .core.distributed_checkpoint.manager.step_listing import files_other_steps_use
+    from .core.distributed_checkpoint._src.engine.commit import sweep_debris
+    from .core.distributed_checkpoint._src.manager.step_listing import files_other_steps_use
 
     reader = reader_for(args.path)
     try:
@@ -183,7 +183,7 @@ def _json_safe(value: Any) -> Any:
 def cmd_ls(args: argparse.Namespace) -> int:
     import os
 
-    from .core.distributed_checkpoint.manager.step_listing import list_steps
+    from .core.distributed_checkpoint._src.manager.step_listing import list_steps
 
     if not is_url(args.path) and not os.path.isdir(args.path):
         raise CheckpointError(f"{args.path!r} is not a directory")
@@ -251,7 +251,7 @@ def _report(args: argparse.Namespace, what: str, dst: str, meta: Any, seconds: f
 
 
 def cmd_transform(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.resharding.offline_transform import offline_transform
+    from .core.distributed_checkpoint._src.resharding.offline_transform import offline_transform
 
     if (args.layout is None) == (args.mesh is None):
         raise ValueError("transform needs exactly one of --layout FILE or --mesh name=size")
@@ -269,7 +269,7 @@ def cmd_transform(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.interop.hf_export import save_state_dict_as_huggingface_format
+    from .core.distributed_checkpoint._src.interop.huggingface.exporting import save_state_dict_as_huggingface_format
 
     t0 = time.perf_counter()
     bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-hf")
@@ -291,7 +291,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.interop.full_checkpoint import convert_full_checkpoint_to_dcp
+    from .core.distributed_checkpoint._src.interop.torch.full_checkpoint import convert_full_checkpoint_to_dcp
 
     t0 = time.perf_counter()
     meta = convert_full_checkpoint_to_dcp(args.src, args.dst, prefix=args.prefix,
@@ -300,7 +300,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.interop.torch_dcp_import import import_torch_dcp
+    from .core.distributed_checkpoint._src.interop.torch.importing import import_torch_dcp
 
     t0 = time.perf_counter()
     meta = import_torch_dcp(args.src, args.dst, trust=args.trust, overwrite=args.overwrite)
@@ -308,7 +308,7 @@ def cmd_import_torch_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_import_hyper_parallel(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.interop.hyper_parallel import import_hyper_parallel
+    from .core.distributed_checkpoint._src.interop.hyper_parallel.importing import import_hyper_parallel
 
     t0 = time.perf_counter()
     meta = import_hyper_parallel(args.src, args.dst, trust=args.trust, allow_pickle=args.allow_pickle,
@@ -316,7 +316,7 @@ def cmd_import_hyper_parallel(args: argparse.Namespace) -> int:
     return _report(args, "import-hyper-parallel", args.dst, meta, time.perf_counter() - t0)
 
 def cmd_export_torch_dcp(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.interop.torch_dcp import export_torch_dcp
+    from .core.distributed_checkpoint._src.interop.torch.exporting import export_torch_dcp
 
     t0 = time.perf_counter()
     bar = None if args.json else _progress(_tensor_bytes(args.src), "export-torch-dcp")
@@ -352,7 +352,7 @@ def _mindspore_bytes(src: str) -> int:
 
 
 def cmd_import_mindspore(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.interop.mindspore import import_mindspore
+    from .core.distributed_checkpoint._src.interop.mindspore.checkpoints import import_mindspore
 
     t0 = time.perf_counter()
     bar = None if args.json else _progress(_mindspore_bytes(args.src), "import-mindspore")
@@ -367,7 +367,7 @@ def cmd_import_mindspore(args: argparse.Namespace) -> int:
 
 
 def cmd_export_mindspore(args: argparse.Namespace) -> int:
-    from .core.distributed_checkpoint.interop.mindspore import export_mindspore
+    from .core.distributed_checkpoint._src.interop.mindspore.checkpoints import export_mindspore
 
     bar = None if args.json else _progress(_checkpoint_bytes(args.src), "export-mindspore")
     try:

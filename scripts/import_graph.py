@@ -25,16 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = "hyper_parallel.core.distributed_checkpoint"
 PKG_DIR = ROOT.joinpath(*PKG.split("."))
 PICTURE = ROOT / "docs" / "layers.md"
+INTERNAL = "_src"  # the private subpackage that holds every layer; the faces sit beside it
 
 # Bottom first. A layer is one or more sibling subpackages; inside a subpackage a module may
 # import only the modules listed before it.
 LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "timeline",
               "sizes", "file_names", "allowlist_pickle", "file_exchange", "atomic_file", "protowire", "priority",
-              "overrides", "either_protocol", "options", "coordination"]},
+              "overrides", "either_protocol", "options"]},
+    {"coordination": ["coordinator"]},
     {"state": ["flatten", "nested_paths", "topology_mapper", "train_state", "version_stamp"]},
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",
-                  "mindspore_strategy", "layout_files",
                   "shard_lookup", "tensor_map_areas"]},
     {"format": ["values", "row_checksums", "chunk_info", "validation", "sealed_json", "records", "metadata",
                 "versioning", "chunks", "torch_view",
@@ -43,9 +44,9 @@ LAYERS: list[dict[str, list[str]]] = [
                   "resolve", "storage_mappings", "torch_abcs", "torch_format", "torch_storage"],
      "planning": ["records", "protocols", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot",
                   "leaves",
-                  "global_plan", "ragged_items", "chunk_lists", "ownership", "replica_sources", "seed_plans",
+                  "global_plan", "ragged_items", "chunk_lists", "ownership", "replica_sources", "hyper_parallel_plans",
                   "standard_planner", "chunk_reads", "torch_planners",
-                  "torch_protocol", "seed_protocol",
+                  "torch_protocol", "hyper_parallel_protocol",
                   "remap_blocks", "region_buffers", "deferred_reads", "remap"]},
     {"transfer": ["host_copy", "read_threads", "streams", "unchanged", "chunk_checks", "saver", "row_exchange",
                   "plan_writer", "loader", "torch_reads",
@@ -55,13 +56,16 @@ LAYERS: list[dict[str, list[str]]] = [
                 "checkpoint"]},
     {"asynchronous": ["buffers", "response", "streamed_staging", "process_hooks", "torch_stagers", "checkpointer",
                       "persist_process", "api"],
-     "interop": ["aliases", "single_file", "hf_index", "hf_protocols", "huggingface", "seed_storage", "quantized_hf",
-                 "hf_export",
-                 "hf_torch_writes", "hf_writer",
-                 "torch_hf_storage", "hf_consolidate",
-                 "hf_import", "hyper_parallel", "mindspore_file", "mindspore_ckpt", "mindspore_safetensors",
-                 "mindspore_reader", "mindspore_distributed", "mindspore", "torch_dcp", "torch_dcp_import",
-                 "full_checkpoint", "deprecated_calls", "torch_save", "sharded_optimizer"],
+     "interop": ["hyper_parallel", "hyper_parallel.aliases", "hyper_parallel.single_file",
+                 "huggingface", "huggingface.index", "huggingface.protocols", "huggingface.reader",
+                 "hyper_parallel.storage_calls", "huggingface.quantized", "huggingface.exporting",
+                 "huggingface.torch_writes", "huggingface.writer", "huggingface.torch_storage",
+                 "huggingface.consolidate", "huggingface.importing", "hyper_parallel.importing",
+                 "mindspore", "mindspore.file_model", "mindspore.ckpt", "mindspore.safetensors_files",
+                 "mindspore.reader", "mindspore.strategy", "mindspore.distributed", "mindspore.checkpoints",
+                 "hyper_parallel.layout_files",
+                 "torch", "torch.exporting", "torch.importing", "torch.full_checkpoint", "torch.deprecated_calls",
+                 "torch.save_file", "torch.sharded_optimizer"],
      "tools": ["verify"]},
     {"resharding": ["bulk_write", "reshard", "offline_transform", "handler"],
      "manager": ["ownership", "step_directory", "step_listing", "step_deletion", "retention", "local_format",
@@ -115,11 +119,11 @@ def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def subpackage(name: str) -> str:
-    """The subpackage a module belongs to ("" for the faces and the package itself)."""
-    return name.split(".")[0] if "." in name or name in _SUBPACKAGES else ""
+    """The subpackage of ``_src`` a module belongs to ("" for the faces, the package and ``_src`` itself)."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == INTERNAL and len(parts) > 1 else ""
 
 
-_SUBPACKAGES = {sub for layer in LAYERS for sub in layer}
 
 
 def ranks() -> dict[str, tuple[int, int]]:
@@ -127,8 +131,8 @@ def ranks() -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
     for i, layer in enumerate(LAYERS):
         for sub, order in layer.items():
-            out[sub] = (i, -1)
-            out.update({f"{sub}.{m}": (i, j) for j, m in enumerate(order)})
+            out[f"{INTERNAL}.{sub}"] = (i, -1)
+            out.update({f"{INTERNAL}.{sub}.{m}": (i, j) for j, m in enumerate(order)})
     return out
 
 
@@ -173,9 +177,11 @@ def violations() -> list[str]:
     mods = modules()
     graph = imports(mods)
     rank = ranks()
-    faces = {m for m in mods if subpackage(m) == ""}
+    faces = {m for m in mods if m.split(".")[0] != INTERNAL}
     problems = [f"{m}: not placed in LAYERS (scripts/import_graph.py)" for m in sorted(mods)
-                if m not in rank and m not in faces]
+                if m not in rank and m not in faces and m != INTERNAL]
+    problems += [f"{INTERNAL} (its __init__) imports {d}: it only says the folder is not an API"
+                 for d in sorted(graph.get(INTERNAL, ()))]
     problems += [f"circle: {' -> '.join(c)}" for c in cycles(graph)]
     for m, deps in sorted(graph.items()):
         for d in sorted(deps):
@@ -211,7 +217,7 @@ def picture() -> str:
         "flowchart TD",
         '  faces["faces: __init__, api, planner, standard_planner, saver, loader, storage,<br/>'
         'filesystem_storage, metadata, reshard, async_staging, offline_transform, layout, util,<br/>'
-        'the seed\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged, broadcast, '
+        'HyperParallel\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged, broadcast, '
         'remap_planner, async_persist,<br/>'
         "torch DCP's: state_dict_saver, state_dict_loader, filesystem, format_utils, optimizer, planner_helpers,<br/>"
         'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage, _consolidate_hf_safetensors"]',
@@ -225,8 +231,8 @@ def picture() -> str:
     lines += ["```", "", "| layer | subpackage | what it owns | modules, bottom first |", "|---|---|---|---|"]
     for i, layer in reversed(list(enumerate(LAYERS))):
         for sub, order in layer.items():
-            listed = ", ".join(m for m in order if f"{sub}.{m}" in mods)
-            lines.append(f"| {i} | `{sub}/` | {_summary(mods.get(sub))} | {listed} |")
+            listed = ", ".join(m for m in order if f"{INTERNAL}.{sub}.{m}" in mods)
+            lines.append(f"| {i} | `_src/{sub}/` | {_summary(mods.get(INTERNAL + '.' + sub))} | {listed} |")
     return "\n".join(lines) + "\n"
 
 

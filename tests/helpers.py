@@ -110,7 +110,7 @@ def zeros_like_tree(v: Any) -> Any:
 
 def stored_chunks(meta: Any, key: str) -> list[tuple[Any, int, int]]:
     """The chunks of ``key`` as saved: (box, writing rank, bytes), each stored copy once."""
-    from hyper_parallel.core.distributed_checkpoint.format.chunks import all_chunks
+    from hyper_parallel.core.distributed_checkpoint._src.format.chunks import all_chunks
 
     return [(ref.box, ref.files[0].rank if ref.files else -1, ref.nbytes)
             for ref in all_chunks(meta, meta.entries[key])]
@@ -144,7 +144,7 @@ def payload_start(path: str, entry: str) -> int:
 
 
 def _storage_reader_base() -> type:
-    from hyper_parallel.core.distributed_checkpoint.backends.protocol import StorageReader
+    from hyper_parallel.core.distributed_checkpoint._src.backends.protocol import StorageReader
 
     return StorageReader
 

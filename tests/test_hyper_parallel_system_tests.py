@@ -154,14 +154,14 @@ def test_build_tree_refuses_a_folder_without_cases(tmp_path):
 def test_first_error_skips_peer_noise_and_names_our_frame():
     output = textwrap.dedent('''\
         E   RuntimeError: [../third_party/gloo/transport/tcp/pair.cc:534] Connection closed by peer
-          File "/x/hyper_parallel/core/distributed_checkpoint/engine/checkpoint.py", line 12, in load
-        hyper_parallel/core/distributed_checkpoint/planning/standard.py:88: in plan
+          File "/x/hyper_parallel/core/distributed_checkpoint/_src/engine/checkpoint.py", line 12, in load
+        hyper_parallel/core/distributed_checkpoint/_src/planning/standard.py:88: in plan
         E   ValueError: shard of 'w' does not fit
         E   assert False
         ''')
     error, where = runner.first_error(output)
     assert error == "ValueError: shard of 'w' does not fit"
-    assert where == "hyper_parallel/core/distributed_checkpoint/planning/standard.py:88"
+    assert where == "hyper_parallel/core/distributed_checkpoint/_src/planning/standard.py:88"
 
 
 def test_first_error_of_a_bare_assert_carries_its_where_line():

@@ -1,7 +1,7 @@
 """A committed checkpoint is never lost: faults at and after the commit point, on 2 real ranks.
 
 Each test saves v1, then tries v2 over it with a fault injected at one point of the commit
-protocol (hyper_parallel.core.distributed_checkpoint.engine.commit), and says which checkpoint the
+protocol (hyper_parallel.core.distributed_checkpoint._src.engine.commit), and says which checkpoint the
 protocol promises for that point. Whatever happens, the path loads one of them whole.
 """
 
@@ -29,8 +29,8 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
     verify_checkpoint,
 )
-from hyper_parallel.core.distributed_checkpoint.backends.filesystem import FileSystemReader
-from hyper_parallel.core.distributed_checkpoint.engine.commit import collect_garbage
+from hyper_parallel.core.distributed_checkpoint._src.backends.filesystem import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint._src.engine.commit import collect_garbage
 
 
 def state(ws: int, step: int) -> dict:

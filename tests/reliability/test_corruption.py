@@ -123,7 +123,10 @@ def test_a_single_file_checkpoint_with_forged_sizes_is_refused_naming_the_file(t
     """HyperParallel's single-file loader checks the safetensors header against the file's size
     first: safetensors' own error ("header too large") names neither the file nor the tensor."""
     from hyper_parallel.core.distributed_checkpoint import CorruptCheckpointError
-    from hyper_parallel.core.distributed_checkpoint.interop.single_file import load_checkpoint, save_checkpoint
+    from hyper_parallel.core.distributed_checkpoint._src.interop.hyper_parallel.single_file import (
+        load_checkpoint,
+        save_checkpoint,
+    )
 
     good, bad = str(tmp_path / "good.safetensors"), str(tmp_path / "bad.safetensors")
     save_checkpoint({"model": {"w": make_tensor((3, 4))}}, good)

@@ -21,9 +21,9 @@ from helpers import assert_same
 
 from hyper_parallel import cli
 from hyper_parallel.core.distributed_checkpoint import CheckpointError, CheckpointManager, load, save
-from hyper_parallel.core.distributed_checkpoint.backends.filesystem import FileSystemWriter
-from hyper_parallel.core.distributed_checkpoint.backends.fsspec import FsspecReader, FsspecWriter
-from hyper_parallel.core.distributed_checkpoint.format import metadata as md
+from hyper_parallel.core.distributed_checkpoint._src.backends.filesystem import FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint._src.backends.fsspec import FsspecReader, FsspecWriter
+from hyper_parallel.core.distributed_checkpoint._src.format import metadata as md
 
 OLD = {"w": torch.arange(256.0).reshape(16, 16), "step": 1}
 NEW = {"w": -torch.arange(256.0).reshape(16, 16), "step": 2}

@@ -34,12 +34,12 @@ from hyper_parallel.core.distributed_checkpoint import (
     save,
     verify_checkpoint,
 )
-from hyper_parallel.core.distributed_checkpoint.base.errors import MetadataError
-from hyper_parallel.core.distributed_checkpoint.engine.streaming_writer import write_streaming
-from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
-from hyper_parallel.core.distributed_checkpoint.format.sealed_json import seal_json
-from hyper_parallel.core.distributed_checkpoint.planning.planner import EntrySpec
-from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
+from hyper_parallel.core.distributed_checkpoint._src.base.errors import MetadataError
+from hyper_parallel.core.distributed_checkpoint._src.engine.streaming_writer import write_streaming
+from hyper_parallel.core.distributed_checkpoint._src.format.metadata import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint._src.format.sealed_json import seal_json
+from hyper_parallel.core.distributed_checkpoint._src.planning.planner import EntrySpec
+from hyper_parallel.core.distributed_checkpoint._src.resharding.reshard import reshard
 
 MEMORY_LIMIT = 4 << 30  # address space of each probe process: far above what a refusal needs
 
@@ -72,7 +72,7 @@ PROBE = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
     from hyper_parallel.cli import main
     from hyper_parallel.core.distributed_checkpoint import export_torch_dcp, load, offline_transform
-    from hyper_parallel.core.distributed_checkpoint.resharding.reshard import reshard
+    from hyper_parallel.core.distributed_checkpoint._src.resharding.reshard import reshard
     path, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
     calls = {{
         "load": lambda: load(path=path),

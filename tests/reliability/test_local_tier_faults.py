@@ -30,10 +30,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from hyper_parallel.core.distributed_checkpoint import CheckpointError, CheckpointManager
-from hyper_parallel.core.distributed_checkpoint.manager import local_recovery as recovery
-from hyper_parallel.core.distributed_checkpoint.manager import local_replication as replication
-from hyper_parallel.core.distributed_checkpoint.manager import local_tier as tier
-from hyper_parallel.core.distributed_checkpoint.manager.local_format import (
+from hyper_parallel.core.distributed_checkpoint._src.manager import local_recovery as recovery
+from hyper_parallel.core.distributed_checkpoint._src.manager import local_replication as replication
+from hyper_parallel.core.distributed_checkpoint._src.manager import local_tier as tier
+from hyper_parallel.core.distributed_checkpoint._src.manager.local_format import (
     parse_shard_file_name,
     rank_of_dir,
     read_manifest,

@@ -23,7 +23,7 @@ import multiprocess  # noqa: F401 - sets the forkserver's preload
 import pytest
 
 from hyper_parallel.core.distributed_checkpoint import CheckpointError, CheckpointManager, list_steps
-from hyper_parallel.core.distributed_checkpoint.manager.ownership import OWNER_FILE
+from hyper_parallel.core.distributed_checkpoint._src.manager.ownership import OWNER_FILE
 
 CONTENDERS = 8
 IN_FLIGHT = "step_00000001/data-r00000-0-0123456789abcdef.safetensors"  # the winner's save, not committed yet

@@ -16,7 +16,7 @@ import torch
 from multiprocess import RankFailure, run_ranks
 
 from hyper_parallel.core.distributed_checkpoint import MetadataError, load, save
-from hyper_parallel.core.distributed_checkpoint.backends.filesystem import FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint._src.backends.filesystem import FileSystemWriter
 
 A = torch.arange(64.0).reshape(8, 8)
 

@@ -29,14 +29,14 @@ from . import (  # noqa: F401
     storage,
     utils,
 )
-from .asynchronous.api import async_save, default_checkpointer, register_optimizer_hook
-from .asynchronous.buffers import StagingStats
-from .asynchronous.checkpointer import AsyncCheckpointer
-from .asynchronous.response import AsyncSaveError, AsyncSaveFuture, AsyncSaveResponse, AsyncStagingError
-from .backends.filesystem import FileSystemReader, FileSystemWriter
-from .backends.fsspec import FsspecReader, FsspecWriter
-from .backends.torch_abcs import StorageReader, StorageWriter
-from .base.errors import (
+from ._src.asynchronous.api import async_save, default_checkpointer, register_optimizer_hook
+from ._src.asynchronous.buffers import StagingStats
+from ._src.asynchronous.checkpointer import AsyncCheckpointer
+from ._src.asynchronous.response import AsyncSaveError, AsyncSaveFuture, AsyncSaveResponse, AsyncStagingError
+from ._src.backends.filesystem import FileSystemReader, FileSystemWriter
+from ._src.backends.fsspec import FsspecReader, FsspecWriter
+from ._src.backends.torch_abcs import StorageReader, StorageWriter
+from ._src.base.errors import (
     CheckpointError,
     CommitError,
     CorruptCheckpointError,
@@ -48,20 +48,39 @@ from .base.errors import (
     StorageTimeoutError,
     UnsupportedValueError,
 )
-from .engine.checkpoint import load, save
-from .format.records import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
-from .interop import torch_hf_storage as _torch_hf_storage  # noqa: F401 (registers torch's HF storage classes)
-from .interop.deprecated_calls import load_state_dict, save_state_dict
-from .interop.hf_writer import HuggingFaceStorageWriter
-from .interop.huggingface import HuggingFaceStorageReader, TorchShardedSafetensorsReader
-from .interop.hyper_parallel import import_hyper_parallel
-from .interop.mindspore import export_mindspore, import_mindspore, read_mindspore_checkpoint
-from .interop.quantized_hf import QuantizedHuggingFaceStorageReader
-from .interop.sharded_optimizer import load_sharded_optimizer_state_dict
-from .interop.single_file import load_checkpoint, save_checkpoint
-from .interop.torch_dcp import export_torch_dcp
-from .manager.checkpoint_manager import CheckpointManager, SaveTiming
-from .manager.step_listing import StepInfo, list_steps
+from ._src.engine.checkpoint import load, save
+from ._src.format.records import BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from ._src.interop.huggingface import torch_storage as _torch_hf_storage  # noqa: F401 (registers torch's HF storage classes)
+from ._src.interop.huggingface.quantized import QuantizedHuggingFaceStorageReader
+from ._src.interop.huggingface.reader import HuggingFaceStorageReader, TorchShardedSafetensorsReader
+from ._src.interop.huggingface.writer import HuggingFaceStorageWriter
+from ._src.interop.hyper_parallel.importing import import_hyper_parallel
+from ._src.interop.hyper_parallel.layout_files import load_layout, save_layout
+from ._src.interop.hyper_parallel.single_file import load_checkpoint, save_checkpoint
+from ._src.interop.mindspore.checkpoints import export_mindspore, import_mindspore, read_mindspore_checkpoint
+from ._src.interop.torch.deprecated_calls import load_state_dict, save_state_dict
+from ._src.interop.torch.exporting import export_torch_dcp
+from ._src.interop.torch.sharded_optimizer import load_sharded_optimizer_state_dict
+from ._src.manager.checkpoint_manager import CheckpointManager, SaveTiming
+from ._src.manager.step_listing import StepInfo, list_steps
+from ._src.planning.protocols import LoadPlanner, SavePlanner
+from ._src.planning.records import LoadPlan, ReadItem, SavePlan, WriteItem
+from ._src.planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
+from ._src.sharding.layout import Layout, TensorLayout
+from ._src.sharding.strategy import LayoutStrategy, get_current_layout
+from ._src.state.topology_mapper import TopologyMapper
+from ._src.state.train_state import (
+    TrainState,
+    get_train_state_dict,
+    load_rng_state_dict,
+    rng_state_dict,
+    set_train_state_dict,
+)
+from ._src.tools.verify import verify_checkpoint
+
+# HyperParallel's package names that live in its faces (its newer DCP exports them here too).
+from .layout import combine_layout, get_global_layout
+from .metadata import CHUNK_INFO, ChunkInfo, MetadataIndex, TensorProperties
 from .offline_transform import (
     convert_full_checkpoint_to_dcp,
     dcp_to_full_state_dict,
@@ -71,103 +90,27 @@ from .offline_transform import (
     parse_checkpoint_from_huggingface,
     save_state_dict_as_huggingface_format,
 )
-from .planning.protocols import LoadPlanner, SavePlanner
-from .planning.records import LoadPlan, ReadItem, SavePlan, WriteItem
-from .planning.standard_planner import StandardLoadPlanner, StandardPlanner, StandardSavePlanner
-from .sharding.layout import Layout, TensorLayout
-from .sharding.layout_files import load_layout, save_layout
-from .sharding.strategy import LayoutStrategy, get_current_layout
-from .state.topology_mapper import TopologyMapper
-from .state.train_state import (
-    TrainState,
-    get_train_state_dict,
-    load_rng_state_dict,
-    rng_state_dict,
-    set_train_state_dict,
-)
-from .tools.verify import verify_checkpoint
+from .planner import LoadItemType, WriteItemType
+from .reshard import ReshardHandler
+from .storage import StorageInfo, WriteResult
 
-__all__ = [
-    "offline_transform",
-    "save_state_dict_as_huggingface_format",
-    "parse_checkpoint_from_huggingface",
-    "full_state_dict_to_dcp_format",
-    "dcp_to_full_state_dict",
-    "convert_full_checkpoint_to_dcp",
-    "import_torch_dcp",
-    "import_hyper_parallel",
-    "save_checkpoint",
-    "load_checkpoint",
-    "export_torch_dcp",
-    "import_mindspore",
-    "export_mindspore",
-    "read_mindspore_checkpoint",
-    "verify_checkpoint",
-    "FsspecWriter",
-    "FsspecReader",
-    "save",
-    "load",
-    "async_save",
-    "CheckpointManager",
-    "StepInfo",
-    "SaveTiming",
-    "list_steps",
-    "AsyncSaveFuture",
-    "AsyncSaveResponse",
-    "AsyncCheckpointer",
-    "AsyncSaveError",
-    "AsyncStagingError",
-    "StagingStats",
-    "default_checkpointer",
-    "register_optimizer_hook",
-    "StandardPlanner",
-    "StandardSavePlanner",
-    "StandardLoadPlanner",
-    "DefaultSavePlanner",
-    "DefaultLoadPlanner",
-    "SavePlanner",
-    "LoadPlanner",
-    "SavePlan",
-    "LoadPlan",
-    "WriteItem",
-    "ReadItem",
-    "StorageWriter",
-    "StorageReader",
-    "TopologyMapper",
-    "FileSystemWriter",
-    "FileSystemReader",
-    "HuggingFaceStorageReader",
-    "HuggingFaceStorageWriter",
-    "TorchShardedSafetensorsReader",
-    "QuantizedHuggingFaceStorageReader",
-    "Metadata",
-    "Layout",
-    "TensorLayout",
-    "LayoutStrategy",
-    "save_layout",
-    "load_layout",
-    "get_current_layout",
-    "CheckpointError",
-    "CommitError",
-    "LostContactError",
-    "StorageTimeoutError",
-    "CorruptCheckpointError",
-    "MetadataError",
-    "NotACheckpointError",
-    "RankFailedError",
-    "StateDictMismatchError",
-    "UnsupportedValueError",
-    "TrainState",
-    "get_train_state_dict",
-    "set_train_state_dict",
-    "rng_state_dict",
-    "load_rng_state_dict",
-    # torch.distributed.checkpoint's names (issue 32)
-    "CheckpointException",
-    "BytesStorageMetadata",
-    "ChunkStorageMetadata",
-    "TensorStorageMetadata",
-    "save_state_dict",
-    "load_state_dict",
-    "load_sharded_optimizer_state_dict",
+# What ``from ... import *`` gives: torch DCP's package names, HyperParallel's, and our own few
+# headline names. Every other name above stays importable from here and from its face.
+_TORCH_NAMES = [
+    "save", "load", "async_save", "save_state_dict", "load_state_dict", "load_sharded_optimizer_state_dict",
+    "CheckpointException", "DefaultSavePlanner", "DefaultLoadPlanner", "SavePlanner", "LoadPlanner", "SavePlan",
+    "LoadPlan", "WriteItem", "ReadItem", "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader",
+    "HuggingFaceStorageReader", "HuggingFaceStorageWriter", "QuantizedHuggingFaceStorageReader", "Metadata",
+    "BytesStorageMetadata", "ChunkStorageMetadata", "TensorStorageMetadata",
 ]
+_HYPER_PARALLEL_NAMES = [
+    "save", "async_save", "AsyncSaveResponse", "load", "Metadata", "MetadataIndex", "TensorStorageMetadata",
+    "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "CHUNK_INFO", "ChunkInfo", "SavePlanner",
+    "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "WriteItemType", "LoadItemType",
+    "StandardSavePlanner", "StandardLoadPlanner", "StorageWriter", "StorageReader", "StorageInfo", "WriteResult",
+    "FileSystemWriter", "FileSystemReader", "get_current_layout", "save_layout", "load_layout", "combine_layout",
+    "get_global_layout", "save_checkpoint", "load_checkpoint", "ReshardHandler",
+]
+_OWN_NAMES = ["StandardPlanner", "offline_transform", "CheckpointManager", "TrainState", "AsyncCheckpointer",
+             "verify_checkpoint", "CheckpointError"]
+__all__ = list(dict.fromkeys(_TORCH_NAMES + _HYPER_PARALLEL_NAMES + _OWN_NAMES))

@@ -1,7 +1,7 @@
-"""HyperParallel's child-process asynchronous save (seed path ``distributed_checkpoint.async_persist``).
+"""HyperParallel's child-process asynchronous save (HyperParallel's path ``distributed_checkpoint.async_persist``).
 
-A face over :mod:`.asynchronous.persist_process` (staging to host, the persist child and the
-join thread) and :mod:`.base.file_exchange` (the ranks' plans and write results exchanged
+A face over :mod:`._src.asynchronous.persist_process` (staging to host, the persist child and the
+join thread) and :mod:`._src.base.file_exchange` (the ranks' plans and write results exchanged
 through files in the checkpoint directory). ``StandardSavePlanner.cached_save_result`` is the
 plan cache a child's results are merged into.
 
@@ -13,7 +13,7 @@ This library's own ``async_save`` is :mod:`.async_staging`'s.
 import os
 import time
 
-from .asynchronous.persist_process import (
+from ._src.asynchronous.persist_process import (
     AsyncPersistStatus,
     AsyncSaveResponse,
     DataCopier,
@@ -24,9 +24,9 @@ from .asynchronous.persist_process import (
     platform,
     resolve_async_persist_result,
 )
-from .base import file_exchange as _exchange
-from .base.file_exchange import COMPLETE_FLAG as _COMPLETE_FLAG
-from .base.file_exchange import (
+from ._src.base import file_exchange as _exchange
+from ._src.base.file_exchange import COMPLETE_FLAG as _COMPLETE_FLAG
+from ._src.base.file_exchange import (
     FileType,
     assemble_file_path,
     construct_file_batches,
@@ -35,7 +35,7 @@ from .base.file_exchange import (
     parallel_read_files,
     write_file,
 )
-from .planning.standard_planner import StandardSavePlanner
+from ._src.planning.standard_planner import StandardSavePlanner
 
 __all__ = ["AsyncPersistStatus", "AsyncSaveResponse", "DataCopier", "build_staged_state_dict",
            "execute_async_persist", "execute_async_persist_with_gloo", "resolve_async_persist_result", "FileType",
@@ -46,6 +46,6 @@ __all__ = ["AsyncPersistStatus", "AsyncSaveResponse", "DataCopier", "build_stage
 
 def batch_read_worker(file_batch: tuple[int, ...], checkpoint_id: str, file_type: FileType) -> list:
     """Every file of ``file_batch``, polled round-robin until all are complete (see
-    :func:`.base.file_exchange.batch_read_worker`), read with this module's ``load_file``."""
+    :func:`._src.base.file_exchange.batch_read_worker`), read with this module's ``load_file``."""
     return _exchange.batch_read_worker(file_batch, checkpoint_id, file_type,
                                        load=lambda *args: load_file(*args))

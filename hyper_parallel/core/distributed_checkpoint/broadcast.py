@@ -1,6 +1,6 @@
-"""Replicated shards read once and broadcast (seed path ``distributed_checkpoint.broadcast``).
+"""Replicated shards read once and broadcast (HyperParallel's path ``distributed_checkpoint.broadcast``).
 
-A face over :mod:`.transfer.broadcasts`, where the pipeline is documented: groups for a load
+A face over :mod:`._src.transfer.broadcasts`, where the pipeline is documented: groups for a load
 (:func:`broadcast_groups_for_load`), one broadcast per shard started without waiting
 (:func:`broadcast_shard`, at most ``_MAX_BROADCASTS_IN_FLIGHT`` going), small shards batched
 (:class:`BroadcastBatcher`), :func:`wait_broadcasts`, and the whole read-and-broadcast walk
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_group
 
-from .planning.records import BroadcastSource
-from .transfer import broadcasts as _impl
-from .transfer.broadcasts import (
+from ._src.planning.records import BroadcastSource
+from ._src.transfer import broadcasts as _impl
+from ._src.transfer.broadcasts import (
     DEFAULT_BROADCAST_BATCH_BYTES,
     BroadcastOps,
     copy_each,
@@ -33,8 +33,8 @@ from .transfer.broadcasts import (
     shard_order,
     synchronize,
 )
-from .transfer.broadcasts import MAX_BROADCASTS_IN_FLIGHT as _MAX_BROADCASTS_IN_FLIGHT
-from .transfer.broadcasts import shard_buffer as _shard_buffer
+from ._src.transfer.broadcasts import MAX_BROADCASTS_IN_FLIGHT as _MAX_BROADCASTS_IN_FLIGHT
+from ._src.transfer.broadcasts import shard_buffer as _shard_buffer
 
 __all__ = ["BroadcastSource", "DEFAULT_BROADCAST_BATCH_BYTES", "BroadcastBatcher", "broadcast_groups_for_load",
            "broadcast_shard", "wait_broadcasts", "read_and_broadcast", "shard_order", "copy_each",
@@ -51,13 +51,13 @@ def _ops() -> BroadcastOps:
 
 def _existing_group(group_ranks: tuple) -> Any:
     """A group over ``group_ranks`` that exists already, or ``None``
-    (see :func:`.transfer.broadcasts.existing_group`)."""
+    (see :func:`._src.transfer.broadcasts.existing_group`)."""
     return _impl.existing_group(group_ranks, _ops())
 
 
 def _build_broadcast_groups(items: Iterable[Any], supplied: dict[tuple, Any]) -> tuple[dict[tuple, Any], set]:
     """Collective: the groups this rank's items broadcast through, and those created here
-    (see :func:`.transfer.broadcasts.build_broadcast_groups`)."""
+    (see :func:`._src.transfer.broadcasts.build_broadcast_groups`)."""
     return _impl.build_broadcast_groups(items, supplied, _ops())
 
 
@@ -102,7 +102,7 @@ def wait_broadcasts(in_flight: deque) -> None:
 
 class BroadcastBatcher(_impl.BroadcastBatcher):
     """Small shards of one group, source rank and dtype sent in one broadcast (see
-    :class:`.transfer.broadcasts.BroadcastBatcher`); reads this module's names when it sends."""
+    :class:`._src.transfer.broadcasts.BroadcastBatcher`); reads this module's names when it sends."""
 
     def __init__(self, batch_bytes: int, groups: dict[tuple, Any]) -> None:
         super().__init__(batch_bytes, groups)
@@ -114,7 +114,7 @@ class BroadcastBatcher(_impl.BroadcastBatcher):
 def read_and_broadcast(items: Sequence[Any], state_dict: dict[str, Any], read: Callable[[list], None],
                        groups: dict[tuple, Any], *, batch_bytes: int = 0, read_ahead: int = 2) -> None:
     """Read this rank's marked shards on a read-ahead thread and broadcast each as soon as it
-    is read, in the order every rank computes (see :func:`.transfer.broadcasts.read_and_broadcast`)."""
+    is read, in the order every rank computes (see :func:`._src.transfer.broadcasts.read_and_broadcast`)."""
     _impl.read_and_broadcast(items, state_dict, read, groups, batch_bytes=batch_bytes, read_ahead=read_ahead,
                              ops=_ops())
 

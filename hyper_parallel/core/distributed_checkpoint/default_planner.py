@@ -4,7 +4,7 @@ A face. ``DefaultSavePlanner``/``DefaultLoadPlanner`` and the plan-building func
 own: code that calls their protocol methods itself (``set_up_planner``, ``create_local_plan``,
 ``create_default_local_save_plan(...)``) gets torch's behaviour exactly. Given to this library's
 ``save``/``load``, an unmodified one is taken as configuration and runs our planner with its
-options (:mod:`.planning.torch_planners`); a subclass that overrides a hook runs on torch's
+options (:mod:`._src.planning.torch_planners`); a subclass that overrides a hook runs on torch's
 protocol with its hooks called (``engine/protocol_run.py``). The private helpers torch's tests
 import from here (``_create_default_local_metadata``, ``_validate_global_plan``,
 ``_EmptyStateDictLoadPlanner``) are torch's too.

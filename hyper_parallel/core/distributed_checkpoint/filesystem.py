@@ -1,6 +1,6 @@
 """torch DCP's ``filesystem`` import path: the local/shared filesystem reader and writer.
 
-A face. ``FileSystemWriter``/``FileSystemReader`` are ours (:mod:`.backends.filesystem`), with
+A face. ``FileSystemWriter``/``FileSystemReader`` are ours (:mod:`._src.backends.filesystem`), with
 torch's constructor arguments. ``FileSystemBase``/``FileSystem`` (torch's file-operations
 abstraction) and ``SerializationFormat`` (torch's enum) are torch's own, re-exported as plain
 protocol and data: our writer accepts ``serialization_format=`` and always writes safetensors.
@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as CURRE
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, SerializationFormat
 from torch.distributed.checkpoint.filesystem import _StorageInfo as _StorageInfo  # torch's private record
 
-from .backends.filesystem import FileSystemReader, FileSystemWriter
-from .backends.torch_format import TorchFormatWriter
+from ._src.backends.filesystem import FileSystemReader, FileSystemWriter
+from ._src.backends.torch_format import TorchFormatWriter
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "FileSystem", "FileSystemBase", "SerializationFormat",
            "TorchFormatWriter"]

@@ -1,8 +1,8 @@
 """torch DCP's ``format_utils`` import path: a checkpoint <-> one ``torch.save`` file.
 
-A face over :mod:`.interop.torch_save`. Also, as torch's module has them (accelerate's
+A face over :mod:`._src.interop.torch.save_file`. Also, as torch's module has them (accelerate's
 ``merge_fsdp_weights`` and Lightning import them from here): ``_load_state_dict`` (a face over
-:mod:`.interop.deprecated_calls`) and ``_EmptyStateDictLoadPlanner``, torch's own planner, which
+:mod:`._src.interop.torch.deprecated_calls`) and ``_EmptyStateDictLoadPlanner``, torch's own planner, which
 ``load`` runs on torch's planner protocol (an empty target receives the whole checkpoint).
 """
 
@@ -10,8 +10,8 @@ from torch.distributed.checkpoint.default_planner import (
     _EmptyStateDictLoadPlanner as _EmptyStateDictLoadPlanner,  # torch's planner, run as torch's
 )
 
-from .interop.deprecated_calls import _load_state_dict as _load_state_dict  # torch's private call form
-from .interop.torch_save import (
+from ._src.interop.torch.deprecated_calls import _load_state_dict as _load_state_dict  # torch's private call form
+from ._src.interop.torch.save_file import (
     BroadcastingTorchSaveReader,
     DynamicMetaLoadPlanner,
     dcp_to_torch_save,

@@ -1,11 +1,12 @@
-"""Layouts and strategies (seed path ``distributed_checkpoint.layout``).
+"""Layouts and strategies (HyperParallel's path ``distributed_checkpoint.layout``).
 
-A face over :mod:`.sharding.layout`, :mod:`.sharding.strategy` and :mod:`.sharding.layout_files`.
+A face over :mod:`._src.sharding.layout`, :mod:`._src.sharding.strategy` and
+:mod:`._src.interop.hyper_parallel.layout_files`.
 
 ``get_current_layout`` answers both of its callers: given a state dict or a ``torch.nn.Module``
-it is ours (:func:`.sharding.strategy.get_current_layout`: every DTensor's layout by checkpoint
+it is ours (:func:`._src.sharding.strategy.get_current_layout`: every DTensor's layout by checkpoint
 key); given anything else, a HyperParallel "cell" whose parameters carry a ``layout``, it is
-HyperParallel's (:func:`.sharding.strategy.rank_layout_map`: ``{str(rank): {name: info or None}}``),
+HyperParallel's (:func:`._src.sharding.strategy.rank_layout_map`: ``{str(rank): {name: info or None}}``),
 asking this module's ``platform`` for the rank and the cell's parameters and telling
 ``logger`` which parameters have no layout, all read at call time as HyperParallel's tests patch
 them (``layout.platform.get_rank``, ``layout.platform.parameters_dict``, ``layout.logger``).
@@ -14,19 +15,20 @@ JSON they are.
 """
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ...platform import get_platform
-from .sharding.layout import Layout, TensorLayout
-from .sharding.layout_files import load_layout, save_layout
-from .sharding.strategy import LayoutStrategy, match_layout, rank_layout_map
-from .sharding.strategy import get_current_layout as _current_strategy
+from ._src.interop.hyper_parallel.layout_files import load_layout, save_layout
+from ._src.sharding.layout import Layout, TensorLayout
+from ._src.sharding.strategy import LayoutStrategy, match_layout, rank_layout_map
+from ._src.sharding.strategy import get_current_layout as _current_strategy
 
 __all__ = ["Layout", "TensorLayout", "LayoutStrategy", "save_layout", "load_layout", "get_current_layout",
-           "match_layout"]
+           "get_global_layout", "combine_layout", "match_layout"]
 
 platform = get_platform()
 logger = logging.getLogger(__name__)
@@ -49,3 +51,42 @@ def get_current_layout(state_dict_or_cell: Any) -> LayoutStrategy | dict[str, di
         return _current_strategy(state_dict_or_cell)
     rank = platform.get_rank()
     return rank_layout_map(platform.parameters_dict(state_dict_or_cell), rank, logger.info)
+
+
+def get_global_layout(cell: Any) -> dict[str, dict[str, Any]]:
+    """Every rank's :func:`get_current_layout` of a HyperParallel cell, merged: ``{str(rank): {...}}``.
+
+    A collective: every rank of the world calls it (through this module's ``platform``, read at
+    call time as HyperParallel's tests patch it).
+    """
+    gathered: list[Any] = [None] * platform.get_world_size()
+    platform.all_gather_object(gathered, get_current_layout(cell))
+    merged: dict[str, dict[str, Any]] = {}
+    for one in gathered:
+        merged.update(one)
+    return merged
+
+
+def combine_layout(directory: str | os.PathLike) -> dict[str, Any]:
+    """The layout maps of every ``*.layout`` file in ``directory`` (as :func:`save_layout` wrote
+    them, one or more ranks each), merged into one ``{rank: {...}}``.
+
+    Raises:
+        ValueError: two files hold the same rank (both named) or a file is not a layout map.
+    """
+    merged: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".layout"):
+            continue
+        path = os.path.join(directory, name)
+        one = load_layout(path)
+        if not isinstance(one, dict):
+            raise ValueError(f"{path}: a layout map ({{rank: {{name: layout}}}}) was expected, "
+                             f"not a {type(one).__name__}")
+        for rank, params in one.items():
+            if rank in merged:
+                raise ValueError(f"rank {rank} has a layout in both {source[rank]} and {path}: "
+                                 "each rank must be in one .layout file")
+            merged[rank], source[rank] = params, path
+    return merged

@@ -1,7 +1,7 @@
 """Checkpoint metadata records (torch DCP's and HyperParallel's path ``distributed_checkpoint.metadata``).
 
 A face. ``Metadata``, ``MetadataIndex``, ``TensorProperties``, ``TensorStorageMetadata`` accept
-torch's form and HyperParallel's (:mod:`.format.records` tabulates the differences), and
+torch's form and HyperParallel's (:mod:`._src.format.records` tabulates the differences), and
 ``isinstance`` against them holds for the records torch's own functions build;
 ``ChunkStorageMetadata``, ``BytesStorageMetadata``, ``StorageMeta`` are torch's own. ``CHUNK_INFO``
 and ``ChunkInfo`` are HyperParallel's marks on a plain tensor saying which part of a global tensor
@@ -12,9 +12,9 @@ and ``read_metadata()`` of our readers gives the torch-shaped view of it.
 
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 
-from .format.chunk_info import CHUNK_INFO, ChunkInfo
-from .format.metadata import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
-from .format.records import (
+from ._src.format.chunk_info import CHUNK_INFO, ChunkInfo
+from ._src.format.metadata import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
+from ._src.format.records import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,

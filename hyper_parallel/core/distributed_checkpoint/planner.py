@@ -2,17 +2,17 @@
 
 A face. The plan records (``WriteItem``, ``ReadItem``, ``SavePlan``, ``LoadPlan``, ``WriteItemType``,
 ``LoadItemType``, ``TensorWriteData``, ``BytesIOWriteData``, ``BroadcastSource``) are the ones torch
-DCP code and HyperParallel code build, one class for both forms (:mod:`.planning.records` says
+DCP code and HyperParallel code build, one class for both forms (:mod:`._src.planning.records` says
 where the forms differ and what each caller gets). ``SavePlanner``/``LoadPlanner`` are torch's
-ABCs, open to HyperParallel's method names (:mod:`.planning.protocols`): subclass them with
+ABCs, open to HyperParallel's method names (:mod:`._src.planning.protocols`): subclass them with
 either, and ``save``/``load`` run the planner on its protocol. This library's own planners plan
-in boxes on :mod:`.planning.planner`'s protocol (subclass ``StandardPlanner`` to customise them;
+in boxes on :mod:`._src.planning.planner`'s protocol (subclass ``StandardPlanner`` to customise them;
 ``EntrySpec`` is that protocol's record).
 """
 
-from .planning.planner import EntrySpec
-from .planning.protocols import LoadPlanner, SavePlanner
-from .planning.records import (
+from ._src.planning.planner import EntrySpec
+from ._src.planning.protocols import LoadPlanner, SavePlanner
+from ._src.planning.records import (
     BroadcastSource,
     BytesIOWriteData,
     LoadItemType,

@@ -1,6 +1,6 @@
 """torch DCP's ``planner_helpers`` import path: the reads that fill local chunks from saved ones.
 
-A face over :mod:`.planning.chunk_reads`. The private helpers torch's tests and planners import
+A face over :mod:`._src.planning.chunk_reads`. The private helpers torch's tests and planners import
 from here (``_create_write_item_for_tensor``, ``_compare_save_plans``, ``_merge_delta_local_plans``,
 ...) are torch's own: they build and compare torch's plan records (no I/O).
 """
@@ -12,6 +12,6 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_
 from torch.distributed.checkpoint.planner_helpers import _create_write_items as _create_write_items
 from torch.distributed.checkpoint.planner_helpers import _merge_delta_local_plans as _merge_delta_local_plans
 
-from .planning.chunk_reads import create_read_items_for_chunk_list
+from ._src.planning.chunk_reads import create_read_items_for_chunk_list
 
 __all__ = ["create_read_items_for_chunk_list"]

@@ -1,9 +1,9 @@
 """FP8 block-quantized Hugging Face checkpoints (torch path
 ``torch.distributed.checkpoint.quantized_hf_storage``).
 
-A face over :mod:`.interop.quantized_hf`.
+A face over :mod:`._src.interop.huggingface.quantized`.
 """
 
-from .interop.quantized_hf import QuantizedHuggingFaceStorageReader
+from ._src.interop.huggingface.quantized import QuantizedHuggingFaceStorageReader
 
 __all__ = ["QuantizedHuggingFaceStorageReader"]

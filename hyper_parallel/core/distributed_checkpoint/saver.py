@@ -1,10 +1,10 @@
-"""Checkpoint saver (seed path ``distributed_checkpoint.saver``).
+"""Checkpoint saver (HyperParallel's path ``distributed_checkpoint.saver``).
 
-A face: plans are executed by :mod:`.transfer.saver`; ``save_checkpoint`` is HyperParallel's
-single-file saver (:mod:`.interop.single_file`).
+A face: plans are executed by :mod:`._src.transfer.saver`; ``save_checkpoint`` is HyperParallel's
+single-file saver (:mod:`._src.interop.hyper_parallel.single_file`).
 """
 
-from .interop.single_file import save_checkpoint
-from .transfer.saver import WriteResult, write_plan
+from ._src.interop.hyper_parallel.single_file import save_checkpoint
+from ._src.transfer.saver import WriteResult, write_plan
 
 __all__ = ["save_checkpoint", "write_plan", "WriteResult"]

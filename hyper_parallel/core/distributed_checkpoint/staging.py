@@ -2,7 +2,7 @@
 
 A face. These are torch's own classes, re-exported: ``StagingOptions`` is configuration and
 ``AsyncStager`` a protocol; ``async_save(..., async_stager=...)`` takes them. Our own staging
-(snapshots into reused host buffers) lives in :mod:`.asynchronous`.
+(snapshots into reused host buffers) lives in :mod:`._src.asynchronous`.
 """
 
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager, DefaultStager, StagingOptions

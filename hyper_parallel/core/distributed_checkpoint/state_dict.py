@@ -4,7 +4,7 @@ A face. These are torch's own functions and options, re-exported: they turn a mo
 optimizer into FQN-keyed state dicts (DTensors kept as they are) and back, which is what our
 ``save``/``load`` take; they do not touch a checkpoint. The private
 ``_patch_model_state_dict``/``_patch_optimizer_state_dict`` (torch's tests and some user code
-import them) are torch's too. :mod:`.state.train_state` builds on them.
+import them) are torch's too. :mod:`._src.state.train_state` builds on them.
 """
 
 from torch.distributed.checkpoint.state_dict import (

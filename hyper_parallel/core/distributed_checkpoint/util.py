@@ -3,13 +3,13 @@
 What HyperParallel code imports from here, each from the layer that owns it:
 
 - path checks of its single-file saver: ``check_path``, ``has_valid_filename``
-  (:mod:`.base.file_names`);
+  (:mod:`._src.base.file_names`);
 - geometry and state-dict helpers, the same objects ``utils`` gives: ``chunk_to_area``,
-  ``infer_intersection``, ``narrow_tensor_by_index`` (:mod:`.base.areas`),
-  ``flatten_state_dict``, ``set_element``, ``traverse_state_dict`` (:mod:`.state.nested_paths`),
-  ``create_chunk_list_for_tensor`` (:mod:`.planning.chunk_lists`), ``plan_ownership_masks``
-  (:mod:`.planning.ownership`), ``all_gather_object`` (:mod:`.base.coordination`);
-- the load's broadcasts of replicated shards (:mod:`.transfer.broadcasts`):
+  ``infer_intersection``, ``narrow_tensor_by_index`` (:mod:`._src.base.areas`),
+  ``flatten_state_dict``, ``set_element``, ``traverse_state_dict`` (:mod:`._src.state.nested_paths`),
+  ``create_chunk_list_for_tensor`` (:mod:`._src.planning.chunk_lists`), ``plan_ownership_masks``
+  (:mod:`._src.planning.ownership`), ``all_gather_object`` (:mod:`._src.coordination.coordinator`);
+- the load's broadcasts of replicated shards (:mod:`._src.transfer.broadcasts`):
   ``broadcast_groups_for_load``, ``ensure_broadcast_groups``, ``broadcast_shard``,
   ``wait_broadcasts``, ``BroadcastBatcher``, ``_MAX_BROADCASTS_IN_FLIGHT``,
   ``DEFAULT_BROADCAST_BATCH_BYTES``.
@@ -29,15 +29,15 @@ from contextlib import contextmanager
 from typing import Any
 
 from ...platform import get_platform
-from .base.areas import chunk_to_area, infer_intersection, narrow_tensor_by_index
-from .base.coordination import all_gather_object
-from .base.file_names import check_path, has_valid_filename
-from .planning.chunk_lists import create_chunk_list_for_tensor
-from .planning.ownership import plan_ownership_masks
-from .state.nested_paths import flatten_state_dict, set_element, traverse_state_dict
-from .transfer import broadcasts as _impl
-from .transfer.broadcasts import DEFAULT_BROADCAST_BATCH_BYTES, BroadcastOps, platform_ops
-from .transfer.broadcasts import MAX_BROADCASTS_IN_FLIGHT as _MAX_BROADCASTS_IN_FLIGHT
+from ._src.base.areas import chunk_to_area, infer_intersection, narrow_tensor_by_index
+from ._src.base.file_names import check_path, has_valid_filename
+from ._src.coordination.coordinator import all_gather_object
+from ._src.planning.chunk_lists import create_chunk_list_for_tensor
+from ._src.planning.ownership import plan_ownership_masks
+from ._src.state.nested_paths import flatten_state_dict, set_element, traverse_state_dict
+from ._src.transfer import broadcasts as _impl
+from ._src.transfer.broadcasts import DEFAULT_BROADCAST_BATCH_BYTES, BroadcastOps, platform_ops
+from ._src.transfer.broadcasts import MAX_BROADCASTS_IN_FLIGHT as _MAX_BROADCASTS_IN_FLIGHT
 
 __all__ = ["platform", "check_path", "has_valid_filename", "chunk_to_area", "infer_intersection",
            "narrow_tensor_by_index", "flatten_state_dict", "set_element", "traverse_state_dict",
@@ -56,7 +56,7 @@ def _ops() -> BroadcastOps:
 def ensure_broadcast_groups(items: Iterable[Any], groups: dict[tuple, Any] | None = None) -> dict[tuple, Any]:
     """Collective: a group for every rank tuple ``items`` broadcast through, the caller's
     ``groups`` kept and the missing ones created (see
-    :func:`.transfer.broadcasts.build_broadcast_groups`). What it creates is the caller's to
+    :func:`._src.transfer.broadcasts.build_broadcast_groups`). What it creates is the caller's to
     destroy; :func:`broadcast_groups_for_load` does that itself."""
     return _impl.build_broadcast_groups(list(items), dict(groups or {}), _ops())[0]
 
@@ -88,7 +88,7 @@ def wait_broadcasts(in_flight: deque) -> None:
 
 class BroadcastBatcher(_impl.BroadcastBatcher):
     """Small shards of one group, source rank and dtype sent in one broadcast (see
-    :class:`.transfer.broadcasts.BroadcastBatcher`), through this module's ``platform``."""
+    :class:`._src.transfer.broadcasts.BroadcastBatcher`), through this module's ``platform``."""
 
     def __init__(self, batch_bytes: int, groups: dict[tuple, Any]) -> None:
         super().__init__(batch_bytes, groups)

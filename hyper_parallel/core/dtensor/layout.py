@@ -1,6 +1,6 @@
 """``hyper_parallel.core.dtensor.layout``: HyperParallel's DTensor ``Layout`` at its seed path.
 
-It is our checkpoint layout (:class:`hyper_parallel.core.distributed_checkpoint.sharding.layout.Layout`:
+It is our checkpoint layout (:class:`hyper_parallel.core.distributed_checkpoint._src.sharding.layout.Layout`:
 mesh shape, dim names, rank list, ``layout("dp", "None")`` tensor layouts, chunk boxes) plus
 the state the seed's DTensor layout carries for one tensor:
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..distributed_checkpoint.sharding.layout import Layout as _CheckpointLayout
-from ..distributed_checkpoint.sharding.layout import TensorLayout
+from ..distributed_checkpoint._src.sharding.layout import Layout as _CheckpointLayout
+from ..distributed_checkpoint._src.sharding.layout import TensorLayout
 from .device_mesh import DeviceMesh, _create_device_mesh
 
 __all__ = ["Layout", "DeviceMesh", "TensorLayout"]

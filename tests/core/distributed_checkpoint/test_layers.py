@@ -116,15 +116,51 @@ def test_the_checker_sees_a_circle_and_an_import_running_back_up():
     assert import_graph.cycles(graph) == [["a", "b", "c"]]
     mods = import_graph.modules()
     graph = import_graph.imports(mods)
-    assert "base.errors" in graph["format.metadata"]  # the walker resolves relative imports
-    assert not graph["base.errors"]
+    assert "_src.base.errors" in graph["_src.format.metadata"]  # the walker resolves relative imports
+    assert not graph["_src.base.errors"]
 
 
-def test_every_public_name_is_exported():
+def test_every_public_name_is_importable_from_the_package():
     pkg = importlib.import_module(PKG)
-    assert sorted(set(PUBLIC) - set(pkg.__all__)) == []
+    assert [n for n in PUBLIC if getattr(pkg, n, None) is None] == []
     for name in pkg.__all__:
         assert getattr(pkg, name) is not None, name
+
+
+# torch.distributed.checkpoint's package names (torch 2.13's __init__) and HyperParallel's (its
+# newest __all__): __all__ is these plus our own few headline names, nothing else.
+TORCH_PACKAGE = {
+    "save", "load", "async_save", "save_state_dict", "load_state_dict", "load_sharded_optimizer_state_dict",
+    "CheckpointException", "DefaultSavePlanner", "DefaultLoadPlanner", "SavePlanner", "LoadPlanner", "SavePlan",
+    "LoadPlan", "WriteItem", "ReadItem", "StorageWriter", "StorageReader", "FileSystemWriter", "FileSystemReader",
+    "HuggingFaceStorageReader", "HuggingFaceStorageWriter", "QuantizedHuggingFaceStorageReader", "Metadata",
+    "BytesStorageMetadata", "ChunkStorageMetadata", "TensorStorageMetadata",
+}
+HYPER_PARALLEL_PACKAGE = {
+    "save", "async_save", "AsyncSaveResponse", "load", "Metadata", "MetadataIndex", "TensorStorageMetadata",
+    "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties", "CHUNK_INFO", "ChunkInfo", "SavePlanner",
+    "LoadPlanner", "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "WriteItemType", "LoadItemType",
+    "StandardSavePlanner", "StandardLoadPlanner", "StorageWriter", "StorageReader", "StorageInfo", "WriteResult",
+    "FileSystemWriter", "FileSystemReader", "get_current_layout", "save_layout", "load_layout", "combine_layout",
+    "get_global_layout", "save_checkpoint", "load_checkpoint", "ReshardHandler",
+}
+OWN_HEADLINES = {"StandardPlanner", "offline_transform", "CheckpointManager", "TrainState", "AsyncCheckpointer",
+                 "verify_checkpoint", "CheckpointError"}
+
+
+def test_all_is_torch_s_and_hyper_parallel_s_names_and_a_few_of_ours():
+    pkg = importlib.import_module(PKG)
+    assert len(pkg.__all__) == len(set(pkg.__all__))
+    assert set(pkg.__all__) == TORCH_PACKAGE | HYPER_PARALLEL_PACKAGE | OWN_HEADLINES
+    import torch.distributed.checkpoint as torch_dcp  # torch's names are really torch's package names
+    assert [n for n in TORCH_PACKAGE if not hasattr(torch_dcp, n)] == []
+
+
+def test_the_top_folder_holds_only_public_faces_and_the_private_internals():
+    top = ROOT / "hyper_parallel" / "core" / "distributed_checkpoint"
+    folders = sorted(p.name for p in top.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == ["_src"]
+    assert (top / "_src" / "README.md").is_file()
 
 
 @pytest.mark.parametrize("module", sorted(PATHS))
@@ -138,3 +174,14 @@ def test_a_face_module_does_not_shadow_the_function_of_its_name():
     importlib.import_module(f"{PKG}.offline_transform")
     pkg = importlib.import_module(PKG)
     assert callable(pkg.offline_transform) and not isinstance(pkg.offline_transform, type(pkg))
+
+
+def test_every_room_of_the_internals_has_its_test_folder():
+    # the tests mirror the package: _src/<room>/ (and interop's ecosystems) <-> tests/.../<room>/
+    src = ROOT / "hyper_parallel" / "core" / "distributed_checkpoint" / "_src"
+    here = Path(__file__).resolve().parent
+    rooms = sorted(p.parent.relative_to(src) for p in src.rglob("__init__.py") if p.parent != src)
+    bare = [str(r) for r in rooms if not any((here / r).glob("test_*.py"))
+            and not any(p.is_dir() and any(p.glob("test_*.py")) for p in (here / r).glob("*"))]
+    assert bare == [], f"rooms of _src with no test folder under {here}: {bare}"
+    assert sorted(p.name for p in here.glob("test_*.py")) == ["test_layers.py"], "tests sit in their room's folder"

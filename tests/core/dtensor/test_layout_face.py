@@ -8,7 +8,7 @@ from multiprocess import run_ranks
 from torch.distributed.tensor import Replicate, Shard
 
 import hyper_parallel
-from hyper_parallel.core.distributed_checkpoint.sharding.layout import Layout as CheckpointLayout
+from hyper_parallel.core.distributed_checkpoint._src.sharding.layout import Layout as CheckpointLayout
 from hyper_parallel.core.dtensor.device_mesh import _DEVICE_MESH_MAP, DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, from_local_with_layout
 from hyper_parallel.core.dtensor.layout import Layout

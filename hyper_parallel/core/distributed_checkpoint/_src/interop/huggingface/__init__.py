@@ -1,0 +1,1 @@
+"""Hugging Face safetensors directories: read, written, exported, imported, consolidated."""

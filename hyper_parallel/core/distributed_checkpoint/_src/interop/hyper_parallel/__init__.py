@@ -1,0 +1,1 @@
+"""HyperParallel's own DCP: its argument names, storage calls, single files, layouts, checkpoints."""

@@ -1,0 +1,1 @@
+"""MindSpore: ``.ckpt`` and MindSpore safetensors files, distributed checkpoints, strategy files."""
