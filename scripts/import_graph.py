@@ -44,7 +44,7 @@ LAYERS: list[dict[str, list[str]]] = [
      "planning": ["records", "protocols", "planner", "plan_cache", "per_call", "staged_bands", "streamed_snapshot",
                   "leaves",
                   "global_plan", "ragged_items", "chunk_lists", "ownership", "replica_sources", "seed_plans",
-                  "standard_planner", "chunk_reads", "torch_planners",
+                  "planner_base", "save_planner", "load_planner", "standard_planner", "chunk_reads", "torch_planners",
                   "torch_protocol", "seed_protocol",
                   "remap_blocks", "region_buffers", "deferred_reads", "remap"]},
     {"transfer": ["host_copy", "read_threads", "streams", "unchanged", "chunk_checks", "saver", "row_exchange",
