@@ -26,6 +26,11 @@ from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
 
 __all__ = ["BoxPlannerBase", "check_flags"]
 
+# the protocol calls of each side (:mod:`.planner`), to name the planner a call needs
+_SIDE_OF_CALL = {**dict.fromkeys(("set_up_save", "create_local_save_plan", "create_global_save_plan",
+                                  "resolve_data"), "save"),
+                 **dict.fromkeys(("set_up_load", "create_local_load_plan", "resolve_target", "finish_load"), "load")}
+
 
 def check_flags(**flags: Any) -> None:
     """Refuse an option that must be True or False and is not (a TypeError naming it)."""
@@ -57,6 +62,17 @@ class BoxPlannerBase:
         self._paths: dict[str, tuple] = {}
         self._origin: dict[str, str] = {}
         self._origin_identity = True
+
+    def __getattr__(self, name: str) -> Any:
+        """Called only for a name the planner lacks: a planner of one side asked for the other
+        side's protocol (a load planner passed to ``save``) says which planner to pass."""
+        side = _SIDE_OF_CALL.get(name)
+        if side is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
+        raise AttributeError(
+            f"{type(self).__qualname__} has no {name}: it plans only {'loads' if side == 'save' else 'saves'}. "
+            f"Pass a planner that can {side} ({'BoxSavePlanner' if side == 'save' else 'BoxLoadPlanner'} or a "
+            "subclass, or StandardPlanner, which does both)", name=name, obj=self)
 
     def transform_key(self, key: str) -> str | None:
         """The checkpoint key of one flattened key, or None to leave it out; the identity."""
