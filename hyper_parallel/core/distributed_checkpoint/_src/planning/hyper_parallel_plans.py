@@ -210,16 +210,7 @@ class SeedPlannerCalls:
     remove_redundancy: bool = True
     broadcast_replicated_tensors: bool = False
     _cached_plans_key: str | None
-
-    @property
-    def _enable_plan_caching(self) -> bool:
-        """Whether ``cache_result``/``get_cached`` keep and give plans (HyperParallel's name):
-        ``enable_plan_caching`` unless the last ``configure_planner`` turned it off."""
-        return self.__dict__.get("_seed_plan_caching", self.enable_plan_caching)
-
-    @_enable_plan_caching.setter
-    def _enable_plan_caching(self, value: bool) -> None:
-        self.__dict__["_seed_plan_caching"] = bool(value)
+    _enable_plan_caching: bool  # the save planner's (save_planner.BoxSavePlanner); configure_planner sets it
 
     # ------------------------------------------------------------------ both
 

@@ -40,7 +40,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
 from ..base.overrides import own_methods
 from ..format.torch_pickles import load_bytes_item
-from .standard_planner import StandardPlanner
+from .load_planner import BoxLoadPlanner
+from .save_planner import BoxSavePlanner
 
 __all__ = ["is_torch_planner", "torch_save_planner", "torch_load_planner", "StrictLoadPlanner", "safe_byte_loads"]
 
@@ -89,7 +90,7 @@ def torch_save_planner(planner: Any) -> Any:
         return planner
     if planner is None:
         return _torch_default.DefaultSavePlanner()
-    if not isinstance(planner, StandardPlanner):
+    if not isinstance(planner, BoxSavePlanner):
         raise UnsupportedValueError(f"planner={type(planner).__qualname__} speaks neither torch DCP's SavePlanner "
                                     "protocol nor this library's; pass one of either")
     _refuse_own_code(planner, "save")
@@ -108,7 +109,7 @@ def torch_load_planner(planner: Any, *, whole: bool, strict: bool | str = True) 
     if is_torch_planner(planner, "load"):
         return planner
     if planner is not None:
-        if not isinstance(planner, StandardPlanner):
+        if not isinstance(planner, BoxLoadPlanner):
             raise UnsupportedValueError(f"planner={type(planner).__qualname__} speaks neither torch DCP's LoadPlanner "
                                         "protocol nor this library's; pass one of either")
         _refuse_own_code(planner, "load")

@@ -26,8 +26,8 @@ from ...engine.streaming_writer import write_streaming
 from ...format import metadata as md
 from ...format.torch_pickles import check_chunks_in_files
 from ...format.values import is_json_value
+from ...planning.leaves import bytes_tensor, numpy_tensor
 from ...planning.planner import EntrySpec, WriteItem
-from ...planning.standard_planner import bytes_tensor, numpy_tensor
 from ...state.flatten import path_from_parts
 
 IMPORT_BATCH_BYTES = 256 << 20  # torch-DCP import: tensors loaded per torch load call
