@@ -36,6 +36,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     load,
     verify_checkpoint,
 )
+from hyper_parallel.core.distributed_checkpoint._src.base.options import RetentionOptions
 from hyper_parallel.core.distributed_checkpoint._src.format.metadata import step_dir_name
 from hyper_parallel.core.distributed_checkpoint._src.manager.ownership import OWNER_FILE
 from hyper_parallel.core.distributed_checkpoint._src.manager.retention import plan_retention
@@ -125,26 +126,26 @@ def test_retention_keeps_the_union_of_latest_every_n_and_best():
     steps = {s: {"loss": float(s)} for s in range(1, 13)}
     steps[3] = {"loss": 0.1}
     steps[7] = {"loss": 0.2}
-    doomed = plan_retention(steps, keep_latest=2, keep_every_steps=5, keep_best=2, best_metric="loss")
+    doomed = plan_retention(steps, RetentionOptions(keep_latest=2, keep_every_steps=5, keep_best=2, best_metric="loss"))
     assert sorted(set(steps) - set(doomed)) == [3, 5, 7, 10, 11, 12]
-    doomed = plan_retention(steps, keep_best=1, best_metric="loss", best_mode="max")
+    doomed = plan_retention(steps, RetentionOptions(keep_best=1, best_metric="loss", best_mode="max"))
     assert sorted(set(steps) - set(doomed)) == [12]  # the best is also the newest
 
 
 def test_retention_always_keeps_the_newest_protected_and_referenced_steps_and_ignores_unscored_ones():
     steps = {1: {"loss": 0.5}, 2: None, 3: {"loss": float("nan")}, 4: {"acc": 1}, 5: {"loss": "n/a"}, 6: None}
-    assert plan_retention(steps) == []  # no rule: keep everything
-    doomed = plan_retention(steps, keep_best=1, best_metric="loss", protect={2})
+    assert plan_retention(steps, RetentionOptions()) == []  # no rule: keep everything
+    doomed = plan_retention(steps, RetentionOptions(keep_best=1, best_metric="loss"), protect={2})
     assert sorted(set(steps) - set(doomed)) == [1, 2, 6]
     # PLUG (incremental): a kept step keeps the steps it references, transitively
     refs = {6: [4], 4: [3]}
-    doomed = plan_retention(steps, keep_latest=1, references=lambda s: refs.get(s, []))
+    doomed = plan_retention(steps, RetentionOptions(keep_latest=1), references=lambda s: refs.get(s, []))
     assert sorted(set(steps) - set(doomed)) == [3, 4, 6]
 
 
 def test_ties_for_best_go_to_the_newer_step():
     steps = {1: {"loss": 1.0}, 2: {"loss": 1.0}, 3: {"loss": 2.0}}
-    assert plan_retention(steps, keep_best=1, best_metric="loss", keep_latest=1) == [1]
+    assert plan_retention(steps, RetentionOptions(keep_best=1, best_metric="loss", keep_latest=1)) == [1]
 
 
 # ----------------------------------------------------------------------------- one process

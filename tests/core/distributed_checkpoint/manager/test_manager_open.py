@@ -10,6 +10,7 @@ import torch
 
 from hyper_parallel.core.distributed_checkpoint import CheckpointManager
 from hyper_parallel.core.distributed_checkpoint._src.base.errors import MetadataError
+from hyper_parallel.core.distributed_checkpoint._src.base.options import RetentionOptions
 from hyper_parallel.core.distributed_checkpoint._src.format import metadata as md
 from hyper_parallel.core.distributed_checkpoint._src.manager.retention import Retention
 from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader
@@ -38,7 +39,7 @@ class _Meta:
 
 def test_kept_files_by_directory_match_a_walk_of_every_step():
     rng = random.Random(0)
-    r = Retention(keep_latest=None, keep_every_steps=None, keep_best=None, best_metric=None, best_mode="min")
+    r = Retention(RetentionOptions())
     dirs = [md.step_dir_name(s) for s in range(1, 9)]
     steps: dict[int, set] = {}
     for round_ in range(200):

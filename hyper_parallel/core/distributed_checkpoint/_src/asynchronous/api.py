@@ -16,7 +16,7 @@ import torch
 
 from ..backends.protocol import StorageWriter
 from ..planning.planner import SavePlanner
-from .checkpointer import AsyncCheckpointer, PathLike
+from .checkpointer import AsyncCheckpointer, PathLike, SaveRequest
 from .process_hooks import process_lock
 from .response import AsyncSaveFuture, AsyncSaveResponse
 from .torch_stagers import check_checkpointer_type, staging_of
@@ -135,12 +135,9 @@ def async_save(
     """
     check_checkpointer_type(async_checkpointer_type)
     chosen = staging_of(async_stager, staging)
-    future = (checkpointer or default_checkpointer()).save(
-        state_dict, path, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-        process_group=process_group, no_dist=no_dist, use_collectives=use_collectives,
-        coordinator_rank=coordinator_rank, allow_pickle=allow_pickle, thread_count=thread_count,
-        sync_files=sync_files, timeout=timeout, user_metadata=user_metadata, staging=chosen.staging,
-        callback=callback, use_gloo=use_gloo, pin_memory=chosen.pin_memory)
+    # torch's stager, if any, decides the staging and the pinning
+    request = SaveRequest.of(dict(locals(), staging=chosen.staging, pin_memory=chosen.pin_memory))
+    future = (checkpointer or default_checkpointer())._start(state_dict, request)
     return AsyncSaveResponse(future) if chosen.staging_response else future
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import os
 import queue
@@ -58,6 +59,7 @@ from ..backends.locations import is_url, local_path
 from ..backends.protocol import StorageWriter
 from ..backends.torch_storage import as_our_writer
 from ..base.errors import LostContactError, UnsupportedValueError
+from ..base.options import AsyncOptions, Coordination, WriteOptions, as_keywords, pick
 from ..base.priority import BACKGROUND_NICE, lower_this_thread
 from ..coordination.coordinator import as_timeout, group_timeout, is_broken, new_gloo_group
 from ..engine import in_flight
@@ -76,7 +78,7 @@ from .process_hooks import install_exit_hooks, track
 from .response import AsyncSaveError, AsyncSaveFuture, AsyncStagingError
 from .streamed_staging import MIN_HOST_BYTES, MIN_RING_BYTES, BudgetStream, forget_locals
 
-__all__ = ["AsyncCheckpointer", "PathLike"]
+__all__ = ["AsyncCheckpointer", "PathLike", "SaveRequest"]
 
 PathLike = str | os.PathLike
 _STAGING_MODES = ("eager", "lazy")
@@ -97,15 +99,42 @@ class _Unstageable:
         """Never called; present so that flatten treats this as a Stateful."""
 
 
+@dataclass(frozen=True)
+class SaveRequest:
+    """One async save as asked for: where it goes, its planner, and its options as records.
+
+    ``AsyncCheckpointer.save`` and ``async_save`` build it once from their keywords
+    (:meth:`of`); the checkpointer then hands it down whole, and a job carries the request
+    as the background save will run it (:meth:`AsyncCheckpointer._start`).
+    """
+
+    path: PathLike | None = None
+    checkpoint_id: PathLike | None = None
+    storage_writer: StorageWriter | None = None
+    planner: SavePlanner | None = None
+    coordination: Coordination = Coordination()
+    write: WriteOptions = WriteOptions()
+    options: AsyncOptions = AsyncOptions()
+    incremental: Any = None  # the checkpoint manager's IncrementalState (see engine.incremental)
+
+    @classmethod
+    def of(cls, values: dict[str, Any]) -> SaveRequest:
+        """The request that the keywords ``values`` of ``save``/``async_save`` (their
+        ``locals()``) ask for."""
+        return cls(values.get("path"), values.get("checkpoint_id"), values.get("storage_writer"),
+                   values.get("planner"), pick(Coordination, values), pick(WriteOptions, values),
+                   pick(AsyncOptions, values), values.get("incremental"))
+
+
 @dataclass
 class _Job:
     """One save: what to write, and its snapshot as it is being taken."""
 
     owner: AsyncCheckpointer
     response: AsyncSaveFuture
-    save_kwargs: dict[str, Any]
-    group: Any
+    request: SaveRequest  # as the background save runs it: its own group, planner copy, absolute path
     started: float
+    mesh_scoped: bool = False  # the group is the ranks of the state's mesh (see engine.scope)
     paths: dict[str, tuple] = field(default_factory=dict)  # key -> path in the nested state dict
     values: dict[str, Any] = field(default_factory=dict)  # key -> snapshot of a non-tensor leaf
     signature: tuple = ()  # ((key, tensor spec), ...): the structure that picks the buffer
@@ -117,7 +146,6 @@ class _Job:
     buffer: StagingBuffer | None = None
     error: BaseException | None = None
     place: str | None = None  # where it saves (:func:`place_of`)
-    pin_memory: bool = True  # pin staging buffers of accelerator tensors
     stream: BudgetStream | None = None  # under a memory budget: the tensors, copied as they are written
     whole_bytes: int = 0  # under a memory budget: bytes of numpy arrays copied whole at the call
 
@@ -244,9 +272,15 @@ class AsyncCheckpointer:
         """Start an async save; see :func:`async_save` for the arguments (``incremental``: as
         for :func:`~.api.save`; the checkpoint manager passes it; ``pin_memory=False``: never pin
         the staging buffers of accelerator tensors, None/True: pin them)."""
+        return self._start(state_dict, SaveRequest.of(locals()))
+
+    def _start(self, state_dict: dict[str, Any] | None, request: SaveRequest) -> AsyncSaveFuture:
+        """Start the async save ``request`` of ``state_dict`` (what :meth:`save` does)."""
         started = time.perf_counter()
+        coord, write, staging = request.coordination, request.write, request.options.staging
+        path, checkpoint_id = request.path, request.checkpoint_id
         # torch DCP's planner and storage objects stand for ours (now: errors belong to the call)
-        storage_writer, planner = as_our_writer(storage_writer), as_our_planner(planner, "save")
+        storage_writer, planner = as_our_writer(request.storage_writer), as_our_planner(request.planner, "save")
         self._ensure_threads()
         if state_dict is None:
             raise ValueError("async_save() needs a state_dict")
@@ -257,12 +291,13 @@ class AsyncCheckpointer:
         where = path if path is not None else checkpoint_id
         if where is None and storage_writer is None:
             raise ValueError("say where the checkpoint goes: path=/checkpoint_id= or a storage writer")
+        user_metadata = write.user_metadata
         if user_metadata is not None:
             # checked by the background save's first exchange (a bad value on one rank must fail
             # every rank, not leave the others waiting in a collective); a snapshot of it now
             with contextlib.suppress(Exception):
                 user_metadata = copy.deepcopy(user_metadata)
-        timeout = as_timeout(timeout)  # before any collective, alike on every rank
+        timeout = as_timeout(coord.timeout)  # before any collective, alike on every rank
         where = None if where is None else os.fspath(where)
         given = where
         if where is not None and not is_url(where):  # the caller's directory now, not the writer's later
@@ -272,30 +307,28 @@ class AsyncCheckpointer:
             start_io_thread()
 
         if self.max_host_bytes is not None:
-            self._check_budget_args(thread_count, planner)
+            self._check_budget_args(write.thread_count, planner)
         self._make_room()
-        distributed = not no_dist and use_collectives and dist.is_available() and dist.is_initialized()
-        mesh_scoped = False
+        distributed = not coord.no_dist and coord.use_collectives and dist.is_available() and dist.is_initialized()
+        mesh_scoped, process_group = False, coord.process_group
         if distributed and process_group is None:
             process_group = _mesh_group(state_dict)  # DTensors on one mesh over some ranks: those ranks
             mesh_scoped = process_group is not None  # so the save guards the parts it lacks (api._part_guard)
         group = self._dedicated_group(process_group, timeout) if distributed else None
 
-        response = AsyncSaveFuture(given, staging, callback, self.wait_timeout_s)
+        response = AsyncSaveFuture(given, staging, request.options.callback, self.wait_timeout_s)
         # the background save plans with a copy: the caller may pass the same planner to a save
         # (or another async save) while this one is still writing, and a planner holds one call's state
         if planner is not None:
             _refuse_torch_hooks(planner)  # now, not from result()
         planner = planner_copy(planner) if planner is not None else None
-        save_kwargs = dict(path=where, storage_writer=storage_writer, planner=planner, no_dist=no_dist,
-                           use_collectives=use_collectives, coordinator_rank=coordinator_rank,
-                           allow_pickle=allow_pickle, thread_count=thread_count, sync_files=sync_files,
-                           user_metadata=user_metadata, incremental=incremental,
-                           # with a group, the timeout is the dedicated group's (a timeout here would make
-                           # it a gloo twin of its own); without one, it bounds the storage calls
-                           timeout=timeout if group is None else None, _mesh_scoped=mesh_scoped)
-        job = _Job(self, response, save_kwargs, group, started, place=in_flight.place_of(where, storage_writer),
-                   pin_memory=pin_memory is not False)
+        background = dataclasses.replace(
+            request, path=where, checkpoint_id=None, storage_writer=storage_writer, planner=planner,
+            # on the dedicated group; with it, the timeout is the group's (a timeout here would make it
+            # a gloo twin of its own); without one, it bounds the storage calls
+            coordination=dataclasses.replace(coord, process_group=group, timeout=timeout if group is None else None),
+            write=dataclasses.replace(write, user_metadata=user_metadata))
+        job = _Job(self, response, background, started, mesh_scoped, place=in_flight.place_of(where, storage_writer))
         try:
             self._prepare(job, state_dict)
         except Exception as exc:  # reported on every rank by the background save
@@ -457,7 +490,8 @@ class AsyncCheckpointer:
                 tensor = leaf.value._local_tensor if spec[0] == "dtensor" else leaf.value
                 devices.add(tensor.device)
         job.paths = {key: leaf.path for key, leaf in flat.leaves.items()}
-        job.signature, job.templates, job.pinned = tuple(signature), templates, bool(devices) and job.pin_memory
+        pin = job.request.options.pin_memory is not False  # pin staging buffers of accelerator tensors
+        job.signature, job.templates, job.pinned = tuple(signature), templates, bool(devices) and pin
         if job.response.staging == "lazy" or self.max_host_bytes is not None:
             job.events = {d: _record_event(d) for d in devices if d.type == "cuda"}
         if self.max_host_bytes is not None:
@@ -469,7 +503,7 @@ class AsyncCheckpointer:
         arrays = {key: t for key, t in job.templates.items() if isinstance(t, np.ndarray)}
         job.whole_bytes = sum(a.nbytes for a in arrays.values())
         limit = self.max_host_bytes - job.whole_bytes
-        files = max(1, job.save_kwargs.get("thread_count") or 1)
+        files = max(1, job.request.write.thread_count or 1)
         if limit < MIN_RING_BYTES * files:
             raise UnsupportedValueError(
                 f"max_host_bytes={self.max_host_bytes}: the state's numpy arrays ({sorted(arrays)[:5]}) take "
@@ -525,7 +559,7 @@ class AsyncCheckpointer:
                 job.buffer = self._pool.acquire(job.signature, job.templates, job.pinned, job.bands)
                 self._peak(job, job.buffer.nbytes)
                 sources = [(job.buffer.targets[key], _source(job.templates[key])) for key, _ in job.signature]
-                if job.save_kwargs.get("incremental") is not None:
+                if job.request.incremental is not None:
                     # what tells the incremental save that a source is unchanged is the source's
                     # memory and version counter, not the staging buffer's (reused every save)
                     job.stamps = {key: stamp_of(_source(job.templates[key])) for key, _ in job.signature}
@@ -544,10 +578,10 @@ class AsyncCheckpointer:
         """((key, column bands), ...): the host tensors to stage as the bands the save will
         cut them into (on the stager's thread for a lazy save: it costs per-tensor work)."""
         wanted = self.stage_bands is not False
-        planner = job.save_kwargs.get("planner")
+        planner = job.request.planner
         planner = StandardPlanner() if planner is None else planner
         # a rank-local save (no collectives) stores chunks whole: nothing to cut into bands
-        if not wanted or not job.save_kwargs.get("use_collectives", True) or not hasattr(planner, "staging_bands"):
+        if not wanted or not job.request.coordination.use_collectives or not hasattr(planner, "staging_bands"):
             return ()
         tiles = ((key, planner.staging_bands(key, job.templates[key])) for key, _ in job.signature)
         return tuple((key, t) for key, t in tiles if t > 1)
@@ -629,10 +663,14 @@ class AsyncCheckpointer:
             if job.stream is not None:
                 self._ring_for(job.stream)
                 job.stream.begin()
-            meta = save(self._staged_state_dict(job), process_group=job.group, **job.save_kwargs)
+            r = job.request
+            meta = save(self._staged_state_dict(job), path=r.path, storage_writer=r.storage_writer, planner=r.planner,
+                        **as_keywords(r.coordination, r.write), incremental=r.incremental,
+                        _mesh_scoped=job.mesh_scoped)
         except BaseException as exc:  # every failure belongs to the response, never to the thread
             error = exc
-            if job.group is not None and not dist.is_initialized() and not isinstance(exc, LostContactError):
+            if (job.request.coordination.process_group is not None and not dist.is_initialized()
+                    and not isinstance(exc, LostContactError)):
                 error = LostContactError(  # torch's own words ("group is not registered") say less
                     "dist.destroy_process_group() ran while this async save was in flight; it was not "
                     f"committed ({type(exc).__name__}: {exc}). Wait for saves in flight first (resp.result())")

@@ -104,8 +104,9 @@ class IncrementalOptions:
 
 @dataclass(frozen=True)
 class LocalTierOptions:
-    """A checkpoint manager's node-local tier: its directory, interval and depth, and its
-    replication to peer nodes."""
+    """A checkpoint manager's node-local tier: its directory, interval and depth, its
+    replication to peer nodes, and whether its shard files are fsynced (off: the tier survives
+    process restarts, and checksums catch what a machine crash lost)."""
 
     local_dir: Any = None
     interval_steps: int | None = None
@@ -113,6 +114,7 @@ class LocalTierOptions:
     replicas: int = 2
     node_rank: int | None = None
     replication_timeout: float = 60.0
+    sync_files: bool = False
 
 
 def pick(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
@@ -122,3 +124,20 @@ def pick(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     so the list of fields is written once, in the record.
     """
     return cls(**{f.name: values[prefix + f.name] for f in fields(cls) if prefix + f.name in values})
+
+
+def as_keywords(*records: Any) -> dict[str, Any]:
+    """The fields of ``records`` as keywords, for a call that takes them loose (the engine's
+    ``save``/``load``): a field added to a record reaches the call without another edit, and
+    one the call does not take fails loudly instead of being dropped.
+
+    The values themselves, not copies (unlike :func:`dataclasses.asdict`): a process group
+    must stay the same object.
+    """
+    out: dict[str, Any] = {}
+    for record in records:
+        for f in fields(record):
+            if f.name in out:
+                raise ValueError(f"as_keywords: {f.name!r} is a field of more than one record")
+            out[f.name] = getattr(record, f.name)
+    return out

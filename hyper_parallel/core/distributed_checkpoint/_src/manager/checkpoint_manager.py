@@ -105,14 +105,23 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from ..asynchronous.checkpointer import AsyncCheckpointer
+from ..asynchronous.checkpointer import AsyncCheckpointer, SaveRequest
 from ..asynchronous.response import AsyncSaveError, AsyncSaveFuture
 from ..backends.protocol import StorageReader, StorageWriter
 from ..base.errors import CheckpointError, CommitError, CorruptCheckpointError, NotACheckpointError
+from ..base.options import (
+    Coordination,
+    IncrementalOptions,
+    LocalTierOptions,
+    RetentionOptions,
+    WriteOptions,
+    as_keywords,
+    pick,
+)
 from ..coordination.coordinator import DEFAULT_TIMEOUT, Coordinator, as_timeout
 from ..engine.checkpoint import load as _load
 from ..engine.checkpoint import save as _save
@@ -134,6 +143,20 @@ __all__ = ["CheckpointManager", "SaveTiming"]
 
 
 # ----------------------------------------------------------------------------- the manager
+
+
+class _Option:
+    """A manager attribute that reads field ``field`` (default: the attribute's name) of the
+    option record the manager keeps as ``record``."""
+
+    def __init__(self, record: str, field: str | None = None):
+        self.record, self.field = record, field
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = self.field or name
+
+    def __get__(self, manager: Any, owner: type | None = None) -> Any:
+        return self if manager is None else getattr(getattr(manager, self.record), self.field)
 
 
 @dataclass(frozen=True)
@@ -259,65 +282,27 @@ class CheckpointManager:
         node_rank: int | None = None,
         replication_timeout: float = 60.0,
     ):
-        _check_count("save_interval_steps", save_interval_steps)
-        for name, value in (("keep_latest", keep_latest), ("keep_every_steps", keep_every_steps),
-                            ("keep_best", keep_best)):
-            if value is not None:
-                _check_count(name, value)
-        if best_mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        if keep_best is not None and not best_metric:
-            raise ValueError("keep_best needs best_metric: the key of save(..., metrics=) that ranks steps")
-        timeout = as_timeout(timeout)
-        if local_dir is not None:
-            local_interval_steps = 1 if local_interval_steps is None else local_interval_steps
-            for name, value in (("local_interval_steps", local_interval_steps), ("local_keep", local_keep),
-                                ("replicas", replicas)):
-                _check_count(name, value)
-            if not isinstance(replication_timeout, (int, float)) or not replication_timeout > 0:
-                raise ValueError(f"replication_timeout must be a number of seconds > 0, got {replication_timeout!r}")
-        else:
-            # Settings of the local tier mean nothing without one: refuse them rather than ignore them.
-            given = [name for name, value, default in (
-                ("local_interval_steps", local_interval_steps, None), ("node_rank", node_rank, None),
-                ("local_keep", local_keep, 2), ("replicas", replicas, 2),
-                ("replication_timeout", replication_timeout, 60.0)) if value != default]
-            if given:
-                verb = "configures" if len(given) == 1 else "configure"
-                raise ValueError(f"{', '.join(given)} {verb} the local tier, which is off without local_dir: "
-                                 "pass local_dir too, or leave them at their defaults")
+        # the keywords as records, each checked (ValueError/TypeError before any collective, in this order)
+        self._rules = _checked_retention(pick(RetentionOptions, locals()))
+        self._coordination = Coordination(process_group=process_group, timeout=as_timeout(timeout))
+        self._local_options = _checked_local_tier(LocalTierOptions(
+            local_dir=local_dir, interval_steps=local_interval_steps, keep=local_keep, replicas=replicas,
+            node_rank=node_rank, replication_timeout=replication_timeout))
         self.directory = os.fspath(directory)
-        self.save_interval_steps = save_interval_steps
-        self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
-        self.best_metric, self.best_mode = best_metric, best_mode
         # coordinator: also who names which files of which step
-        self._retention = Retention(keep_latest=keep_latest, keep_every_steps=keep_every_steps, keep_best=keep_best,
-                                    best_metric=best_metric, best_mode=best_mode)
+        self._retention = Retention(self._rules)
         if isinstance(async_save, AsyncCheckpointer) and async_save.max_in_flight != 1:
             raise ValueError(f"async_save: the manager keeps one save in flight; pass an AsyncCheckpointer with "
                              f"max_in_flight=1 (this one has {async_save.max_in_flight})")
         if not isinstance(async_save, (bool, AsyncCheckpointer)):
             raise TypeError(f"async_save must be True, False or an AsyncCheckpointer, got {async_save!r}")
         self.async_save = bool(async_save)
-        self.incremental = incremental
-        if not incremental and (incremental_rehash_every is not None or incremental_check != CONTENT):
-            raise ValueError("incremental_check and incremental_rehash_every configure incremental saves, which "
-                             "are off: pass incremental=True too, or leave them at their defaults")
-        if incremental_check not in CHECKS:
-            raise ValueError(f"incremental_check must be one of {CHECKS}, got {incremental_check!r}")
-        if incremental_check == CONTENT and incremental_rehash_every not in (None, 1):
-            raise ValueError(f"incremental_rehash_every={incremental_rehash_every!r} configures "
-                             f"incremental_check={VERSION_COUNTER!r}; the default check {CONTENT!r} hashes every "
-                             "chunk at every save. Pass incremental_check='version_counter' too to trust torch's "
-                             "version counter between re-hashes")
-        self.incremental_check = incremental_check
-        self._inc = IncrementalState(rehash_every=incremental_rehash_every, check=incremental_check) \
-            if incremental else None
-        self.process_group = process_group
-        self.timeout = timeout
+        self._incremental_options = inc = _checked_incremental(IncrementalOptions(
+            enabled=incremental, check=incremental_check, rehash_every=incremental_rehash_every))
+        self._inc = IncrementalState(rehash_every=inc.rehash_every, check=inc.check) if inc.enabled else None
         self._root = self._root_for(directory, storage_options)
         if hasattr(self._root, "bound_calls"):  # an object store: its calls end within the timeout too
-            self._root.bound_calls((timeout or DEFAULT_TIMEOUT).total_seconds())
+            self._root.bound_calls((self.timeout or DEFAULT_TIMEOUT).total_seconds())
         self._steps: dict[int, dict[str, Any] | None] = {}  # committed step -> metrics, same on every rank
         # committed step -> the timeline (run) that wrote it; None: written before timelines were recorded
         self._timelines: dict[int, str | None] = {}
@@ -329,19 +314,29 @@ class CheckpointManager:
             async_save if isinstance(async_save, AsyncCheckpointer) else AsyncCheckpointer(max_in_flight=1)
             if async_save else None)
         self._owner = Ownership(self._root, self.directory)
-        self._coord = Coordinator(process_group, False, 0, timeout)
+        self._coord = _coordinator_of(self._coordination)
         self._deleter = Deleter(self._root) if self._coord.is_coordinator else None
         self._local: LocalTier | None = None
         try:
             self._start()
-            if local_dir is not None:
-                self._local = LocalTier(local_dir, directory=self._root.url, interval_steps=local_interval_steps,
-                                        keep=local_keep, replicas=replicas, node_rank=node_rank,
-                                        process_group=process_group, timeout=timeout,
-                                        replication_timeout=replication_timeout, durable=self._durable_latest())
+            if self._local_options.local_dir is not None:
+                self._local = LocalTier(self._local_options, self._coordination, directory=self._root.url,
+                                        durable=self._durable_latest())
         except BaseException:
             self._release()  # a failed start must not keep the directory claimed
             raise
+
+    # The keywords of the constructor, read back from the records (read-only).
+    save_interval_steps = _Option("_rules")
+    keep_latest = _Option("_rules")
+    keep_every_steps = _Option("_rules")
+    keep_best = _Option("_rules")
+    best_metric = _Option("_rules")
+    best_mode = _Option("_rules")
+    incremental = _Option("_incremental_options", "enabled")
+    incremental_check = _Option("_incremental_options", "check")
+    process_group = _Option("_coordination")
+    timeout = _Option("_coordination")
 
     # ------------------------------------------------------------------ queries (local)
 
@@ -450,13 +445,14 @@ class CheckpointManager:
         if self._inc is not None:
             self._inc.begin(name)
         if self._async is not None:
-            response = self._async.save(state_dict, storage_writer=writer, process_group=self.process_group,
-                                        timeout=self.timeout, user_metadata=user, incremental=self._inc)
+            response = self._async._start(state_dict, SaveRequest(
+                storage_writer=writer, coordination=self._coordination, write=WriteOptions(user_metadata=user),
+                incremental=self._inc))
             self._pending = _Pending(step, response=response, blocking_s=response.blocking_s)
             return True
         try:
-            meta = _save(state_dict, storage_writer=writer, process_group=self.process_group,
-                         timeout=self.timeout, user_metadata=user, incremental=self._inc)
+            meta = _save(state_dict, storage_writer=writer, **as_keywords(self._coordination), user_metadata=user,
+                         incremental=self._inc)
         except Exception as exc:
             # Not committed unless a CommitError says it may be: the coordinator (alone deleting)
             # clears the step's debris; a CommitError step is left for the next start to judge.
@@ -513,8 +509,7 @@ class CheckpointManager:
             raise NotACheckpointError(
                 f"step {chosen} is not a committed checkpoint in {self.directory!r}; committed steps: "
                 f"{self.all_steps() or 'none'}")
-        _load(state_dict, storage_reader=self._storage_reader(step_dir_name(chosen)),
-              process_group=self.process_group, timeout=self.timeout)
+        _load(state_dict, storage_reader=self._storage_reader(step_dir_name(chosen)), **as_keywords(self._coordination))
         if self._local is not None:
             self._local.loaded(chosen)
         return chosen
@@ -584,7 +579,7 @@ class CheckpointManager:
         failed: gloo cannot use a group after a timeout or a lost peer, and a job that catches
         a failed save and trains on must still checkpoint later. Called where every rank is."""
         if self._coord.broken:
-            self._coord = Coordinator(self.process_group, False, 0, self.timeout)
+            self._coord = _coordinator_of(self._coordination)
         return self._coord
 
     def _on_coordinator(self, phase: str, fn: Callable[[], Any]) -> Any:
@@ -794,3 +789,63 @@ def _check_step(step: Any) -> None:
 def _check_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _coordinator_of(coordination: Coordination) -> Coordinator:
+    """The coordinator of the manager's exchanges (collective where the group is distributed)."""
+    c = coordination
+    return Coordinator(c.process_group, c.no_dist, c.coordinator_rank, c.timeout)
+
+
+def _checked_retention(rules: RetentionOptions) -> RetentionOptions:
+    """``rules``, or a ValueError naming the keyword that is wrong."""
+    _check_count("save_interval_steps", rules.save_interval_steps)
+    for name in ("keep_latest", "keep_every_steps", "keep_best"):
+        if getattr(rules, name) is not None:
+            _check_count(name, getattr(rules, name))
+    if rules.best_mode not in ("min", "max"):
+        raise ValueError(f"best_mode must be 'min' or 'max', got {rules.best_mode!r}")
+    if rules.keep_best is not None and not rules.best_metric:
+        raise ValueError("keep_best needs best_metric: the key of save(..., metrics=) that ranks steps")
+    return rules
+
+
+# the manager's keyword for each setting of LocalTierOptions (in the order errors name them)
+_LOCAL_KEYWORDS = {"interval_steps": "local_interval_steps", "node_rank": "node_rank", "keep": "local_keep",
+                   "replicas": "replicas", "replication_timeout": "replication_timeout"}
+
+
+def _checked_local_tier(local: LocalTierOptions) -> LocalTierOptions:
+    """``local`` with its defaults filled in (``interval_steps`` 1, the timeout a float), or a
+    ValueError naming the keyword that is wrong. Without ``local_dir`` every setting of the tier
+    must be at its default: refused rather than ignored."""
+    if local.local_dir is None:
+        default = LocalTierOptions()
+        given = [keyword for name, keyword in _LOCAL_KEYWORDS.items() if getattr(local, name) != getattr(default, name)]
+        if given:
+            verb = "configures" if len(given) == 1 else "configure"
+            raise ValueError(f"{', '.join(given)} {verb} the local tier, which is off without local_dir: "
+                             "pass local_dir too, or leave them at their defaults")
+        return local
+    local = replace(local, interval_steps=1 if local.interval_steps is None else local.interval_steps)
+    for name in ("interval_steps", "keep", "replicas"):
+        _check_count(_LOCAL_KEYWORDS[name], getattr(local, name))
+    timeout = local.replication_timeout
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"replication_timeout must be a number of seconds > 0, got {timeout!r}")
+    return replace(local, replication_timeout=float(timeout))
+
+
+def _checked_incremental(inc: IncrementalOptions) -> IncrementalOptions:
+    """``inc``, or a ValueError naming the keyword that is wrong (its settings need ``incremental``)."""
+    if not inc.enabled and (inc.rehash_every is not None or inc.check != CONTENT):
+        raise ValueError("incremental_check and incremental_rehash_every configure incremental saves, which "
+                         "are off: pass incremental=True too, or leave them at their defaults")
+    if inc.check not in CHECKS:
+        raise ValueError(f"incremental_check must be one of {CHECKS}, got {inc.check!r}")
+    if inc.check == CONTENT and inc.rehash_every not in (None, 1):
+        raise ValueError(f"incremental_rehash_every={inc.rehash_every!r} configures "
+                         f"incremental_check={VERSION_COUNTER!r}; the default check {CONTENT!r} hashes every "
+                         "chunk at every save. Pass incremental_check='version_counter' too to trust torch's "
+                         "version counter between re-hashes")
+    return inc

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..base.errors import CheckpointError, CorruptCheckpointError
+from ..base.options import LocalTierOptions
 from ..coordination.coordinator import Coordinator
 from ..state.flatten import Flat, flatten, update_in_place
 from .local_directory import TierDirectory
@@ -79,11 +80,11 @@ class Recoverer:
     local save). ``last`` is what the last recovery found.
     """
 
-    def __init__(self, coord: Coordinator, files: TierDirectory, *, directory: str, node: int, keep: int,
-                 layouts: dict, settle: Callable[[], bool]):
+    def __init__(self, coord: Coordinator, files: TierDirectory, options: LocalTierOptions, *, directory: str,
+                 node: int, layouts: dict, settle: Callable[[], bool]):
         self.coord, self.files = coord, files
         self.rank, self.world_size = coord.rank, coord.world_size
-        self.directory, self.node, self.keep = directory, node, keep
+        self.directory, self.node, self.keep = directory, node, options.keep
         self._layouts = layouts
         self._settle = settle
         self.last: Recovery | None = None

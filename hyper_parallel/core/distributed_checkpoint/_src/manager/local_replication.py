@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..base.options import LocalTierOptions
 from ..base.priority import BACKGROUND_NICE
 from ..coordination.coordinator import Coordinator, new_gloo_group
 from .local_directory import TierDirectory
@@ -169,12 +170,12 @@ class Replicator:
     """
 
     def __init__(self, coord: Coordinator, files: TierDirectory, peers: list[int], sources: list[int],
-                 replication_timeout: float, sync_files: bool):
+                 options: LocalTierOptions):
         self.coord, self.files = coord, files
         self.world_size = coord.world_size
         self.peers, self.sources = peers, sources
-        self.replication_timeout = replication_timeout
-        self.sync_files = sync_files
+        self.replication_timeout = float(options.replication_timeout)
+        self.sync_files = options.sync_files
         self.error: str | None = None  # why replication stopped (None: it runs)
         self.needs_group = coord.distributed and coord.world_size > 1  # made at the first save
         self.group: Any = None

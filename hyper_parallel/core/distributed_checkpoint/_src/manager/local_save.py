@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..asynchronous.buffers import BufferPool, StagingStats, copy_into, copy_value, tensor_spec
+from ..base.options import LocalTierOptions
 from ..base.priority import lower_this_thread
 from ..state.flatten import Flat, flatten
 from .local_directory import TierDirectory
@@ -88,12 +89,12 @@ class LocalSaver:
     cache of DTensor layouts (shared with recovery).
     """
 
-    def __init__(self, files: TierDirectory, replicator: Replicator, *, manifest: dict[str, Any], keep: int,
-                 sync_files: bool, layouts: dict, global_rank: int):
+    def __init__(self, files: TierDirectory, replicator: Replicator, options: LocalTierOptions, *,
+                 manifest: dict[str, Any], layouts: dict, global_rank: int):
         self.files, self.replicator = files, replicator
         self.manifest = manifest
         self.rank = manifest["rank"]
-        self.keep, self.sync_files = keep, sync_files
+        self.keep, self.sync_files = options.keep, options.sync_files
         self.global_rank = global_rank
         self.timings: deque[LocalSaveTiming] = deque(maxlen=100)
         self.save_errors: list[str] = []

@@ -100,11 +100,11 @@ import os
 import time
 import warnings
 from collections import deque
-from datetime import timedelta
 from typing import Any
 
 from ..asynchronous.buffers import StagingStats
 from ..backends.locations import is_url
+from ..base.options import Coordination, LocalTierOptions
 from ..coordination.coordinator import Coordinator
 from .local_directory import TierDirectory
 from .local_format import new_timeline
@@ -125,47 +125,43 @@ class LocalTier:
     :meth:`loaded` and :meth:`wait` alike; :meth:`close` is local.
 
     Args:
-        local_dir: this node's directory for the tier (``/dev/shm/...`` or local NVMe);
-            ranks on one node may share it.
+        options: the tier's settings, as the manager checked them: ``local_dir`` (this node's
+            directory, ``/dev/shm/...`` or local NVMe; ranks on one node may share it),
+            ``interval_steps`` (save when ``step % interval_steps == 0``), ``keep`` (confirmed
+            steps kept per rank and copy), ``replicas`` (copies of each rank's shards, its own
+            included; at most the node count), ``node_rank`` (None: from the launcher, see
+            :mod:`.local_replication`), ``replication_timeout`` (seconds any replication wait
+            may take, see "Bounded waits") and ``sync_files``.
+        coordination: the manager's ranks and timeout (recovery's exchanges and transfers).
         directory: the durable directory of the manager (recorded in every file, so files of
             another manager are never loaded).
-        interval_steps: save when ``step % interval_steps == 0``.
-        keep: confirmed steps kept per rank and copy (``local_keep``).
-        replicas: copies of each rank's shards, its own included (at most the node count).
-        node_rank: this rank's node; None: from the launcher (see :mod:`.local_replication`).
-        process_group, timeout: as for the manager (recovery's exchanges and transfers).
-        replication_timeout: seconds any replication wait may take (see "Bounded waits").
-        sync_files: fsync shard files (off: the tier survives process restarts, and
-            checksums catch what a machine crash lost).
         durable: the newest durable step and the timeline that committed it (None: none),
             recorded in every file of this timeline (see "Recovery").
     """
 
-    def __init__(self, local_dir: str | os.PathLike, *, directory: str, interval_steps: int, keep: int,
-                 replicas: int, node_rank: int | None, process_group: Any = None, timeout: timedelta | None = None,
-                 replication_timeout: float = 60.0, sync_files: bool = False,
+    def __init__(self, options: LocalTierOptions, coordination: Coordination, *, directory: str,
                  durable: tuple[int, str | None] | None = None):
-        self.local_dir = os.path.abspath(os.fspath(local_dir))
+        self.options = options
+        self.local_dir = os.path.abspath(os.fspath(options.local_dir))
         self.directory = directory if is_url(directory) else os.path.abspath(directory)
         # One subdirectory per manager directory: jobs sharing /dev/shm never touch each other's files.
         self.files = TierDirectory(self.local_dir, self.directory)
         self.root = self.files.root
-        self.interval_steps, self.keep, self.replicas = interval_steps, keep, replicas
-        self.replication_timeout = float(replication_timeout)
-        self.sync_files = sync_files
-        self.coord = Coordinator(process_group, False, 0, timeout)
+        c = coordination
+        self.coord = Coordinator(c.process_group, c.no_dist, c.coordinator_rank, c.timeout)
         self.rank, self.world_size = self.coord.rank, self.coord.world_size
         self._last_step: int | None = None
         # the newest durable step when this timeline began: written into every file of it
         self.durable_base: tuple[int, str | None] | None = durable
         self._layouts: dict = {}  # describe()'s cache of DTensor layouts
         self._closed = False
-        identity = node_identity(node_rank)
+        identity = node_identity(options.node_rank)
+        replicas = options.replicas
 
         def start() -> tuple:
             os.makedirs(self.root, exist_ok=True)
             self.files.sweep_temporary()
-            return identity, (interval_steps, keep, replicas), new_timeline()
+            return identity, (options.interval_steps, options.keep, replicas), new_timeline()
 
         infos = self.coord.exchange("local tier (start)", start)
         settings = {info[1] for info in infos}
@@ -183,13 +179,12 @@ class LocalTier:
         self.node = self.topology.nodes[self.rank]
         self.peers = self.topology.peers(self.rank)
         self.sources = self.topology.sources(self.rank)
-        self._replicator = Replicator(self.coord, self.files, self.peers, self.sources, self.replication_timeout,
-                                      sync_files)
-        self._saver = LocalSaver(self.files, self._replicator, keep=keep, sync_files=sync_files,
-                                 layouts=self._layouts, global_rank=self.coord.global_rank,
+        self._replicator = Replicator(self.coord, self.files, self.peers, self.sources, options)
+        self._saver = LocalSaver(self.files, self._replicator, options, layouts=self._layouts,
+                                 global_rank=self.coord.global_rank,
                                  manifest={"rank": self.rank, "world_size": self.world_size,
                                            "directory": self.directory, "node": self.node})
-        self._recoverer = Recoverer(self.coord, self.files, directory=self.directory, node=self.node, keep=keep,
+        self._recoverer = Recoverer(self.coord, self.files, options, directory=self.directory, node=self.node,
                                     layouts=self._layouts, settle=self.wait)
         if replicas > 1 and self.topology.node_count < replicas and self.rank == 0:
             warnings.warn(f"CheckpointManager: replicas={replicas} but the job spans {self.topology.node_count} "
@@ -225,7 +220,7 @@ class LocalTier:
     # ------------------------------------------------------------------ saving
 
     def due(self, step: int) -> bool:
-        return step % self.interval_steps == 0
+        return step % self.options.interval_steps == 0
 
     def save(self, step: int, state_dict: dict[str, Any]) -> bool:
         """Start the local save of ``step`` if it is due; return whether it started.
@@ -243,7 +238,7 @@ class LocalTier:
             raise ValueError(f"local save of step {step}: step {self._last_step} was already saved or loaded; "
                              "steps only go forward")
         started = time.perf_counter()
-        bound = self.replication_timeout * 2 + _SAVE_WAIT_SLACK_S
+        bound = self.options.replication_timeout * 2 + _SAVE_WAIT_SLACK_S
         if not self._saver.wait(bound):
             in_flight = self._saver.in_flight
             self._replicator.stop(f"the local save of step {in_flight if in_flight is not None else '?'} is still "
@@ -262,7 +257,8 @@ class LocalTier:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for this rank's local save in flight (default bound: as a save waits);
         False if it is still running."""
-        return self._saver.wait(self.replication_timeout * 2 + _SAVE_WAIT_SLACK_S if timeout is None else timeout)
+        bound = self.options.replication_timeout * 2 + _SAVE_WAIT_SLACK_S
+        return self._saver.wait(bound if timeout is None else timeout)
 
     # ------------------------------------------------------------------ recovery
 

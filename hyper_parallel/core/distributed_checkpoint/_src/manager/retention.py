@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..base.options import RetentionOptions
 from ..format import metadata as md
 from ..format.metadata import step_dir_name
 from .step_listing import step_of_name
@@ -33,16 +34,12 @@ __all__ = ["Retention", "best_steps", "plan_retention"]
 
 def plan_retention(
     steps: dict[int, dict[str, Any] | None],
+    rules: RetentionOptions,
     *,
-    keep_latest: int | None = None,
-    keep_every_steps: int | None = None,
-    keep_best: int | None = None,
-    best_metric: str | None = None,
-    best_mode: str = "min",
     protect: Iterable[int] = (),
     references: Callable[[int], Iterable[int]] = lambda step: (),
 ) -> list[int]:
-    """The committed steps to delete: those no rule keeps (pure; the manager's policy).
+    """The committed steps to delete: those no rule of ``rules`` keeps (pure; the manager's policy).
 
     Kept: the newest ``keep_latest``; every step divisible by ``keep_every_steps``; the
     ``keep_best`` best by ``steps[step][best_metric]`` (``best_mode`` "min" or "max"; steps
@@ -50,16 +47,17 @@ def plan_retention(
     step; ``protect``; and, transitively, every step a kept step ``references``. With no rule
     set, nothing is deleted.
     """
-    if not steps or (keep_latest is None and keep_every_steps is None and keep_best is None):
+    r = rules
+    if not steps or (r.keep_latest is None and r.keep_every_steps is None and r.keep_best is None):
         return []
     order = sorted(steps)
     keep = {order[-1], *protect}
-    if keep_latest is not None:
-        keep.update(order[-keep_latest:] if keep_latest > 0 else [])
-    if keep_every_steps is not None:
-        keep.update(s for s in order if s % keep_every_steps == 0)
-    if keep_best is not None and best_metric is not None:
-        keep.update(best_steps(steps, best_metric, best_mode)[:keep_best])
+    if r.keep_latest is not None:
+        keep.update(order[-r.keep_latest:] if r.keep_latest > 0 else [])
+    if r.keep_every_steps is not None:
+        keep.update(s for s in order if s % r.keep_every_steps == 0)
+    if r.keep_best is not None and r.best_metric is not None:
+        keep.update(best_steps(steps, r.best_metric, r.best_mode)[:r.keep_best])
     todo = list(keep)
     while todo:  # a kept step keeps every step ``references`` says it needs
         for ref in references(todo.pop()):
@@ -92,10 +90,8 @@ class Retention:
     """A manager's retention rules, and (on the coordinator) the files of other steps that
     committed steps name, so that deleting a step never deletes what a kept step reads."""
 
-    def __init__(self, *, keep_latest: int | None, keep_every_steps: int | None, keep_best: int | None,
-                 best_metric: str | None, best_mode: str):
-        self.keep_latest, self.keep_every_steps, self.keep_best = keep_latest, keep_every_steps, keep_best
-        self.best_metric, self.best_mode = best_metric, best_mode
+    def __init__(self, rules: RetentionOptions):
+        self.rules = rules
         self.refs: dict[int, frozenset[tuple[str, str]]] = {}  # step -> files of other steps it names
         # the same, by the directory named: dir -> file -> how many committed steps name it, so that
         # asking for one directory's kept files does not walk every step's references (1,000 steps)
@@ -140,9 +136,9 @@ class Retention:
 
     def best(self, steps: dict[int, dict[str, Any] | None]) -> int | None:
         """The best step by ``best_metric`` (None without a metric or a scored step)."""
-        if not self.best_metric:
+        if not self.rules.best_metric:
             return None
-        ranked = best_steps(steps, self.best_metric, self.best_mode)
+        ranked = best_steps(steps, self.rules.best_metric, self.rules.best_mode)
         return ranked[0] if ranked else None
 
     def plan(self, steps: dict[int, dict[str, Any] | None], protect: set[int]) -> list[int]:
@@ -150,9 +146,7 @@ class Retention:
         # Steps named by a kept step are not kept whole: only the files it names survive their
         # step's deletion (see kept_files), so retention counts steps, not references.
         protect = protect | {s for s in steps if self.in_doubt(step_dir_name(s))}
-        return plan_retention(steps, keep_latest=self.keep_latest, keep_every_steps=self.keep_every_steps,
-                              keep_best=self.keep_best, best_metric=self.best_metric, best_mode=self.best_mode,
-                              protect=protect)
+        return plan_retention(steps, self.rules, protect=protect)
 
     def forget(self, doomed: list[int]) -> tuple[list[tuple[int, tuple[str, ...]]], list[str]]:
         """Steps ``doomed`` go: ``(step, files of it to keep)`` for each, and the directories of
