@@ -233,15 +233,8 @@ def plan_reshard(
             continue
         shape = tuple(entry.shape or ())
         rule = match_layout(rules, key) if rules else None
-        if rule is not None and entry.kind not in ("tensor", "ndarray"):
-            raise ValueError(f"{key!r} is a {entry.kind} value; a layout rule can only split tensors")
         if rule is not None:
-            if not isinstance(rule, TensorLayout):
-                raise TypeError(f"rules[{key!r}] is a {type(rule).__name__}, expected a TensorLayout")
-            try:
-                tl = rule.with_ndim(len(shape))
-            except ValueError as exc:
-                raise ValueError(f"{key!r} (shape {list(shape)}): rule {rule!r} does not fit: {exc}") from None
+            tl = _rule_layout(key, entry, shape, rule)
             outside = sorted(set(tl.layout.rank_list) - dst_ranks)
             if outside:
                 raise ValueError(f"{key!r}: rule {rule!r} places data on rank(s) {outside[:8]}, "
@@ -256,11 +249,7 @@ def plan_reshard(
         _check_coverage(key, meta, entry, shape, where)
         # Tensors without a layout stay whole, held by every destination rank.
         storage = tl if tl is not None else TensorLayout(everywhere, {}, len(shape))
-        try:
-            grid = shared_grid(shape, storage.layout.mesh_shape, [placement_to_name(p) for p in storage.placements],
-                               None if isinstance(storage.layout.rank_list, range) else list(storage.layout.rank_list))
-        except ValueError as exc:
-            raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
+        grid = _grid(key, shape, storage)
         offset = zlib.crc32(key.encode()) % grid.replicas
         store = md.GridStore(tiles=1, offset=offset, copies=copies,
                              layout=None if tl is not None else _record(storage))
@@ -269,6 +258,28 @@ def plan_reshard(
         if math.prod(shape):
             grids[key] = grid
     return ReshardPlan(entries, list(dst.rank_list), min(dst_ranks), objects, grids, layouts, dropped)
+
+
+def _rule_layout(key: str, entry: md.Entry, shape: tuple[int, ...], rule: Any) -> TensorLayout:
+    """The destination layout ``rules`` give ``key``, checked: a TensorLayout, for a tensor of its rank."""
+    if entry.kind not in ("tensor", "ndarray"):
+        raise ValueError(f"{key!r} is a {entry.kind} value; a layout rule can only split tensors")
+    if not isinstance(rule, TensorLayout):
+        raise TypeError(f"rules[{key!r}] is a {type(rule).__name__}, expected a TensorLayout")
+    try:
+        return rule.with_ndim(len(shape))
+    except ValueError as exc:
+        raise ValueError(f"{key!r} (shape {list(shape)}): rule {rule!r} does not fit: {exc}") from None
+
+
+def _grid(key: str, shape: tuple[int, ...], storage: TensorLayout) -> Grid:
+    """Where ``key``'s chunks go on the destination mesh (laid out as ``storage``)."""
+    rank_list = storage.layout.rank_list
+    try:
+        return shared_grid(shape, storage.layout.mesh_shape, [placement_to_name(p) for p in storage.placements],
+                           None if isinstance(rank_list, range) else list(rank_list))
+    except ValueError as exc:
+        raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
 
 
 def _check_coverage(key: str, meta: md.Metadata, entry: md.Entry, shape: tuple[int, ...], where: str) -> None:
