@@ -20,6 +20,11 @@ with numpy over ranks and keys instead (one file plan per distinct rank shape, t
 read once per batch of ranks), so the cost per (rank, tensor) is a few array elements, not a
 few Python objects.
 
+In the code, :func:`reshard` checks its keywords once into a :class:`ReshardOptions` and runs
+the phases in order, each a function returning what the next needs: read the source metadata,
+agree on the plan (every rank plans alone and the ranks compare digests), prepare the
+destination, write this process's files, commit the new metadata.
+
 The N-d box math (intersection, subtraction, splitting) lives in :mod:`.box`; :class:`Box`
 is re-exported here.
 """
