@@ -122,18 +122,29 @@ def offline_transform(
     if src_layout is not None:
         _check_src_layout(meta, src_layout)
     if max_memory is None:
-        largest = max((largest_chunk_bytes(meta, e) for e in meta.entries.values()), default=0)
-        small = sum(e.nbytes for e in meta.entries.values() if e.kind != "object" and e.nbytes <= SMALL_TENSOR)
-        max_memory = max(64 << 20, 4 * largest, min(512 << 20, 2 * small))
-    strategy = _as_strategy(dst_layout)
-    if strategy is not None:
-        meshes = {tl.layout for tl in strategy.values()}
-        if len(meshes) != 1:
-            raise ValueError(f"dst_layout uses {len(meshes)} meshes; a checkpoint is laid out for one")
-        dst_mesh, rules = meshes.pop(), strategy
-    else:
-        dst_mesh, rules = dst_layout, None
+        max_memory = _memory_budget(meta)
+    dst_mesh, rules = _destination(dst_layout)
     result = reshard(src_path, dst_path, dst_mesh=dst_mesh, rules=rules, max_memory=max_memory, verify=verify,
                      storage_reader=reader, progress=progress, topology_mapper=topology_mapper)
     assert result is not None
     return result
+
+
+def _memory_budget(meta: md.Metadata) -> int:
+    """The default ``max_memory``: four times the largest saved chunk, at least 64 MiB, raised
+    to twice the total of the small tensors up to 512 MiB (see :func:`offline_transform`)."""
+    largest = max((largest_chunk_bytes(meta, e) for e in meta.entries.values()), default=0)
+    small = sum(e.nbytes for e in meta.entries.values() if e.kind != "object" and e.nbytes <= SMALL_TENSOR)
+    return max(64 << 20, 4 * largest, min(512 << 20, 2 * small))
+
+
+def _destination(dst_layout: Any) -> tuple[Any, LayoutStrategy | None]:
+    """``(dst_mesh, rules)`` for :func:`~.reshard.reshard` from a ``dst_layout``: a strategy's
+    one mesh and the strategy itself, or the mesh as given and no rules."""
+    strategy = _as_strategy(dst_layout)
+    if strategy is None:
+        return dst_layout, None
+    meshes = {tl.layout for tl in strategy.values()}
+    if len(meshes) != 1:
+        raise ValueError(f"dst_layout uses {len(meshes)} meshes; a checkpoint is laid out for one")
+    return meshes.pop(), strategy

@@ -20,6 +20,11 @@ with numpy over ranks and keys instead (one file plan per distinct rank shape, t
 read once per batch of ranks), so the cost per (rank, tensor) is a few array elements, not a
 few Python objects.
 
+In the code, :func:`reshard` checks its keywords once into a :class:`ReshardOptions` and runs
+the phases in order, each a function returning what the next needs: read the source metadata,
+agree on the plan (every rank plans alone and the ranks compare digests), prepare the
+destination, write this process's files, commit the new metadata.
+
 The N-d box math (intersection, subtraction, splitting) lives in :mod:`.box`; :class:`Box`
 is re-exported here.
 """
@@ -40,7 +45,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +56,7 @@ from ..backends.resolve import reader_for, writer_for
 from ..base.box import Box, uncovered
 from ..base.dtypes import itemsize
 from ..base.errors import CorruptCheckpointError
+from ..base.options import Coordination
 from ..coordination.coordinator import Coordinator
 from ..engine.commit import commit_and_agree, write_and_report
 from ..engine.metadata_reader import metadata_bytes
@@ -71,7 +77,8 @@ from .bulk_write import BulkWriter, bulk_groups
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
 
 DEFAULT_MAX_MEMORY = 256 << 20
-WRITERS = 4  # destination files one process writes at once (see write_mine)
+WRITERS = 4  # destination files one process writes at once (see _write_files)
+T = TypeVar("T")
 
 
 def _plan_digest(plan: ReshardPlan) -> int:
@@ -231,15 +238,8 @@ def plan_reshard(
             continue
         shape = tuple(entry.shape or ())
         rule = match_layout(rules, key) if rules else None
-        if rule is not None and entry.kind not in ("tensor", "ndarray"):
-            raise ValueError(f"{key!r} is a {entry.kind} value; a layout rule can only split tensors")
         if rule is not None:
-            if not isinstance(rule, TensorLayout):
-                raise TypeError(f"rules[{key!r}] is a {type(rule).__name__}, expected a TensorLayout")
-            try:
-                tl = rule.with_ndim(len(shape))
-            except ValueError as exc:
-                raise ValueError(f"{key!r} (shape {list(shape)}): rule {rule!r} does not fit: {exc}") from None
+            tl = _rule_layout(key, entry, shape, rule)
             outside = sorted(set(tl.layout.rank_list) - dst_ranks)
             if outside:
                 raise ValueError(f"{key!r}: rule {rule!r} places data on rank(s) {outside[:8]}, "
@@ -254,11 +254,7 @@ def plan_reshard(
         _check_coverage(key, meta, entry, shape, where)
         # Tensors without a layout stay whole, held by every destination rank.
         storage = tl if tl is not None else TensorLayout(everywhere, {}, len(shape))
-        try:
-            grid = shared_grid(shape, storage.layout.mesh_shape, [placement_to_name(p) for p in storage.placements],
-                               None if isinstance(storage.layout.rank_list, range) else list(storage.layout.rank_list))
-        except ValueError as exc:
-            raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
+        grid = _grid(key, shape, storage)
         offset = zlib.crc32(key.encode()) % grid.replicas
         store = md.GridStore(tiles=1, offset=offset, copies=copies,
                              layout=None if tl is not None else _record(storage))
@@ -267,6 +263,28 @@ def plan_reshard(
         if math.prod(shape):
             grids[key] = grid
     return ReshardPlan(entries, list(dst.rank_list), min(dst_ranks), objects, grids, layouts, dropped)
+
+
+def _rule_layout(key: str, entry: md.Entry, shape: tuple[int, ...], rule: Any) -> TensorLayout:
+    """The destination layout ``rules`` give ``key``, checked: a TensorLayout, for a tensor of its rank."""
+    if entry.kind not in ("tensor", "ndarray"):
+        raise ValueError(f"{key!r} is a {entry.kind} value; a layout rule can only split tensors")
+    if not isinstance(rule, TensorLayout):
+        raise TypeError(f"rules[{key!r}] is a {type(rule).__name__}, expected a TensorLayout")
+    try:
+        return rule.with_ndim(len(shape))
+    except ValueError as exc:
+        raise ValueError(f"{key!r} (shape {list(shape)}): rule {rule!r} does not fit: {exc}") from None
+
+
+def _grid(key: str, shape: tuple[int, ...], storage: TensorLayout) -> Grid:
+    """Where ``key``'s chunks go on the destination mesh (laid out as ``storage``)."""
+    rank_list = storage.layout.rank_list
+    try:
+        return shared_grid(shape, storage.layout.mesh_shape, [placement_to_name(p) for p in storage.placements],
+                           None if isinstance(rank_list, range) else list(rank_list))
+    except ValueError as exc:
+        raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
 
 
 def _check_coverage(key: str, meta: md.Metadata, entry: md.Entry, shape: tuple[int, ...], where: str) -> None:
@@ -292,13 +310,12 @@ class _SourceData:
     several destination files at once: a tensor several of them ask for is read once.
     """
 
-    def __init__(self, meta: md.Metadata, reader: StorageReader, buffer_bytes: int, verify: bool,
-                 progress: Callable[[int], None] | None = None, slab_bytes: int | None = None,
-                 cache_bytes: int = 0):
-        self.meta, self.reader, self.buffer_bytes, self.verify = meta, reader, buffer_bytes, verify
-        self.progress = progress
-        self.slab_bytes = slab_bytes
-        self.cache_bytes = cache_bytes
+    def __init__(self, meta: md.Metadata, reader: StorageReader, options: ReshardOptions, writers: int = 1):
+        # ``writers`` destination files are written at once: they share the read budget
+        self.meta, self.reader, self.verify, self.progress = meta, reader, options.verify, options.progress
+        self.buffer_bytes = max(1, max(1, options.max_memory // 8) // writers)
+        self.slab_bytes = max(1, max(1, options.max_memory // 4) // writers)
+        self.cache_bytes = self.cache_budget(options)
         self._cache: OrderedDict[str, tuple[torch.Tensor, memoryview]] = OrderedDict()
         self._cached = 0
         self._lock = threading.Lock()
@@ -314,9 +331,14 @@ class _SourceData:
             self.bytes_needed += stats.bytes_needed
         return dest
 
+    @staticmethod
+    def cache_budget(options: ReshardOptions) -> int:
+        """Bytes of whole source tensors kept at once: half the memory budget."""
+        return options.max_memory // 2
+
     def keeps_whole(self, entry: md.Entry) -> bool:
         """Whether a tensor is read whole and kept (a quarter of the cache at most)."""
-        return entry.nbytes <= self.cache_bytes // 4
+        return _keeps_whole(entry, self.cache_bytes)
 
     def _whole(self, entry: md.Entry) -> tuple[torch.Tensor, memoryview] | None:
         """The whole source tensor and its bytes, when it is small enough to keep (cached)."""
@@ -359,9 +381,13 @@ class _SourceData:
                 size = whole.element_size()
                 return raw[run[0] * size:(run[0] + run[1]) * size]
             return whole[item.box.relative_to(Box.full(shape))]
-        if self.slab_bytes is None or item.nbytes <= self.slab_bytes or not item.box.ndim:
+        if item.nbytes <= self.slab_bytes or not item.box.ndim:
             return self._read(entry, item.box)
         return (self._read(entry, slab) for slab in item.box.split(max(1, self.slab_bytes // itemsize(entry.dtype))))
+
+
+def _keeps_whole(entry: md.Entry, cache_bytes: int) -> bool:
+    return entry.nbytes <= cache_bytes // 4
 
 
 def _contiguous_run(shape: tuple[int, ...], box: Box) -> tuple[int, int] | None:
@@ -399,6 +425,39 @@ def _share(plan: ReshardPlan, world: int) -> list[list[int]]:
         out[p].append(r)
         loads[p] += sizes[r]
     return out
+
+
+@dataclass(frozen=True)
+class ReshardOptions:
+    """What a reshard writes and how it reads and writes: the keywords of :func:`reshard` other
+    than the storage and the process group (its docstring says what each does), built once
+    at the call and handed to each phase. Construction checks them: ``dst`` is ``dst_mesh``
+    as a :class:`Layout`, ``mapper`` the ``topology_mapper`` as a mapper (or None).
+
+    Raises:
+        ValueError: no ``dst_mesh``, ``max_memory`` is not a positive int, or the mesh or the
+            mapper cannot be read.
+    """
+
+    dst_mesh: Any
+    src_mesh: Any = None
+    rules: Mapping[str, TensorLayout] | None = None
+    copy_replicas: bool = True
+    topology_mapper: MapperLike | None = None
+    max_memory: int = DEFAULT_MAX_MEMORY
+    verify: bool = True
+    sync_files: bool = True
+    progress: Callable[[int], None] | None = None
+    dst: Layout = field(init=False, repr=False, compare=False)
+    mapper: Any = field(init=False, repr=False, compare=False)  # anything with map_fqn, or None
+
+    def __post_init__(self) -> None:
+        if self.dst_mesh is None:
+            raise ValueError("reshard needs dst_mesh: a DeviceMesh, a Layout or a {dim name: size} mapping")
+        if not isinstance(self.max_memory, int) or self.max_memory < 1:
+            raise ValueError(f"max_memory must be a positive number of bytes, found {self.max_memory!r}")
+        object.__setattr__(self, "dst", _mesh(self.dst_mesh, "dst_mesh"))  # frozen: set once, here
+        object.__setattr__(self, "mapper", as_topology_mapper(self.topology_mapper))
 
 
 def reshard(
@@ -492,115 +551,198 @@ def reshard(
         reshard("ckpt_pp2", "ckpt_pp1", dst_mesh={"dp": 1}, topology_mapper=[
             (r"^stage(\\d+)\\.layers\\.(\\d+)\\.", lambda m: f"layers.{2 * int(m[1]) + int(m[2])}.")])
     """
-    if dst_mesh is None:
-        raise ValueError("reshard needs dst_mesh: a DeviceMesh, a Layout or a {dim name: size} mapping")
-    if not isinstance(max_memory, int) or max_memory < 1:
-        raise ValueError(f"max_memory must be a positive number of bytes, found {max_memory!r}")
-    dst = _mesh(dst_mesh, "dst_mesh")
-    mapper = as_topology_mapper(topology_mapper)
-    if storage_reader is None:
+    options = ReshardOptions(dst_mesh, src_mesh, rules=rules, copy_replicas=copy_replicas,
+                             topology_mapper=topology_mapper, max_memory=max_memory, verify=verify,
+                             sync_files=sync_files, progress=progress)
+    ends = _endpoints(src_path, dst_path, storage_reader, storage_writer, sync_files)
+    coordination = Coordination(process_group, process_group is None, coordinator_rank=coordinator_rank,
+                                timeout=timeout)
+    return _reshard(ends, options, coordination)
+
+
+# ----------------------------------------------------------------------------- the run, phase by phase
+# _reshard calls each phase in turn; each returns what the next needs. Phases that every rank runs
+# together go through the Coordinator, so a failure on one rank raises on all of them.
+
+
+@dataclass(frozen=True)
+class _Endpoints:
+    """Where a reshard reads and writes, resolved once: the storage objects and the names its
+    messages (and the cross-rank argument check) use."""
+
+    reader: StorageReader
+    writer: StorageWriter
+    own_writer: bool  # made here from dst_path, so its settings are ours to tune
+    target: str  # the destination as every rank must name it
+    where: str  # the source's metadata file, in messages
+    what: str  # "reshard to <destination>", in commit messages
+
+
+def _endpoints(src_path: str | os.PathLike | None, dst_path: str | os.PathLike | None,
+               reader: StorageReader | None, writer: StorageWriter | None, sync_files: bool) -> _Endpoints:
+    """The storage a reshard reads and writes (from the paths unless given), checked."""
+    if reader is None:
         if src_path is None:
             raise ValueError("say where the source is: src_path or storage_reader")
-        storage_reader = reader_for(src_path)
-    if storage_writer is None:
+        reader = reader_for(src_path)
+    own_writer = writer is None
+    if writer is None:
         if dst_path is None:
             raise ValueError("say where to write: dst_path or storage_writer")
         if src_path is not None and location(src_path) == location(dst_path):
             raise ValueError(f"dst_path {os.fspath(dst_path)!r} is the source checkpoint; write to a new path")
         # one file per destination rank: thousands of small files sync faster as one batch
-        storage_writer = writer_for(dst_path, sync_files, defer_sync=True)
-        own_writer = True
-    else:
-        own_writer = False
-    coord = Coordinator(process_group, process_group is None, coordinator_rank, timeout)
+        writer = writer_for(dst_path, sync_files, defer_sync=True)
     # as given (absolute): nodes may reach one shared filesystem through different real paths
     target = (os.fspath(dst_path) if is_url(dst_path) else os.path.abspath(dst_path)) if dst_path is not None else (
-        f"{type(storage_writer).__name__} "
-        + str(getattr(storage_writer, "path", None) or getattr(storage_writer, "url", None) or ""))
+        f"{type(writer).__name__} " + str(getattr(writer, "path", None) or getattr(writer, "url", None) or ""))
     where = f"{os.fspath(src_path) if src_path is not None else 'source'}/{md.METADATA_FILE}"
-    raw: list[Any] = []
+    what = f"reshard to {os.fspath(dst_path) if dst_path is not None else 'storage'}"
+    return _Endpoints(reader, writer, own_writer, target, where, what)
 
-    def read_and_share_metadata() -> None:
-        storage_reader.set_up(coord.rank, coord.is_coordinator)
-        storage_writer.set_up(coord.rank, coord.is_coordinator)
-        if coord.is_coordinator:
-            raw.append((metadata_bytes(storage_reader, where), uuid.uuid4().hex[:16]))
 
-    state: dict[str, Any] = {}
-    mine: list[int] = []
+@dataclass(frozen=True)
+class _Planned:
+    """The source metadata (under the new names) and what this reshard writes from it."""
+
+    meta: md.Metadata
+    plan: ReshardPlan
+    bulk: Any  # bulk_groups(plan): None unless every destination chunk is small
+
+
+def _reshard(ends: _Endpoints, options: ReshardOptions, coordination: Coordination) -> md.Metadata:
+    """Read the source metadata, agree on the plan, prepare the destination, write this
+    process's share of the destination files, commit; the reader is closed in any case."""
+    coord = Coordinator(coordination.process_group, coordination.no_dist, coordination.coordinator_rank,
+                        coordination.timeout)
     try:
-        coord.exchange("reshard (reading metadata)", read_and_share_metadata)
-        meta_bytes, save_id = coord.broadcast(raw[0] if raw else None)
-
-        def plan() -> tuple[str, str, int]:
-            meta = md.Metadata.from_json(meta_bytes, where=where).attach()
-            if coord.is_coordinator:  # before slabs are planned from the shapes it gives
-                check_files_hold(meta, storage_reader, where)
-            if mapper is not None:
-                meta = renamed(meta, mapper)  # the reader below reads by the new names too
-            state["meta"] = meta
-            state["plan"] = plan_reshard(meta, dst, src_mesh, rules, where, copy_replicas=copy_replicas)
-            state["bulk"] = bulk_groups(state["plan"])
-            return target, str(dst), _plan_digest(state["plan"])
-
-        seen = coord.exchange("reshard (planning)", plan)
-        if len(set(seen)) > 1:  # every rank sees the same list: every rank raises
-            odd = [f"rank {r}: {t!r} on {m}" for r, (t, m, _) in enumerate(seen) if (t, m) != seen[0][:2]]
-            raise ValueError(
-                "reshard: the ranks of the group were called with different arguments; every rank must pass "
-                f"the same dst_path, dst_mesh, src_mesh, rules and topology_mapper. Rank 0: {seen[0][0]!r} on "
-                f"{seen[0][1]}; " + ("; ".join(odd) if odd else "their plans differ (src_mesh, rules or "
-                                     "topology_mapper)") + ". Nothing was written")
-        if own_writer and state["bulk"] is not None and isinstance(storage_writer, FileSystemWriter):
-            storage_writer.direct_io = False  # files of tiny chunks: O_DIRECT would pad, then truncate, each one
-        coord.exchange("reshard (preparing the destination)", storage_writer.prepare)
-        meta, rplan = state["meta"], state["plan"]
-        if coord.is_coordinator and rplan.dropped:
-            lost = sorted({n for names in rplan.dropped.values() for n in names})
-            keys = list(rplan.dropped)
-            warnings.warn(
-                f"reshard: {len(keys)} tensor(s) were split over mesh dim(s) {lost}, which the "
-                f"destination mesh {dst} lacks; they are stored less split there (e.g. {keys[:3]}). "
-                "Pass rules= to choose their layouts", stacklevel=2)
-        mine.extend(_share(rplan, coord.world_size)[coord.rank])
-
-        def write_mine() -> list[WriteResult]:
-            # When the tensors kept whole outgrow the cache, destination files are written
-            # WRITERS at a time: they ask for the same source tensors at about the same time,
-            # so the cache serves them all from one read (one file after the other re-read
-            # every tensor once per file). The memory budget is split between them.
-            source = _SourceData(meta, storage_reader, max(1, max_memory // 8), verify, progress,
-                                 slab_bytes=max(1, max_memory // 4), cache_bytes=max_memory // 2)
-            if state["bulk"] is not None:  # small chunks only: numpy over ranks and keys, one plan per file shape
-                # the source slabs of a batch of ranks take half the budget (their chunks, copied
-                # SUB_BATCH ranks at a time, a fraction of the rest)
-                bulk = BulkWriter(rplan, state["bulk"], source, storage_writer, save_id, max(1, max_memory // 2),
-                                  progress)
-                return [r.for_coordinator() for r in bulk.write(mine)]
-            kept = sum(e.nbytes for e in meta.entries.values() if source.keeps_whole(e))
-            writers = max(1, min(WRITERS, len(mine))) if kept > source.cache_bytes else 1
-            source.buffer_bytes = max(1, source.buffer_bytes // writers)
-            source.slab_bytes = max(1, source.slab_bytes // writers)
-
-            def one(rank: int) -> WriteResult:
-                objects = rplan.objects if rank == rplan.object_rank else []
-                sp = SavePlan(rplan.entries, rplan.items(rank), objects)
-                return write_plan(sp, source, storage_writer, rank, save_id, thread_count=1).for_coordinator()
-
-            if writers == 1:
-                return [one(rank) for rank in sorted(mine)]
-            with ThreadPoolExecutor(writers, thread_name_prefix="dcp-reshard") as pool:
-                return list(pool.map(one, sorted(mine)))
-
-        mine_files = [n for r in mine for n in data_file_names(r, save_id, 1)]
-        what = f"reshard to {os.fspath(dst_path) if dst_path is not None else 'storage'}"
-        results = write_and_report(coord, storage_writer, "reshard (writing data)", write_mine, mine_files,
-                                   what, save_id)
-
-        def new_metadata() -> md.Metadata:
-            flat = [r for per_process in results for r in per_process]
-            return build_metadata(rplan.entries, flat, save_id, dst.world_size, dict(meta.user))
-
-        return commit_and_agree(coord, storage_writer, "reshard (commit)", new_metadata, mine_files, what, save_id)
+        meta_bytes, save_id = _read_source_metadata(coord, ends)
+        planned = _agree_on_plan(coord, ends, options, meta_bytes)
+        _prepare_destination(coord, ends, options, planned)
+        mine = _share(planned.plan, coord.world_size)[coord.rank]
+        files = [n for r in mine for n in data_file_names(r, save_id, 1)]
+        write = functools.partial(_write_files, ends, options, planned, mine, save_id)
+        results = write_and_report(coord, ends.writer, "reshard (writing data)", write, files, ends.what, save_id)
+        new_metadata = functools.partial(_new_metadata, planned, results, save_id, options.dst.world_size)
+        return commit_and_agree(coord, ends.writer, "reshard (commit)", new_metadata, files, ends.what, save_id)
     finally:
-        storage_reader.close()
+        ends.reader.close()
+
+
+def _agreed(coord: Coordinator, phase: str, fn: Callable[[], T],
+            share: Callable[[T], Any] | None = None) -> tuple[T | None, list[Any]]:
+    """``fn()`` run on this rank, its result kept here; every rank learns every rank's
+    ``share(result)`` (None without ``share``), or every rank raises (as
+    :meth:`Coordinator.exchange` does) when ``fn`` or ``share`` failed on any. Large results
+    (the metadata's bytes, the plan) stay on their rank; only what ``share`` picks travels."""
+    try:
+        result, failure = fn(), None
+    except BaseException as exc:  # reported to every rank by the exchange below, then re-raised
+        result, failure = None, exc
+
+    def report() -> Any:
+        if failure is not None:
+            raise failure
+        return share(result) if share is not None else None
+
+    return result, coord.exchange(phase, report)
+
+
+def _read_source_metadata(coord: Coordinator, ends: _Endpoints) -> tuple[bytes, str]:
+    """Every rank sets up its storage; the coordinator reads the source's ``.metadata`` and
+    draws the new checkpoint's save id; every rank gets both (bytes, save id)."""
+    def set_up() -> tuple[bytes, str] | None:
+        ends.reader.set_up(coord.rank, coord.is_coordinator)
+        ends.writer.set_up(coord.rank, coord.is_coordinator)
+        if not coord.is_coordinator:
+            return None
+        return metadata_bytes(ends.reader, ends.where), uuid.uuid4().hex[:16]
+
+    read, _ = _agreed(coord, "reshard (reading metadata)", set_up)
+    return coord.broadcast(read)
+
+
+def _plan(coord: Coordinator, ends: _Endpoints, options: ReshardOptions, meta_bytes: bytes) -> _Planned:
+    """The source metadata parsed (its files checked on the coordinator, its keys renamed) and planned."""
+    meta = md.Metadata.from_json(meta_bytes, where=ends.where).attach()
+    if coord.is_coordinator:  # before slabs are planned from the shapes it gives
+        check_files_hold(meta, ends.reader, ends.where)
+    if options.mapper is not None:
+        meta = renamed(meta, options.mapper)  # the reader reads by the new names too
+    plan = plan_reshard(meta, options.dst, options.src_mesh, options.rules, ends.where,
+                        copy_replicas=options.copy_replicas)
+    return _Planned(meta, plan, bulk_groups(plan))
+
+
+def _agree_on_plan(coord: Coordinator, ends: _Endpoints, options: ReshardOptions, meta_bytes: bytes) -> _Planned:
+    """Every rank plans alone; the ranks compare destination, mesh and plan digest, and all raise
+    (before anything is written) when they were called with different arguments."""
+    planned, seen = _agreed(coord, "reshard (planning)", functools.partial(_plan, coord, ends, options, meta_bytes),
+                            lambda p: (ends.target, str(options.dst), _plan_digest(p.plan)))
+    if len(set(seen)) > 1:  # every rank sees the same list: every rank raises
+        odd = [f"rank {r}: {t!r} on {m}" for r, (t, m, _) in enumerate(seen) if (t, m) != seen[0][:2]]
+        raise ValueError(
+            "reshard: the ranks of the group were called with different arguments; every rank must pass "
+            f"the same dst_path, dst_mesh, src_mesh, rules and topology_mapper. Rank 0: {seen[0][0]!r} on "
+            f"{seen[0][1]}; " + ("; ".join(odd) if odd else "their plans differ (src_mesh, rules or "
+                                 "topology_mapper)") + ". Nothing was written")
+    assert planned is not None  # _agreed raised if planning failed here
+    return planned
+
+
+def _prepare_destination(coord: Coordinator, ends: _Endpoints, options: ReshardOptions, planned: _Planned) -> None:
+    """The writer's ``prepare`` on every rank; the coordinator warns about mesh dims the
+    destination lacks (the tensors split over them are stored less split)."""
+    if ends.own_writer and planned.bulk is not None and isinstance(ends.writer, FileSystemWriter):
+        ends.writer.direct_io = False  # files of tiny chunks: O_DIRECT would pad, then truncate, each one
+    coord.exchange("reshard (preparing the destination)", ends.writer.prepare)
+    dropped = planned.plan.dropped
+    if coord.is_coordinator and dropped:
+        lost = sorted({n for names in dropped.values() for n in names})
+        keys = list(dropped)
+        warnings.warn(
+            f"reshard: {len(keys)} tensor(s) were split over mesh dim(s) {lost}, which the "
+            f"destination mesh {options.dst} lacks; they are stored less split there (e.g. {keys[:3]}). "
+            "Pass rules= to choose their layouts", stacklevel=4)  # reshard's caller: here < _reshard < reshard
+
+
+def _write_files(ends: _Endpoints, options: ReshardOptions, planned: _Planned, mine: list[int],
+                 save_id: str) -> list[WriteResult]:
+    """This process's destination files (ranks ``mine``), each chunk read from the source as it
+    is written; the results as the coordinator needs them for the metadata."""
+    if planned.bulk is not None:  # small chunks only: numpy over ranks and keys, one plan per file shape
+        # the source slabs of a batch of ranks take half the budget (their chunks, copied
+        # SUB_BATCH ranks at a time, a fraction of the rest)
+        source = _SourceData(planned.meta, ends.reader, options)
+        bulk = BulkWriter(planned.plan, planned.bulk, source, ends.writer, save_id,
+                          max(1, options.max_memory // 2), options.progress)
+        return [r.for_coordinator() for r in bulk.write(mine)]
+    # When the tensors kept whole outgrow the cache, destination files are written WRITERS at
+    # a time: they ask for the same source tensors at about the same time, so the cache serves
+    # them all from one read (one file after the other re-read every tensor once per file).
+    # The memory budget is split between them.
+    cache_bytes = _SourceData.cache_budget(options)
+    kept = sum(e.nbytes for e in planned.meta.entries.values() if _keeps_whole(e, cache_bytes))
+    writers = max(1, min(WRITERS, len(mine))) if kept > cache_bytes else 1
+    source = _SourceData(planned.meta, ends.reader, options, writers)
+    one = functools.partial(_write_rank, planned.plan, source, ends.writer, save_id)
+    if writers == 1:
+        return [one(rank) for rank in sorted(mine)]
+    with ThreadPoolExecutor(writers, thread_name_prefix="dcp-reshard") as pool:
+        return list(pool.map(one, sorted(mine)))
+
+
+def _write_rank(plan: ReshardPlan, source: _SourceData, writer: StorageWriter, save_id: str,
+                rank: int) -> WriteResult:
+    """Destination rank ``rank``'s data file (with the plain values on the plan's object rank)."""
+    objects = plan.objects if rank == plan.object_rank else []
+    sp = SavePlan(plan.entries, plan.items(rank), objects)
+    return write_plan(sp, source, writer, rank, save_id, thread_count=1).for_coordinator()
+
+
+def _new_metadata(planned: _Planned, results: list[list[WriteResult]] | None, save_id: str,
+                  world_size: int) -> md.Metadata:
+    """The new checkpoint's metadata, from every process's write results (on the coordinator)."""
+    assert results is not None  # the coordinator, the only rank that builds it, got every result
+    flat = [r for per_process in results for r in per_process]
+    return build_metadata(planned.plan.entries, flat, save_id, world_size, dict(planned.meta.user))
