@@ -52,7 +52,7 @@ LAYERS: list[dict[str, list[str]]] = [
                   "shared_reads", "broadcasts"]},
     {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "step_siblings", "commit",
                 "streaming_writer", "scope", "targets", "plan_exchange", "rank_local_save", "protocol_run",
-                "checkpoint"]},
+                "phase_result", "save_run", "load_run", "checkpoint"]},
     {"asynchronous": ["buffers", "response", "streamed_staging", "process_hooks", "torch_stagers", "checkpointer",
                       "persist_process", "api"],
      "interop": ["aliases", "single_file", "hf_index", "hf_protocols", "huggingface", "seed_storage", "quantized_hf",
