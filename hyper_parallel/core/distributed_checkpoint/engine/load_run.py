@@ -38,10 +38,11 @@ from ..planning.seed_protocol import is_seed_planner
 from ..planning.standard_planner import StandardPlanner
 from ..planning.torch_planners import leave_set_up
 from ..planning.torch_protocol import is_torch_planner, torch_load_planner
-from ..state.flatten import flatten, unflatten
+from ..state.flatten import unflatten
 from ..transfer.loader import read_plan
 from ..transfer.shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
 from ..transfer.torch_reads import OwnFormatReader
+from .flattened import Flattened, flatten_once
 from .metadata_reader import metadata_bytes, own_metadata_bytes
 from .phase_result import PhaseResult
 from .protocol_run import run_load
@@ -61,10 +62,12 @@ class LoadCall:
     (``foreign_planner``); ``given``: the planner as the caller gave it (torch's procedure
     takes that one); ``rank``: this rank in the process group (a rank-local load's
     coordinator is this process alone); ``read.strict`` and ``broadcast.replicated_tensors``
-    as resolved from the call's keywords.
+    as resolved from the call's keywords; ``flattened``: the target flattened once (None: no
+    target).
     """
 
     state_dict: Any
+    flattened: Flattened | None
     where: str | None
     reader: StorageReader | None
     planner: Any
@@ -106,15 +109,17 @@ class Read:
 def resolve_load(state_dict: Any, where: str | None, reader: StorageReader | None, planner: Any,
                foreign_planner: bool, coordination: Coordination, read: ReadOptions,
                broadcast: BroadcastOptions) -> LoadCall:
-    """The load's group (a mesh over some ranks may choose it), its coordinator, this rank, and
-    this call's own planner (a planner on torch's protocol is used as given)."""
+    """The target flattened once, the load's group (a mesh over some ranks may choose it), its
+    coordinator, this rank, and this call's own planner (a planner on torch's protocol is used as given)."""
     c = coordination
+    flattened = flatten_once(state_dict) if state_dict is not None else None
     rank_local = not c.use_collectives and not c.no_dist and distributed()
     if rank_local:
         rank = dist.get_rank(c.process_group) if c.process_group is not None else dist.get_rank()
         coord = Coordinator(None, True, 0, c.timeout)
     else:
-        group = c.process_group if c.process_group is not None or c.no_dist else mesh_group(state_dict)
+        group = (c.process_group if c.process_group is not None or c.no_dist
+                 else mesh_group(state_dict, flattened.flat if flattened is not None else None))
         coord = Coordinator(group, c.no_dist or not c.use_collectives, c.coordinator_rank, c.timeout)
         rank = coord.rank
     given = planner  # a checkpoint in torch's format, or a torch-protocol planner: torch's procedure
@@ -123,8 +128,8 @@ def resolve_load(state_dict: Any, where: str | None, reader: StorageReader | Non
         if getattr(planner, "allow_partial_load", False) and read.strict is True:
             # StandardLoadPlanner(allow_partial_load=True): HyperParallel's strict=False
             read = replace(read, strict=False)
-    return LoadCall(state_dict, where, reader, planner, given, foreign_planner, coord, rank, rank_local, read,
-                    broadcast)
+    return LoadCall(state_dict, flattened, where, reader, planner, given, foreign_planner, coord, rank, rank_local,
+                    read, broadcast)
 
 
 def load_with(call: LoadCall) -> Any:
@@ -162,7 +167,7 @@ def open_checkpoint(call: LoadCall) -> tuple[Opened, None]:
     try:
         reader.set_up(coord.rank, coord.is_coordinator)
         bound_calls(reader, coord)
-        target = prepare_target(flatten(call.state_dict)) if call.state_dict is not None else None
+        target = prepare_target(call.flattened.leaves()) if call.flattened is not None else None
         raw, auto_share = _metadata_here(call, reader)
         if raw is not None and is_pickle(raw):
             TorchFormatReader(reader, raw, call.read.allow_pickle).read_metadata()

@@ -29,10 +29,11 @@ from ..planning.per_call import planner_for_call
 from ..planning.plan_cache import CachedSaveResult, announce_plan, cache_scope, cached_plans, plan_digest, remember_plan
 from ..planning.planner import SavePlan
 from ..planning.standard_planner import StandardPlanner
-from ..state.flatten import FlatStateDict, flatten
+from ..state.flatten import FlatStateDict
 from ..transfer.plan_writer import PlanWriter
 from ..transfer.saver import build_metadata, data_file_names, write_plan
 from .commit import commit_and_agree, remove_own_files, write_and_report
+from .flattened import Flattened, flatten_once
 from .incremental import IncrementalState
 from .phase_result import PhaseResult
 from .plan_exchange import (
@@ -54,10 +55,12 @@ class SaveCall:
 
     ``writer``: the one given, or None (one for ``where`` is made while planning); ``planner``:
     this call's own copy; ``scoped``: the group is a mesh's over some ranks, so a commit must
-    not replace another part's checkpoint (:func:`~.scope.part_guard`).
+    not replace another part's checkpoint (:func:`~.scope.part_guard`); ``flattened``: the
+    state dict flattened once (None: it came flat, a :class:`FlatStateDict`).
     """
 
     state_dict: Any
+    flattened: Flattened | None
     where: str | None
     writer: StorageWriter | None
     planner: Any
@@ -101,14 +104,17 @@ def save_together(state_dict: Any, where: str | None, writer: StorageWriter | No
 def _save_call(state_dict: Any, where: str | None, writer: StorageWriter | None, planner: Any,
                coordination: Coordination, options: WriteOptions, incremental: IncrementalState | None,
                mesh_scoped: bool) -> SaveCall:
-    """The group (a mesh over some ranks may choose it), its coordinator and this call's planner."""
+    """The state flattened once, the group (a mesh over some ranks may choose it), its
+    coordinator and this call's planner."""
     c = coordination
+    flattened = None if isinstance(state_dict, FlatStateDict) else flatten_once(state_dict)
     scoped = c.process_group is None and not c.no_dist
-    group = c.process_group if c.process_group is not None or c.no_dist else mesh_group(state_dict)
+    group = (c.process_group if c.process_group is not None or c.no_dist
+             else mesh_group(state_dict, flattened.flat if flattened is not None else None))
     scoped = (scoped and group is not None) or (mesh_scoped and not c.no_dist)
     coord = Coordinator(group, c.no_dist or not c.use_collectives, c.coordinator_rank, c.timeout)
     planner = planner_for_call(planner if planner is not None else StandardPlanner(), options.allow_pickle)
-    return SaveCall(state_dict, where, writer, planner, coord, options, incremental, scoped)
+    return SaveCall(state_dict, flattened, where, writer, planner, coord, options, incremental, scoped)
 
 
 def plan_locally(call: SaveCall, scope: tuple | None) -> tuple[Planned, Summary]:
@@ -120,8 +126,7 @@ def plan_locally(call: SaveCall, scope: tuple | None) -> tuple[Planned, Summary]
     writer = call.writer if call.writer is not None else writer_for(call.where, options.sync_files)
     writer.set_up(coord.rank, coord.is_coordinator)
     bound_calls(writer, coord)
-    state_dict = call.state_dict
-    flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
+    flat = call.state_dict if call.flattened is None else FlatStateDict.of(call.flattened.leaves())
     if hasattr(planner, "group_ranks"):  # mesh ranks are recorded as ranks of the saving group
         planner.group_ranks = coord.group_ranks if coord.world_size > 1 else None
     planner.set_up_save(flat, coord.is_coordinator)
