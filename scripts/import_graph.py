@@ -52,10 +52,11 @@ LAYERS: list[dict[str, list[str]]] = [
     {"transfer": ["host_copy", "read_threads", "streams", "unchanged", "chunk_checks", "saver", "row_exchange",
                   "plan_writer", "loader", "torch_reads",
                   "shared_reads", "broadcasts"]},
-    {"engine": ["in_flight", "incremental", "fragments", "metadata_reader", "step_siblings", "commit",
+    {"engine": ["phase_result", "in_flight", "incremental", "fragments", "metadata_reader", "step_siblings", "commit",
                 "streaming_writer", "scope", "targets", "plan_exchange", "rank_local_save", "protocol_run",
-                "checkpoint"]},
-    {"asynchronous": ["buffers", "response", "streamed_staging", "process_hooks", "torch_stagers", "checkpointer",
+                "flattened", "save_run", "load_run", "checkpoint"]},
+    {"asynchronous": ["buffers", "response", "streamed_staging", "process_hooks", "torch_stagers", "staged_snapshot",
+                      "checkpointer",
                       "persist_process", "api"],
      "interop": ["hyper_parallel", "hyper_parallel.aliases", "hyper_parallel.single_file",
                  "huggingface", "huggingface.index", "huggingface.protocols", "huggingface.reader",
@@ -221,7 +222,8 @@ def picture() -> str:
         'HyperParallel\'s newer: versioning, topology_mapper, checkpoint_io, ragged_utils, ragged, broadcast, '
         'remap_planner, async_persist,<br/>'
         "torch DCP's: state_dict_saver, state_dict_loader, filesystem, format_utils, optimizer, planner_helpers,<br/>"
-        'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage, _consolidate_hf_safetensors"]',
+        'utils, staging, stateful, state_dict, logger, logging_handlers, hf_storage, resharding,<br/>'
+        '_consolidate_hf_safetensors"]',
     ]
     for i, layer in reversed(list(enumerate(LAYERS))):
         lines.append(f'  subgraph L{i}["layer {i}"]')

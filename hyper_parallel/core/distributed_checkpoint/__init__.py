@@ -22,6 +22,7 @@ from . import (  # noqa: F401
     planner,
     planner_helpers,
     quantized_hf_storage,
+    resharding,
     staging,
     state_dict_loader,
     state_dict_saver,

@@ -70,12 +70,13 @@ from ..planning.per_call import refuse_torch_hooks as _refuse_torch_hooks
 from ..planning.planner import SavePlanner
 from ..planning.standard_planner import StandardPlanner
 from ..planning.torch_planners import as_our_planner
-from ..state.flatten import FlatStateDict, flatten
+from ..state.flatten import flatten
 from ..state.version_stamp import stamp_of
 from . import buffers
 from .buffers import BufferPool, StagingBuffer, StagingRing, StagingStats, copy_value, tensor_spec, wrap_dtensor
 from .process_hooks import install_exit_hooks, track
 from .response import AsyncSaveError, AsyncSaveFuture, AsyncStagingError
+from .staged_snapshot import StagedSnapshot
 from .streamed_staging import MIN_HOST_BYTES, MIN_RING_BYTES, BudgetStream, forget_locals
 
 __all__ = ["AsyncCheckpointer", "PathLike", "SaveRequest"]
@@ -608,12 +609,10 @@ class AsyncCheckpointer:
         staged = job.buffer.staged if job.buffer is not None else {}
         # Already flat, with the original paths: save() must not re-flatten (that would lose
         # the keys of Stateful objects whose state holds no tensors).
-        out = FlatStateDict.from_items(
-            {key: (path, staged[key] if key in staged else job.values[key]) for key, path in job.paths.items()})
-        out.bands = dict(job.buffer.banded) if job.buffer is not None else {}
-        out.stamps = job.stamps if job.stamps is not None else {}
-        out.stream = job.stream
-        return out
+        return StagedSnapshot.staged(
+            {key: (path, staged[key] if key in staged else job.values[key]) for key, path in job.paths.items()},
+            bands=dict(job.buffer.banded) if job.buffer is not None else {},
+            stamps=job.stamps if job.stamps is not None else {}, stream=job.stream)
 
     def _peak(self, job: _Job, nbytes: int) -> None:
         job.response.peak_staged_bytes = nbytes

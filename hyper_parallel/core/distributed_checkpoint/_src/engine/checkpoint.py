@@ -1,15 +1,19 @@
-"""save / load: the orchestration of a checkpoint, and nothing else.
+"""save / load: the public entry of a checkpoint's save and load, and nothing else.
 
 Save: flatten -> local plan -> (cached) global plan -> each rank writes its share ->
 write results to the coordinator -> coordinator commits ``.metadata``. Load: coordinator
 reads ``.metadata`` -> broadcast -> each rank plans and reads its overlaps. Each phase ends
 in a status exchange, so a failure anywhere fails every rank with the same message.
 
-The steps of the phases live beside this module, in engine/: where and with which ranks
-(:mod:`.scope`), the save's planning exchange (:mod:`.plan_exchange`), the commit
-(:mod:`.commit`), the load target's checks and filling (:mod:`.targets`), the rank-local save
-(:mod:`.rank_local_save`), the metadata read (:mod:`.metadata_reader`); the plan cache's
-hooks are called as :mod:`..planning.plan_cache` describes.
+Here the public keywords become option records (:mod:`..base.options`), built once, and the
+call goes to the procedure that runs it: the phases of a save of ranks together
+(:mod:`.save_run`) or of a load (:mod:`.load_run`), a rank-local save
+(:mod:`.rank_local_save`), or torch's procedure for planners, readers and writers with code
+of their own (:mod:`.protocol_run`). The steps of the phases live beside them, in engine/:
+where and with which ranks (:mod:`.scope`), the save's planning exchange
+(:mod:`.plan_exchange`), the commit (:mod:`.commit`), the load target's checks and filling
+(:mod:`.targets`), the metadata read (:mod:`.metadata_reader`); the plan cache's hooks are
+called as :mod:`..planning.plan_cache` describes.
 """
 
 from __future__ import annotations
@@ -17,63 +21,32 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
-from ..backends.locations import location
 from ..backends.protocol import StorageReader, StorageWriter
-from ..backends.resolve import reader_for, writer_for
-from ..backends.torch_format import TorchFormatReader, is_pickle
 from ..backends.torch_storage import as_our_reader, as_our_writer, as_torch_writer, is_torch_reader, is_torch_writer
 from ..base.errors import CheckpointError, UnsupportedValueError, storage_error
-from ..base.gc_pause import paused_gc
+from ..base.options import BroadcastOptions, Coordination, ReadOptions, WriteOptions
 from ..coordination.coordinator import Coordinator, as_timeout
 from ..format import metadata as md
 from ..format.torch_view import TorchView
 from ..format.values import check_user_metadata
 from ..planning.hyper_parallel_protocol import is_seed_planner, is_seed_reader
-from ..planning.per_call import planner_for_call
-from ..planning.plan_cache import CachedSaveResult, announce_plan, cache_scope, cached_plans, plan_digest, remember_plan
-from ..planning.planner import LoadPlanner, SavePlan, SavePlanner
-from ..planning.standard_planner import StandardPlanner
-from ..planning.torch_planners import as_our_planner, leave_set_up
-from ..planning.torch_protocol import is_torch_planner, torch_load_planner
-from ..state.flatten import FlatStateDict, flatten, unflatten
-from ..transfer.loader import read_plan
-from ..transfer.plan_writer import PlanWriter
-from ..transfer.saver import build_metadata, data_file_names, write_plan
-from ..transfer.shared_reads import DEFAULT_BATCH_BYTES, Needs, needs_of, read_shared, sharing_wanted, worth_sharing
-from ..transfer.torch_reads import OwnFormatReader
+from ..planning.planner import LoadPlanner, SavePlanner
+from ..planning.torch_planners import as_our_planner
+from ..planning.torch_protocol import is_torch_planner
 from . import in_flight
-from .commit import commit_and_agree, remove_own_files, write_and_report
 from .incremental import IncrementalState
-from .metadata_reader import metadata_bytes, own_metadata_bytes
-from .plan_exchange import (
-    PLAIN_DETAIL_RANKS,
-    Summary,
-    agree_on_plan,
-    check_complete_alone,
-    plain_digests,
-    warn_divergent_plain,
-)
-from .protocol_run import run_load, run_save
+from .load_run import load_on_torch_protocol, load_with, resolve_load
+from .protocol_run import run_save
 from .rank_local_save import save_rank_local
-from .scope import (
-    PathLike,
-    bound_calls,
-    check_one_location,
-    distributed,
-    mesh_group,
-    part_guard,
-    resolve_path,
-    storage_in_path_slot,
-)
-from .targets import apply_loaded, asked_for, assign_back, check_all_asked_for, check_keys, materialize_meta
+from .save_run import save_together
+from .scope import PathLike, distributed, mesh_group, resolve_path, storage_in_path_slot
 
 __all__ = ["save", "load"]
 
@@ -182,6 +155,8 @@ def save(
 
         save(model.state_dict(), "/ckpt/step100")
     """
+    coordination = Coordination(process_group, no_dist, use_collectives, coordinator_rank, timeout)
+    options = WriteOptions(thread_count, sync_files, allow_pickle, user_metadata)
     path, storage_writer = storage_in_path_slot(path, storage_writer, "storage_writer")  # torch's save(sd, writer)
     # torch DCP's unmodified planner and storage objects stand for ours with their options; those
     # with code of their own run on torch's protocol
@@ -190,14 +165,13 @@ def save(
     if is_torch_writer(storage_writer) or is_torch_planner(planner, "save") or is_seed_planner(planner):
         if state_dict is None:
             raise ValueError("save() needs a state_dict")
-        return _save_on_torch_protocol(state_dict, path, checkpoint_id, storage_writer, planner, process_group,
-                                       no_dist, use_collectives, coordinator_rank, timeout, sync_files, thread_count,
-                                       user_metadata, incremental)
+        return _save_on_torch_protocol(state_dict, path, checkpoint_id, storage_writer, planner, coordination,
+                                       options, incremental)
     where = resolve_path(path, checkpoint_id, storage_writer)
     if state_dict is None:
         raise ValueError("save() needs a state_dict")
     if thread_count == 1 and getattr(storage_writer, "thread_count", 1) > 1:  # torch's FileSystemWriter(thread_count=)
-        thread_count = storage_writer.thread_count
+        options = replace(options, thread_count=storage_writer.thread_count)
     # an earlier async save to this place must not commit over this one
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_writer))
     if not use_collectives and not no_dist and distributed():
@@ -205,84 +179,9 @@ def save(
         if user_metadata is not None:
             check_user_metadata(user_metadata)  # no collective here: this rank alone
         return _torch_shaped(save_rank_local(state_dict, where, storage_writer, planner, process_group, allow_pickle,
-                               thread_count, sync_files, user_metadata))
-    scoped = process_group is None and not no_dist  # a mesh over some ranks may choose the group
-    process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
-    scoped = (scoped and process_group is not None) or (_mesh_scoped and not no_dist)
-    coord = Coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
-    planner = planner_for_call(planner if planner is not None else StandardPlanner(), allow_pickle)
-    scope = cache_scope(planner, coord)
-    writer: StorageWriter = storage_writer  # type: ignore[assignment]
-    local: list[SavePlan] = []
-    cached: dict[str, CachedSaveResult] = {}
-
-    def plan_locally() -> Summary:
-        nonlocal writer
-        if user_metadata is not None:  # inside the exchange: a bad value on one rank fails every rank
-            check_user_metadata(user_metadata)
-        if writer is None:
-            writer = writer_for(where, sync_files)
-        writer.set_up(coord.rank, coord.is_coordinator)
-        bound_calls(writer, coord)
-        flat = state_dict if isinstance(state_dict, FlatStateDict) else FlatStateDict.of(flatten(state_dict))
-        if hasattr(planner, "group_ranks"):  # mesh ranks are recorded as ranks of the saving group
-            planner.group_ranks = coord.group_ranks if coord.world_size > 1 else None
-        planner.set_up_save(flat, coord.is_coordinator)
-        local.append(planner.create_local_save_plan())
-        if coord.world_size == 1:
-            check_complete_alone(local[0])
-        writer.prepare()
-        cached.update(cached_plans(scope))
-        digest = planner.structure_digest(local[0]) if hasattr(planner, "structure_digest") else plan_digest(local[0])
-        plain = (plain_digests(planner, local[0], coord.world_size <= PLAIN_DETAIL_RANKS)
-                 if coord.world_size > 1 else None)
-        return Summary(digest, uuid.uuid4().hex[:16], list(cached) if scope is not None else None,
-                       location(where) if where is not None else None, plain)
-
-    summaries = coord.exchange("save (planning)", plan_locally)
-    check_one_location([s.place for s in summaries], coord)
-    if coord.is_coordinator and coord.world_size > 1:
-        warn_divergent_plain([s.plain for s in summaries], coord)
-    save_id = summaries[coord.coordinator_rank].save_id
-    writer.save_id = save_id  # torch's StorageWriter.save_id: what storage_meta() reports for this save
-    fingerprint, mine, used = agree_on_plan(coord, planner, local[0], summaries, scope, cached)
-    own_files = data_file_names(coord.rank, save_id, thread_count, hashes=incremental is not None)
-    what = f"save to {where or 'storage'}"
-    mine_written: list[Any] = []
-
-    def write() -> Any:
-        announce_plan(planner, scope, fingerprint, used)  # in the exchange: a hook that raises fails every rank
-        reuse = incremental.reusable(mine.entries) if incremental is not None else None
-        if isinstance(writer, PlanWriter):  # it lays out its own files (Hugging Face safetensors)
-            result = writer.write_plan(mine, planner, coord.rank, save_id, thread_count)
-        else:
-            result = write_plan(mine, planner, writer, coord.rank, save_id, thread_count,
-                                hashes=incremental is not None, reuse=reuse)
-        mine_written.append(result)
-        return result.for_coordinator()
-
-    try:
-        if isinstance(writer, PlanWriter):  # its collective part first (every rank, or none, fails)
-            try:
-                writer.write_together(coord, mine, planner, save_id, thread_count)
-            except BaseException:
-                remove_own_files(writer, own_files)
-                raise
-        results = write_and_report(coord, writer, "save (writing data)", write, own_files, what, save_id)
-        meta = commit_and_agree(
-            coord, writer, "save (commit)",
-            lambda: build_metadata(mine.entries, results, save_id, coord.world_size, user_metadata or {}),
-            own_files, what, save_id, guard=part_guard(coord, set(mine.entries), where) if scoped else None)
-    except BaseException:
-        if incremental is not None:
-            incremental.reset()  # not committed, or not known to be: the next save writes everything
-        raise
-    if used is None:
-        remember_plan(planner, scope, fingerprint, mine, meta, where)
-    if incremental is not None:
-        done = mine_written[0]
-        incremental.committed(mine.entries, done.digests, done.known_reused, meta, done.verdicts, done.stats)
-    return _torch_shaped(meta)
+                                             options.thread_count, sync_files, user_metadata))
+    return _torch_shaped(save_together(state_dict, where, storage_writer, planner, coordination, options,
+                                       incremental, _mesh_scoped))
 
 
 def _torch_shaped(meta: Any) -> Any:
@@ -292,13 +191,12 @@ def _torch_shaped(meta: Any) -> Any:
 
 
 def _save_on_torch_protocol(state_dict: dict[str, Any], path: PathLike | None, checkpoint_id: PathLike | None,
-                            writer: Any, planner: Any, process_group: Any, no_dist: bool, use_collectives: bool,
-                            coordinator_rank: int, timeout: Any, sync_files: bool, thread_count: int,
-                            user_metadata: Any, incremental: Any) -> Any:
+                            writer: Any, planner: Any, coordination: Coordination, options: WriteOptions,
+                            incremental: Any) -> Any:
     """save() of a planner or writer with code of its own: torch's procedure (:mod:`.protocol_run`).
     A writer of ours (or none) under a torch-protocol planner becomes torch's writer for the same
     place, so the checkpoint is in torch's format (which load reads in place)."""
-    for name, value in (("user_metadata", user_metadata), ("incremental", incremental)):
+    for name, value in (("user_metadata", options.user_metadata), ("incremental", incremental)):
         if value is not None:
             raise UnsupportedValueError(f"save({name}=...) is this library's format's; a save on torch's protocol "
                                         f"(planner {type(planner).__name__}, writer {type(writer).__name__}) has "
@@ -309,55 +207,57 @@ def _save_on_torch_protocol(state_dict: dict[str, Any], path: PathLike | None, c
     if not is_torch_writer(writer):  # ours or none: torch's writer of the same place and options
         chosen = resolve_path(path, checkpoint_id, writer)
         writer = as_torch_writer(writer, chosen)
-        writer.sync_files = getattr(writer, "sync_files", True) and sync_files
-        writer.thread_count = max(getattr(writer, "thread_count", 1), thread_count)
+        writer.sync_files = getattr(writer, "sync_files", True) and options.sync_files
+        writer.thread_count = max(getattr(writer, "thread_count", 1), options.thread_count)
     in_flight.wait_for_saves_to(in_flight.place_of(chosen, writer))
-    rank_local = not use_collectives and not no_dist and distributed()
+    c = coordination
+    rank_local = not c.use_collectives and not c.no_dist and distributed()
     if rank_local:
-        rank = dist.get_rank(process_group) if process_group is not None else dist.get_rank()
-        coord = Coordinator(None, True, coordinator_rank, timeout)
+        rank = dist.get_rank(c.process_group) if c.process_group is not None else dist.get_rank()
+        coord = Coordinator(None, True, c.coordinator_rank, c.timeout)
     else:
-        process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
-        coord = Coordinator(process_group, no_dist, coordinator_rank, timeout)
+        group = c.process_group if c.process_group is not None or c.no_dist else mesh_group(state_dict)
+        coord = Coordinator(group, c.no_dist, c.coordinator_rank, c.timeout)
         rank = coord.rank
     return run_save(state_dict, writer, planner, coord, checkpoint_id=chosen, use_collectives=not rank_local,
                     rank=rank)
 
 
-def _load_on_torch_protocol(state_dict: Any, reader: Any, planner: Any, coord: Coordinator, rank: int,
-                            strict: bool | str, allow_pickle: bool, checkpoint_id: Any = None) -> dict[str, Any]:
-    """load() through torch's procedure (:mod:`.protocol_run`): ``planner`` as given when it is on
-    torch's protocol (or HyperParallel's newer one), else torch's default planner with this
-    library's ``strict`` (no target: everything, nested as saved)."""
-    whole = state_dict is None
-    if not (is_torch_planner(planner, "load") or is_seed_planner(planner)):
-        planner = torch_load_planner(planner, whole=whole, strict=strict)
-    target = {} if whole else state_dict
-    return run_load(target, reader, planner, coord, checkpoint_id=checkpoint_id, rank=rank,
-                    allow_pickle=allow_pickle)
-
-
 def _load_with_protocol_reader(state_dict: Any, path: PathLike | None, checkpoint_id: PathLike | None, reader: Any,
-                               planner: Any, process_group: Any, no_dist: bool, strict: bool | str,
-                               coordinator_rank: int, allow_pickle: bool, timeout: Any) -> dict[str, Any]:
+                               planner: Any, coordination: Coordination, read: ReadOptions) -> dict[str, Any]:
     """load() with a reader on torch's protocol (or HyperParallel's newer one): torch's procedure
     with that reader; ``checkpoint_id`` given is passed to its ``reset`` as torch does."""
     if path is not None and checkpoint_id is not None and os.fspath(path) != os.fspath(checkpoint_id):
         raise ValueError(f"path={path!r} and checkpoint_id={checkpoint_id!r} disagree; pass one")
     chosen = path if path is not None else checkpoint_id
     in_flight.wait_for_saves_to(in_flight.place_of(chosen, reader))
-    if isinstance(state_dict, dict) and not state_dict and process_group is None and not (
+    c = coordination
+    if isinstance(state_dict, dict) and not state_dict and c.process_group is None and not (
             is_torch_planner(planner, "load") or is_seed_planner(planner)):
         return state_dict
-    process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
-    coord = Coordinator(process_group, no_dist, coordinator_rank, timeout)
+    group = c.process_group if c.process_group is not None or c.no_dist else mesh_group(state_dict)
+    coord = Coordinator(group, c.no_dist, c.coordinator_rank, c.timeout)
     try:
-        return _load_on_torch_protocol(state_dict, reader, planner, coord, coord.rank, strict, allow_pickle,
-                                       checkpoint_id=None if chosen is None else os.fspath(chosen))
+        return load_on_torch_protocol(state_dict, reader, planner, coord, coord.rank, read.strict, read.allow_pickle,
+                                      checkpoint_id=None if chosen is None else os.fspath(chosen))
     finally:
         close = getattr(reader, "close", None)
         if callable(close):
             close()
+
+
+def _broadcast_options(replicated_tensors: bool | None, groups: Any, batch_bytes: int | None,
+                       from_minimum_rank: bool | None) -> BroadcastOptions:
+    """load's broadcast keywords, checked, with HyperParallel's name for the switch folded into ours."""
+    if from_minimum_rank is not None:  # HyperParallel's name for the same switch
+        if replicated_tensors is not None and replicated_tensors != from_minimum_rank:
+            raise ValueError(f"broadcast_from_minimum_rank={from_minimum_rank} and "
+                             f"broadcast_replicated_tensors={replicated_tensors} disagree: they are one "
+                             "switch (HyperParallel's name and ours); pass one")
+        replicated_tensors = from_minimum_rank
+    if groups is not None and replicated_tensors is False:
+        raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True (broadcast_from_minimum_rank=True)")
+    return BroadcastOptions(replicated_tensors, groups, batch_bytes, from_minimum_rank)
 
 
 def load(
@@ -458,135 +358,22 @@ def load(
     path, storage_reader = storage_in_path_slot(path, storage_reader, "storage_reader")  # torch's load(sd, reader)
     if strict not in (True, False, "all"):
         raise ValueError(f"strict must be True, False or 'all', found {strict!r}")
-    if broadcast_from_minimum_rank is not None:  # HyperParallel's name for the same switch
-        if broadcast_replicated_tensors is not None and broadcast_replicated_tensors != broadcast_from_minimum_rank:
-            raise ValueError(f"broadcast_from_minimum_rank={broadcast_from_minimum_rank} and "
-                             f"broadcast_replicated_tensors={broadcast_replicated_tensors} disagree: they are one "
-                             "switch (HyperParallel's name and ours); pass one")
-        broadcast_replicated_tensors = broadcast_from_minimum_rank
-    if broadcast_groups is not None and broadcast_replicated_tensors is False:
-        raise ValueError("broadcast_groups needs broadcast_replicated_tensors=True (broadcast_from_minimum_rank=True)")
+    coordination = Coordination(process_group, no_dist, use_collectives, coordinator_rank, timeout)
+    read = ReadOptions(thread_count, verify, allow_pickle, strict)
+    broadcast = _broadcast_options(broadcast_replicated_tensors, broadcast_groups, broadcast_batch_bytes,
+                                   broadcast_from_minimum_rank)
     storage_reader = as_our_reader(storage_reader, foreign_ok=True)
     planner = as_our_planner(planner, "load", foreign_ok=True)
     # a reader with code of its own: torch's procedure (ours answer the seed's names too, and load as ours)
     if is_torch_reader(storage_reader) or (is_seed_reader(storage_reader)
                                            and not isinstance(storage_reader, StorageReader)):
-        return _load_with_protocol_reader(state_dict, path, checkpoint_id, storage_reader, planner, process_group,
-                                          no_dist, strict, coordinator_rank, allow_pickle, timeout)
+        return _load_with_protocol_reader(state_dict, path, checkpoint_id, storage_reader, planner, coordination,
+                                          read)
     foreign_planner = is_torch_planner(planner, "load") or is_seed_planner(planner)
     where = resolve_path(path, checkpoint_id, storage_reader)
     # an async save in flight to this place would commit under the reader (and remove the old files)
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_reader))
     if isinstance(state_dict, dict) and not state_dict and process_group is None and not foreign_planner:
         return state_dict  # nothing to load: no collective (HyperParallel's ranks outside a rank_list mesh)
-    rank_local = not use_collectives and not no_dist and distributed()
-    if rank_local:
-        my_rank = dist.get_rank(process_group) if process_group is not None else dist.get_rank()
-        coord = Coordinator(None, True, 0, timeout)
-    else:
-        process_group = process_group if process_group is not None or no_dist else mesh_group(state_dict)
-        coord = Coordinator(process_group, no_dist or not use_collectives, coordinator_rank, timeout)
-        my_rank = coord.rank
-    given = planner  # a checkpoint in torch's format, or a torch-protocol planner: torch's procedure
-    if not foreign_planner:
-        planner = planner_for_call(planner if planner is not None else StandardPlanner(), allow_pickle)
-        if getattr(planner, "allow_partial_load", False) and strict is True:
-            strict = False  # StandardLoadPlanner(allow_partial_load=True): HyperParallel's strict=False
-    reader: StorageReader = storage_reader  # type: ignore[assignment]
-    flat: Any = None
-    materialized: list[Any] = []  # leaves whose meta-device targets were replaced
-    raw: list[bytes] = []
-    auto_share: list[bool] = []
-    label = f"{where or 'checkpoint'}/{md.METADATA_FILE}"
-
-    def read_and_share_metadata() -> None:
-        # Everything that can fail on one rank happens inside an exchange, so the others
-        # learn of it at once instead of waiting out the timeout.
-        nonlocal reader, flat
-        if reader is None:
-            reader = reader_for(where)
-        reader.set_up(coord.rank, coord.is_coordinator)
-        bound_calls(reader, coord)
-        flat = flatten(state_dict) if state_dict is not None else None
-        if flat is not None:
-            materialized.extend(materialize_meta(flat))
-        if rank_local:
-            raw.append(own_metadata_bytes(reader, my_rank, where or "checkpoint"))
-        elif coord.is_coordinator:
-            raw.append(metadata_bytes(reader, where or "checkpoint"))
-            if broadcast_replicated_tensors is None:  # decided once, for every rank
-                auto_share.append(not getattr(reader, "memory_backed", False))
-        if raw and is_pickle(raw[0]):  # torch's format: checked here (files too), before any rank plans from it
-            TorchFormatReader(reader, raw[0], allow_pickle).read_metadata()
-
-    loaded: list[Any] = []
-    # Planning and reading make thousands of small acyclic objects (boxes, chunk references,
-    # read items); the full collections they trigger over a trained model's heap measured
-    # 50-200 ms on the critical path, so the cyclic GC waits until the data is in place.
-    with paused_gc():
-        try:
-            coord.exchange("load (reading metadata)", read_and_share_metadata)
-            if rank_local:
-                meta_bytes, enabled = raw[0], False
-            else:
-                mine = (raw[0], auto_share[0] if auto_share else False) if raw else None
-                meta_bytes, enabled = coord.broadcast(mine, "load (metadata broadcast)")
-            if broadcast_replicated_tensors is not None:
-                enabled = broadcast_replicated_tensors
-            if is_pickle(meta_bytes) or foreign_planner:  # torch's format, or a planner on torch's protocol
-                on_protocol = (TorchFormatReader(reader, meta_bytes, allow_pickle, files_checked=True)
-                               if is_pickle(meta_bytes) else
-                               OwnFormatReader(reader, md.Metadata.from_json(meta_bytes, where=label).attach(),
-                                               where=where or "checkpoint", allow_pickle=allow_pickle,
-                                               thread_count=thread_count, verify=verify))
-                out = _load_on_torch_protocol(state_dict, on_protocol, given, coord, my_rank, strict, allow_pickle)
-                leave_set_up(given, out, on_protocol.read_metadata, coord.is_coordinator)
-                return out
-
-            share = sharing_wanted(coord, enabled, rank_local)
-            planned: dict[str, Any] = {}
-
-            def plan_and_read() -> tuple[Needs | None, bytes]:
-                meta = md.Metadata.from_json(meta_bytes, where=label)
-                planner.set_up_load(FlatStateDict.of(flat) if flat else None, meta, coord.is_coordinator,
-                                    rank=my_rank)
-                plan = planner.create_local_load_plan()
-                check_keys(planner, strict)
-                asked = asked_for(meta, planner) if strict == "all" else b""
-                planned.update(meta=meta, plan=plan)
-                if share:  # read after learning what the other ranks need
-                    return needs_of(plan, meta), asked
-                read_plan(plan, planner, reader, thread_count, verify=verify)
-                loaded.extend((planner.finish_load(), meta))
-                return None, asked
-
-            outcomes = coord.exchange("load", plan_and_read)
-            if share:
-                everyone = [needs for needs, _ in outcomes]
-                if worth_sharing(everyone):
-                    read_shared(coord, planned["plan"], planner, reader, planned["meta"], everyone,
-                                thread_count=thread_count, verify=verify,
-                                batch_bytes=broadcast_batch_bytes or DEFAULT_BATCH_BYTES)
-                else:
-                    coord.exchange("load (reading)", lambda: read_plan(planned["plan"], planner, reader, thread_count,
-                                                                       verify=verify))
-                coord.exchange("load (finishing)", lambda: loaded.extend((planner.finish_load(), planned["meta"])))
-        finally:
-            if reader is not None:
-                reader.close()
-    values, meta = loaded
-    if strict == "all":
-        check_all_asked_for(meta, [asked for _, asked in outcomes])
-    if flat is None:
-        order = {k: i for i, k in enumerate(meta.entries)}  # as saved
-        return unflatten({meta.entries[k].path: values[k] for k in sorted(values, key=order.__getitem__)})
-    # Putting values back can raise too (a Stateful's load_state_dict): in an exchange of its
-    # own, after every rank has read, so no rank is left waiting and none applies half-read data.
-    def apply() -> None:
-        apply_loaded(flat, values, planner, materialized)
-        assign_back(state_dict)
-
-    coord.exchange("load (applying)", apply)
-    leave_set_up(planner, state_dict, lambda: TorchView(meta, where, version=CURRENT_DCP_VERSION),
-                 coord.is_coordinator)
-    return state_dict
+    return load_with(resolve_load(state_dict, where, storage_reader, planner, foreign_planner, coordination, read,
+                                broadcast))

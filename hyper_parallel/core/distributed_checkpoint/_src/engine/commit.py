@@ -65,6 +65,7 @@ from ..coordination.coordinator import Coordinator
 from ..format import metadata as md
 from .fragments import failed_name, fragment_name, fragment_ranks
 from .metadata_reader import metadata_bytes
+from .phase_result import PhaseResult
 from .step_siblings import SiblingsUnknownError, files_siblings_name
 
 T = TypeVar("T")
@@ -100,6 +101,33 @@ def write_and_report(coord: Coordinator, writer: StorageWriter, phase: str, writ
         raise
 
 
+@dataclass(frozen=True)
+class _Committed:
+    """What the commit leaves on the coordinator: the Metadata it committed, what it replaced
+    and the committed bytes (all None unless committed), or the error that stopped it."""
+
+    meta: md.Metadata | None = None
+    previous: Any = None
+    payload: bytes | None = None
+    error: BaseException | None = None
+
+
+def _commit_here(coord: Coordinator, writer: StorageWriter, make_meta: Callable[[], md.Metadata],
+                 guard: Callable[[bytes | None], None] | None) -> tuple[_Committed, tuple[str, str | None] | None]:
+    """Step 3 on each rank: the coordinator commits; its verdict ("committed", "unknown" or
+    "failed", with the cause) is what the other ranks learn. Never raises: a failure is a verdict."""
+    if not coord.is_coordinator:
+        return _Committed(), None
+    try:
+        meta = make_meta()
+        previous, payload = commit_metadata(writer, meta, guard=guard)
+        return _Committed(meta, previous, payload), ("committed", None)
+    except CommitError as exc:
+        return _Committed(error=exc), ("unknown", str(exc))
+    except BaseException as exc:
+        return _Committed(error=exc), ("failed", f"{type(exc).__name__}: {exc}")
+
+
 def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make_meta: Callable[[], md.Metadata],
                      own_files: list[str], what: str, save_id: str,
                      guard: Callable[[bytes | None], None] | None = None) -> md.Metadata:
@@ -108,56 +136,58 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
     docstring says. ``guard`` (see :func:`commit_metadata`) may refuse to replace what the
     storage holds.
     """
-    outcome: dict[str, Any] = {}
-
-    def commit() -> tuple[str, str | None] | None:
-        if not coord.is_coordinator:
-            return None
-        try:
-            meta = make_meta()
-            outcome["previous"], outcome["payload"] = commit_metadata(writer, meta, guard=guard)
-            outcome["meta"] = meta
-            return ("committed", None)
-        except CommitError as exc:
-            outcome["error"] = exc
-            return ("unknown", str(exc))
-        except BaseException as exc:
-            outcome["error"] = exc
-            return ("failed", f"{type(exc).__name__}: {exc}")
-
+    committing: PhaseResult[_Committed, Any] = PhaseResult(lambda: _commit_here(coord, writer, make_meta, guard))
     try:
-        statuses, own = coord.statuses(phase, commit)
+        statuses, own = coord.statuses(phase, committing.shared)
     except LostContactError as lost:
-        if "meta" in outcome:
+        done = committing.kept_or_none or _Committed()
+        if done.meta is not None:
             raise CommitError(f"{what} is committed (save id {save_id}), but contact with other ranks was lost "
                               f"during the commit: {lost}", True, save_id) from lost
-        if isinstance(outcome.get("error"), CommitError) or not coord.is_coordinator:
+        if isinstance(done.error, CommitError) or not coord.is_coordinator:
             raise CommitError(f"{what}: lost contact with the other ranks during the commit ({lost}); the save "
                               f"(id {save_id}) may have committed or not. load() decides", None, save_id) from lost
         remove_own_files(writer, own_files)
         raise
-    status = statuses[coord.coordinator_rank]
+    done = committing.kept
+    _raise_unless_committed(coord, writer, phase, statuses[coord.coordinator_rank], done, own_files, save_id)
+    if own is not None:  # committed; a rank interrupted meanwhile still raises its interruption
+        raise own
+    payload = _share_and_reclaim(coord, writer, phase, done, what, save_id)
+    if coord.is_coordinator:
+        return done.meta
+    return md.Metadata.from_json(payload)
+
+
+def _raise_unless_committed(coord: Coordinator, writer: StorageWriter, phase: str, status: tuple[str, Any],
+                            done: _Committed, own_files: list[str], save_id: str) -> None:
+    """Step 4: every rank raises alike unless the coordinator's verdict is "committed" (a
+    failed commit removes this rank's files; an unknown one leaves them for load to judge)."""
     kind, detail = status[1] if status[0] == "ok" else ("failed", status[1])
     if kind == "failed":
         remove_own_files(writer, own_files)
-        error = outcome.get("error")
+        error = done.error
         if not coord.distributed and error is not None:  # alone: the storage's own error, as it was
             raise error.__cause__ if isinstance(error, NotCommittedError) and error.__cause__ else error
         raise RankFailedError(phase, {coord._name(coord.coordinator_rank): detail}) from error
     if kind == "unknown":
-        error = outcome.get("error")
+        error = done.error
         raise error if isinstance(error, CommitError) else CommitError(detail, None, save_id)
-    if own is not None:  # committed; a rank interrupted meanwhile still raises its interruption
-        raise own
+
+
+def _share_and_reclaim(coord: Coordinator, writer: StorageWriter, phase: str, done: _Committed, what: str,
+                       save_id: str) -> bytes | None:
+    """Step 5: the committed bytes reach every rank (returned), and each removes its share of
+    the replaced checkpoint's files."""
     # Every rank returns the committed metadata (the coordinator's, parsed) and removes its
     # share of the replaced checkpoint's files: those recorded under its rank (for a save,
     # the ones it wrote, so on storage only their writer sees they are still reachable).
     # The coordinator no longer unlinks N files alone while the job waits for it (~80 ms
     # per 512 MiB file on ext4 here); a save returns once every rank removed its share.
-    garbage = (spare_siblings_files(writer, replaced_files(outcome["previous"], outcome["meta"].file_names()))
+    garbage = (spare_siblings_files(writer, replaced_files(done.previous, done.meta.file_names()))
                if coord.is_coordinator else None)
     try:
-        payload, garbage = coord.broadcast((outcome.get("payload"), garbage), f"{phase} (metadata)")
+        payload, garbage = coord.broadcast((done.payload, garbage), f"{phase} (metadata)")
     except LostContactError as lost:
         raise CommitError(f"{what} is committed (save id {save_id}), but contact with other ranks was lost "
                           f"right after: {lost}", True, save_id) from lost
@@ -171,9 +201,7 @@ def commit_and_agree(coord: Coordinator, writer: StorageWriter, phase: str, make
                               f"while the replaced checkpoint's files were removed: {lost}", True, save_id) from lost
         if own is not None:  # committed; an interruption during the removal is still raised
             raise own
-    if coord.is_coordinator:
-        return outcome["meta"]
-    return md.Metadata.from_json(payload)
+    return payload
 
 
 class NotCommittedError(Exception):

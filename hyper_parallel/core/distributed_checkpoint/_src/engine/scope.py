@@ -26,7 +26,7 @@ from ..base.errors import CheckpointError
 from ..coordination.coordinator import Coordinator
 from ..format import metadata as md
 from ..sharding.records import mesh_ranks
-from ..state.flatten import FlatStateDict
+from ..state.flatten import Flat, FlatStateDict
 
 __all__ = ["PathLike", "resolve_path", "bound_calls", "distributed", "mesh_group", "check_one_location",
            "part_guard"]
@@ -84,27 +84,44 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def mesh_group(state_dict: Any) -> Any:
+MESH_DEPTH = 64  # DTensors nested deeper than this are not looked at
+
+
+def mesh_group(state_dict: Any, flat: Flat | None = None) -> Any:
     """The group of the one mesh every DTensor of ``state_dict`` lives on, when that mesh is
     a root mesh over some ranks only (``init_device_mesh(..., rank_list=)``); else None.
 
     Slices of a bigger mesh (``mesh["tp"]``) do not count: their ranks save with the rest.
+    DTensors inside Stateful objects do not either (their ``state_dict()`` is not called for
+    this). ``flat``: ``state_dict`` flattened already; its leaves are read instead of walking
+    the state dict again.
     """
     if not distributed() or isinstance(state_dict, FlatStateDict):
         return None
     meshes: dict[int, Any] = {}
+    if flat is not None:
+        for leaf in flat.leaves.values():
+            value = leaf.value
+            if isinstance(value, DTensor) and not leaf.via_stateful and len(leaf.path) <= MESH_DEPTH:
+                meshes[id(value.device_mesh)] = value.device_mesh
+        return _group_of(meshes)
 
     def walk(v: Any, depth: int = 0) -> None:
         if isinstance(v, DTensor):
             meshes[id(v.device_mesh)] = v.device_mesh
-        elif isinstance(v, dict) and depth < 64:
+        elif isinstance(v, dict) and depth < MESH_DEPTH:
             for x in v.values():
                 walk(x, depth + 1)
-        elif isinstance(v, (list, tuple)) and depth < 64:
+        elif isinstance(v, (list, tuple)) and depth < MESH_DEPTH:
             for x in v:
                 walk(x, depth + 1)
 
     walk(state_dict)
+    return _group_of(meshes)
+
+
+def _group_of(meshes: dict[int, Any]) -> Any:
+    """The group of the one mesh in ``meshes`` when it is a root mesh over some ranks only."""
     if len(meshes) != 1:
         return None
     mesh = next(iter(meshes.values()))

@@ -1,7 +1,8 @@
 """The load target: checked against the checkpoint, prepared, and filled.
 
 Before reading: the keys the target asks for must exist (:func:`check_keys`; ``strict``), and
-targets on the meta device get memory of their own (:func:`materialize_meta`). After
+targets on the meta device get memory of their own, as the target is flattened once into the
+planner's view of it (:func:`prepare_target`). After
 reading: ``strict="all"`` checks that every checkpoint key was asked for by some rank
 (:func:`asked_for`, :func:`check_all_asked_for`), and the loaded values are put back where the
 target's leaves came from, then Stateful objects load (:func:`apply_loaded`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,35 +24,56 @@ from torch.distributed.tensor import DTensor
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
 from ..sharding.sharded_tensor import local_tensors
-from ..state.flatten import is_stateful, update_in_place
+from ..state.flatten import Flat, FlatStateDict, Leaf, is_stateful, update_in_place
 from ..state.version_stamp import mark_written
 
-__all__ = ["check_keys", "materialize_meta", "asked_for", "check_all_asked_for", "apply_loaded", "assign_back"]
+__all__ = ["Target", "prepare_target", "check_keys", "asked_for", "check_all_asked_for", "apply_loaded", "assign_back"]
 
 
-def materialize_meta(flat: Any) -> list[Any]:
-    """Targets on the meta device (a model built under ``torch.device("meta")``) hold no memory
-    to load into: each leaf gets an empty tensor of its shape and dtype instead (a DTensor
+@dataclass
+class Target:
+    """A load target, flattened once: ``flat`` its leaves (where loaded values go back, and its
+    Stateful objects), ``view`` the ``{key: value}`` the planner plans against, and
+    ``materialized`` the leaves (by key) whose meta-device tensors were replaced."""
+
+    flat: Flat
+    view: FlatStateDict
+    materialized: dict[str, Leaf]
+
+
+def prepare_target(flat: Flat) -> Target:
+    """The target ready to plan against, in one pass over its leaves.
+
+    Targets on the meta device (a model built under ``torch.device("meta")``) hold no memory
+    to load into: each such leaf gets an empty tensor of its shape and dtype instead (a DTensor
     keeps its mesh and placements, on the mesh's device; a plain tensor goes to the CPU), as
     torch DCP does. The caller's containers receive them only once the load succeeded
     (:func:`apply_loaded`); the caller then puts them into the model
-    (``model.load_state_dict(sd, assign=True)``). Returns the leaves replaced."""
-    out = []
+    (``model.load_state_dict(sd, assign=True)``)."""
+    view = FlatStateDict()
+    view.paths = {}
+    materialized: dict[str, Leaf] = {}
     for key, leaf in flat.leaves.items():
         value = leaf.value
-        if not isinstance(value, torch.Tensor) or value.device.type != "meta":
-            continue
-        if leaf.set is None:
-            raise UnsupportedValueError(f"{key!r}: the target is on the meta device and cannot be replaced "
-                                        "where it sits; materialize it first (model.to_empty(device=...))")
-        if isinstance(value, DTensor):
-            local = torch.empty_like(value._local_tensor, device=value.device_mesh.device_type)
-            leaf.value = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                            shape=value.shape, stride=value.stride())
-        else:
-            leaf.value = torch.empty_like(value, device="cpu")
-        out.append(leaf)
-    return out
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            _materialize(key, leaf)
+            materialized[key] = leaf
+        view[key] = leaf.value
+        view.paths[key] = leaf.path
+    return Target(flat, view, materialized)
+
+
+def _materialize(key: str, leaf: Leaf) -> None:
+    value = leaf.value
+    if leaf.set is None:
+        raise UnsupportedValueError(f"{key!r}: the target is on the meta device and cannot be replaced "
+                                    "where it sits; materialize it first (model.to_empty(device=...))")
+    if isinstance(value, DTensor):
+        local = torch.empty_like(value._local_tensor, device=value.device_mesh.device_type)
+        leaf.value = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                                        shape=value.shape, stride=value.stride())
+    else:
+        leaf.value = torch.empty_like(value, device="cpu")
 
 
 def asked_for(meta: md.Metadata, planner: Any) -> bytes:
@@ -79,42 +102,41 @@ def check_all_asked_for(meta: md.Metadata, bitmaps: list[bytes]) -> None:
             f"{', '.join(map(repr, left[:20]))}{' ...' if len(left) > 20 else ''}")
 
 
-def apply_loaded(flat: Any, values: dict[str, Any], planner: Any, materialized: list[Any] = ()) -> None:
+def apply_loaded(target: Target, values: dict[str, Any], planner: Any) -> None:
     """Put loaded values where the target's leaves came from, then call Stateful loads.
 
     Keys are the planner's; ``planner.original_key`` maps each back to the target's key
-    (planners that rename keys on load implement it).
+    (planners that rename keys on load implement it). One pass over ``values``; the target's
+    leaves are looked up by key, not walked.
     """
+    flat = target.flat
     original = getattr(planner, "original_key", None)
-    own = {id(leaf.value) for leaf in flat.leaves.values()}
+    own: set[int] | None = None  # the targets' values, by id: needed only for a key no target name maps to
     filled: set[int] = set()
     for key, value in values.items():
         name = original(key) if original is not None else key
         leaf = flat.leaves.get(name) if name is not None else None
-        if leaf is not None:
-            filled.add(id(leaf))
         if leaf is None:
-            if name is None and id(value) not in own:
-                raise StateDictMismatchError(
-                    f"{key!r}: the planner's transform_state_dict renamed a target key to it, and which one "
-                    "cannot be told (several keys hold the same value); override transform_key instead so "
-                    "the loaded value can be put back")
+            if name is None:
+                own = {id(leaf.value) for leaf in flat.leaves.values()} if own is None else own
+                if id(value) not in own:
+                    raise StateDictMismatchError(
+                        f"{key!r}: the planner's transform_state_dict renamed a target key to it, and which one "
+                        "cannot be told (several keys hold the same value); override transform_key instead so "
+                        "the loaded value can be put back")
             continue
+        if id(leaf) not in filled:  # filled in place, some straight from storage: torch must know
+            filled.add(id(leaf))
+            for tensor in local_tensors(leaf.value):  # a ShardedTensor's data lives in its local shards
+                mark_written(tensor)
         if value is leaf.value:
             continue
         if isinstance(leaf.value, dict) and isinstance(value, dict):  # a plain dict stored whole
             update_in_place(leaf.value, value)  # the caller may hold it (a data position)
         elif leaf.set is not None:
             leaf.set(value)
-    for leaf in flat.leaves.values():  # filled in place, some straight from storage: torch must know
-        if id(leaf) in filled:
-            for tensor in local_tensors(leaf.value):  # a ShardedTensor's data lives in its local shards
-                mark_written(tensor)
     missing = {(original(k) if original is not None else k) or k for k in getattr(planner, "missing_keys", ())}
-    replaced = {id(leaf) for leaf in materialized}
-    for key, leaf in flat.leaves.items():  # the tensors that replace meta targets, loaded in place
-        if id(leaf) not in replaced:
-            continue
+    for key, leaf in target.materialized.items():  # the tensors that replace meta targets, loaded in place
         local = leaf.value._local_tensor if isinstance(leaf.value, DTensor) else leaf.value
         # one strict=False skipped stays on meta; an empty shard (a rank holding none of an
         # uneven Shard, a size-0 tensor) had nothing to read but is loaded all the same

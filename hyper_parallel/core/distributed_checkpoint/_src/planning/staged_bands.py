@@ -10,7 +10,7 @@ writes the bands straight from there.
 
 The staged state dict then holds, for such a tensor, a tensor on the meta device with the
 tensor's shape and dtype (a DTensor around one for a DTensor), and this module's
-:class:`BandedSnapshot` beside it (``FlatStateDict.bands``): the planner hands out the bands
+:class:`BandedSnapshot` beside it (the snapshot's ``bands``): the planner hands out the bands
 as write data. If the save's plan asks for a region that is not one band (a planner that
 decided otherwise), that region is put together from the bands, so the data is right either way.
 """

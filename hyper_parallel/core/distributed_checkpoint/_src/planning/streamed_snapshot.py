@@ -4,7 +4,7 @@ An async save under a host-memory budget (``AsyncCheckpointer(max_host_bytes=...
 copy the whole state before it writes: it copies a piece, the saver writes it, and the
 memory takes the next piece. The staged state dict then holds, for each tensor, a tensor on
 the meta device with its shape and dtype (a DTensor around one for a DTensor), as
-:mod:`.staged_bands` does, and beside it (``FlatStateDict.stream``) a :class:`SnapshotStream`
+:mod:`.staged_bands` does, and beside it (the snapshot's ``stream``) a :class:`SnapshotStream`
 that hands out the bytes of any region of it on demand.
 
 Protocol (the saver calls it through the planner, on the thread(s) that write the files):

@@ -117,11 +117,14 @@ def renamed_path(path: tuple[PathPart, ...], new_key: str) -> tuple[PathPart, ..
 
 @dataclass
 class Leaf:
-    """One flattened value; ``set`` writes a new value back where it came from."""
+    """One flattened value; ``set`` writes a new value back where it came from;
+    ``via_stateful``: it came from a Stateful object's ``state_dict()``, not from the
+    containers of the state dict itself."""
 
     path: tuple[PathPart, ...]
     value: Any
     set: Callable[[Any], None] | None = None
+    via_stateful: bool = False
 
 
 @dataclass
@@ -136,17 +139,12 @@ class FlatStateDict(dict):
     """``{key: value}`` as planners receive it; ``paths`` remembers where each key sat.
 
     ``save`` accepts one directly (already flat: no Stateful calls, no re-flattening), which
-    is how a staged snapshot keeps the exact keys of the state dict it was taken from.
-    ``bands`` holds a snapshot's tensors staged as column bands (:mod:`.staged_bands`);
-    ``stamps``, for a snapshot only, the version stamp of the tensor each key was copied from
-    (:mod:`.version_stamp`; None while not a snapshot: stamp the values themselves).
-    ``stream`` a snapshot whose tensors are copied as they are written (:mod:`.streamed_snapshot`).
+    is how a staged snapshot keeps the exact keys of the state dict it was taken from (an
+    async save's snapshot carries its staging's side data on a subclass of its own, in the
+    asynchronous layer).
     """
 
     paths: dict[str, tuple[PathPart, ...]]
-    bands: dict[str, Any] = {}  # noqa: RUF012 (read-only default; a snapshot sets its own)
-    stamps: dict[str, Any] | None = None
-    stream: Any = None
 
     @classmethod
     def of(cls, flat: Flat) -> FlatStateDict:
@@ -169,6 +167,7 @@ def flatten(state_dict: Any) -> Flat:
     statefuls: list[tuple[Any, Any]] = []
     scanned: dict[int, bool | None] = {}  # container id -> holds data (every one stays alive meanwhile)
     inside: set[int] = set()  # the containers being walked: meeting one again is a cycle
+    in_stateful = [0]  # how many Stateful objects' state dicts are being walked
 
     def holds_data(path: tuple[PathPart, ...], value: Any) -> bool:
         return _holds_data(value, scanned, key_of(path) or "state_dict")
@@ -180,7 +179,7 @@ def flatten(state_dict: Any) -> Flat:
                 f"two values flatten to the same key {key!r} (paths {leaves[key].path} and "
                 f"{path}); rename one of them"
             )
-        leaves[key] = Leaf(path, value, setter)
+        leaves[key] = Leaf(path, value, setter, in_stateful[0] > 0)
 
     def walk(path: tuple[PathPart, ...], value: Any, setter: Callable[[Any], None] | None) -> None:
         if not isinstance(value, (dict, list, tuple)):
@@ -201,8 +200,12 @@ def flatten(state_dict: Any) -> Flat:
                     f"{key_of(path)!r}: state_dict() of {type(value).__name__} returned "
                     f"{type(inner).__name__}, expected a dict"
                 )
-            for k, v in inner.items():
-                walk_item(path, inner, k, v)
+            in_stateful[0] += 1
+            try:
+                for k, v in inner.items():
+                    walk_item(path, inner, k, v)
+            finally:
+                in_stateful[0] -= 1
             statefuls.append((value, inner))
             return
         if isinstance(value, dict) and value and holds_data(path, value):

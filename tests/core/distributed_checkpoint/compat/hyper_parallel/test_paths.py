@@ -41,7 +41,7 @@ from hyper_parallel.core.distributed_checkpoint._src.base.errors import (
     MetadataError,
     UnsupportedValueError,
 )
-from hyper_parallel.core.distributed_checkpoint._src.interop import hyper_parallel as hpi
+from hyper_parallel.core.distributed_checkpoint._src.interop.hyper_parallel import importing as hpi
 from hyper_parallel.core.distributed_checkpoint.loader import load_checkpoint
 from hyper_parallel.core.distributed_checkpoint.saver import save_checkpoint
 
