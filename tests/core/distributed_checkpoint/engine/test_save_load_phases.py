@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hyper_parallel.core.distributed_checkpoint._src.coordination.coordinator import Coordinator
 from multiprocess import run_ranks
 
 from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer, StandardPlanner, load, save
 from hyper_parallel.core.distributed_checkpoint._src.asynchronous.staged_snapshot import StagedSnapshot
+from hyper_parallel.core.distributed_checkpoint._src.coordination.coordinator import Coordinator
 from hyper_parallel.core.distributed_checkpoint._src.engine.phase_result import PhaseResult
 from hyper_parallel.core.distributed_checkpoint._src.engine.scope import mesh_group
 from hyper_parallel.core.distributed_checkpoint._src.state.flatten import FlatStateDict, flatten
