@@ -84,7 +84,7 @@ PATHS = {
     "logging_handlers": ["DCP_LOGGER_NAME"],
     "hf_storage": ["HuggingFaceStorageReader", "DCP_SHARDING_INFO_KEY", "SAFETENSORS_INDEX_SUFFIX",
                    "SAVED_OFFSETS_KEY"],
-    # the seed's newer paths (issue 43)
+    # HyperParallel's newer paths (issue 43)
     "versioning": ["CURRENT_CHECKPOINT_VERSION", "migrate_metadata", "_MIGRATION_RULES"],
     "topology_mapper": ["TopologyMapper"],
     "checkpoint_io": ["save_checkpoint_file", "load_checkpoint_file"],

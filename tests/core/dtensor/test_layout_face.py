@@ -1,4 +1,4 @@
-"""hyper_parallel.core.dtensor.layout.Layout: the seed's DTensor layout over our checkpoint Layout."""
+"""hyper_parallel.core.dtensor.layout.Layout: HyperParallel's DTensor layout over our checkpoint Layout."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def _fsdp_step_in_block(rank: int, world: int) -> list:
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     x = torch.ones(2, 4)
-    with SkipDTensorDispatch():                   # the seed's training step, as its tests write it
+    with SkipDTensorDispatch():                   # HyperParallel's training step, as its tests write it
         loss = model(x).sum()
         loss.backward()
         for p in model.parameters():

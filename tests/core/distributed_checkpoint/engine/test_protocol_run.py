@@ -315,7 +315,7 @@ def test_a_reader_that_builds_metadata_itself_loads(tmp_path):
 # ---------------------------------------------------------------------------- HyperParallel's newer names
 
 
-class SeedLoadPlanner:
+class HyperParallelLoadPlanner:
     """A planner in HyperParallel's newer names, doing the work with torch's default planner."""
 
     def __init__(self):
@@ -348,7 +348,7 @@ class SeedLoadPlanner:
         set_element(self.inner.original_state_dict, self.inner.mappings[read_item.dest_index.fqn], obj)
 
 
-class SeedSavePlanner:
+class HyperParallelSavePlanner:
     def __init__(self):
         self.inner, self.calls = tdcp.DefaultSavePlanner(), []
 
@@ -372,7 +372,7 @@ class SeedSavePlanner:
         return data.getvalue() if isinstance(data, io.BytesIO) else data
 
 
-class SeedReader:
+class HyperParallelReader:
     """A storage reader in HyperParallel's newer names, serving a torch-written checkpoint through torch's reader."""
 
     def __init__(self, path: str):
@@ -407,22 +407,22 @@ class SeedReader:
 
 def test_hyper_parallels_newer_protocol_names_run(tmp_path):
     path = str(tmp_path / "ck")
-    planner = SeedSavePlanner()
+    planner = HyperParallelSavePlanner()
     save(small_sd(), path, planner=planner, no_dist=True)  # our writer becomes torch's: torch's format
     assert planner.calls == [("configure_planner", 0, True)]
-    loader = SeedLoadPlanner()
+    loader = HyperParallelLoadPlanner()
     target = {"model": {"w": torch.zeros(6, 4)}, "extra": {"step": 0}}
     load(target, checkpoint_id=path, planner=loader, no_dist=True)  # read by our torch-format reader
     assert torch.equal(target["model"]["w"], small_sd()["model"]["w"]) and target["extra"]["step"] == 3
     assert loader.calls[:2] == ["configure_planner", "build_global_plan(1)"] and "apply_bytes" in loader.calls
-    reader = SeedReader(path)
+    reader = HyperParallelReader(path)
     target = {"model": {"w": torch.zeros(6, 4)}}
     load(target, storage_reader=reader, no_dist=True)  # a seed reader with torch's default planner
     assert torch.equal(target["model"]["w"], small_sd()["model"]["w"])
     assert reader.calls == ["load_metadata", ("configure_reader", True, 0), "execute_read"]
-    both = SeedLoadPlanner()
+    both = HyperParallelLoadPlanner()
     target = {"model": {"b": torch.zeros(4, dtype=torch.bfloat16)}}
-    load(target, storage_reader=SeedReader(path), planner=both, no_dist=True)
+    load(target, storage_reader=HyperParallelReader(path), planner=both, no_dist=True)
     assert torch.equal(target["model"]["b"], small_sd()["model"]["b"]) and "apply_tensor" in both.calls
 
 
@@ -450,10 +450,10 @@ def rank_protocol_objects(rank: int, ws: int, root: str) -> dict:
     stock = {"w": make_dtensor(torch.zeros(9, 4), mesh, [Shard(1)])}
     tdcp.load(stock, checkpoint_id=os.path.join(root, "counted"))  # stock torch reads what our run wrote
     out["stock"] = torch.equal(stock["w"].to_local(), local_expected(full, mesh, [Shard(1)]))
-    seed = SeedSavePlanner()
-    save(sd, os.path.join(root, "seed"), planner=seed)  # the seed's every-rank global step
+    seed = HyperParallelSavePlanner()
+    save(sd, os.path.join(root, "seed"), planner=seed)  # HyperParallel's every-rank global step
     back = {"w": make_dtensor(torch.zeros(9, 4), mesh, [Shard(1)]), "step": 0}
-    loader = SeedLoadPlanner()
+    loader = HyperParallelLoadPlanner()
     load(back, checkpoint_id=os.path.join(root, "seed"), planner=loader)
     out["seed"] = (torch.equal(back["w"].to_local(), local_expected(full, mesh, [Shard(1)])) and back["step"] == 4,
                    seed.calls, loader.calls[:2])

@@ -2,7 +2,7 @@
 resharded to and from Shard/Replicate layouts, bit-exact.
 
 One process: the flat-range -> boxes decomposition (exhaustive on small shapes, property
-style), the placement's checks, and the seed's helpers. Two real gloo ranks, in one launch
+style), the placement's checks, and HyperParallel's helpers. Two real gloo ranks, in one launch
 whose checks the tests below read by name: save RaggedShard and load as Shard(0), Shard(1),
 Replicate, plain tensors and other RaggedShard units (an empty rank included), save
 Shard/Replicate and load into RaggedShard, async_save a RaggedShard state, a replicated

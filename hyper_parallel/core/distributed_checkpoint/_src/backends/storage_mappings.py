@@ -8,7 +8,7 @@ imported, and :mod:`.torch_storage` asks :func:`convert` first. A subclass of a 
 class that overrides a method is not converted (its code would be dropped); it is left to the
 caller (which runs torch's protocol, calling its hooks).
 
-What it is not: the conversions themselves (``interop.torch_hf_storage``).
+What it is not: the conversions themselves (``interop.huggingface.torch_storage``).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from torch.distributed.checkpoint import storage as _torch_storage
 
 from ..base.either_protocol import EitherProtocol
 
-__all__ = ["StorageWriter", "StorageReader", "SEED_READER_NAMES"]
+__all__ = ["StorageWriter", "StorageReader", "HYPER_PARALLEL_READER_NAMES"]
 
-SEED_READER_NAMES = ("load_metadata", "configure_reader", "execute_read")
+HYPER_PARALLEL_READER_NAMES = ("load_metadata", "configure_reader", "execute_read")
 
 StorageWriter = _torch_storage.StorageWriter
 
@@ -27,4 +27,4 @@ StorageWriter = _torch_storage.StorageWriter
 class StorageReader(_torch_storage.StorageReader, metaclass=EitherProtocol):
     """torch DCP's ``StorageReader`` (see the module docstring for HyperParallel's form)."""
 
-    _SEED_NAMES = SEED_READER_NAMES
+    _HYPER_PARALLEL_NAMES = HYPER_PARALLEL_READER_NAMES

@@ -10,8 +10,8 @@ through a subclass of :class:`AllowlistUnpickler`, which says which globals it a
 never imported or called; persistent ids are always refused.
 
 What it is not: the allowlists themselves, which belong to the formats that read them
-(:mod:`..format.torch_pickles`, :mod:`.file_exchange`, :mod:`..interop.hyper_parallel`,
-:mod:`..planning.seed_plans`).
+(:mod:`..format.torch_pickles`, :mod:`.file_exchange`, :mod:`..interop.hyper_parallel.importing`,
+:mod:`..planning.hyper_parallel_plans`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Areas: HyperParallel's spelling of a box, ``((start, end), ...)`` one half-open range per dim.
 
-The seed's helpers (``utils.infer_intersection``, ``chunk_to_area``, ``reshard.ReshardHandler``)
+HyperParallel's helpers (``utils.infer_intersection``, ``chunk_to_area``, ``reshard.ReshardHandler``)
 pass a tensor region as an area; inside this package the same region is a :class:`.box.Box`
-(offsets and sizes). This module converts between the two and answers the seed's area
+(offsets and sizes). This module converts between the two and answers HyperParallel's area
 questions with the box arithmetic, so there is one intersection rule, not two.
 Not here: anything about ranks or layouts (:mod:`..sharding`).
 """
@@ -70,7 +70,7 @@ def chunk_to_area(chunk: Any) -> Area:
 def narrow_tensor_by_index(tensor: Any, offsets: Sequence[int], lengths: Sequence[int]) -> Any:
     """The view of ``tensor`` at ``offsets`` with ``lengths`` per dim (basic slicing, so a
     torch tensor or a numpy array gives a view). Empty ``offsets`` or ``lengths`` mean the
-    whole tensor, as in the seed.
+    whole tensor, as in HyperParallel's DCP.
 
     Raises:
         ValueError: ``offsets`` and ``lengths`` differ in length, or name more dims than ``tensor`` has.

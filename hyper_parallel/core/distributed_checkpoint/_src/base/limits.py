@@ -1,7 +1,7 @@
 """The bounds on what a checkpoint may describe, shared by every layer that checks them.
 
 ``.metadata`` (:mod:`..format.metadata`), layouts (:mod:`..sharding.layout`), MindSpore
-strategy files (:mod:`..sharding.mindspore_strategy`) and foreign headers (:mod:`..interop`)
+strategy files (:mod:`..interop.mindspore.strategy`) and foreign headers (:mod:`..interop`)
 refuse the same shapes, meshes and values: far beyond any real job, small enough that
 nothing a hostile file says makes a reader allocate, walk or recurse without bound. Only the
 numbers live here; each layer raises its own error naming where it read them.

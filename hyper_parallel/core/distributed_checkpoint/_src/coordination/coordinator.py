@@ -96,7 +96,7 @@ def new_gloo_group(ranks: Sequence[int] | None = None, timeout: timedelta | None
     connection five times, each waiting the group's timeout (a peer that stops or dies while
     connecting would otherwise surface only at 5x the timeout), and the group gets its full
     ``timeout`` for collectives once made. ``nice`` > 0 lowers the priority of the group's own
-    I/O threads (see :mod:`.priority`).
+    I/O threads (see :mod:`..base.priority`).
 
     Raises:
         RuntimeError: a member did not come, or was lost while connecting (torch's
@@ -233,7 +233,7 @@ class Coordinator:
         """Run ``fn`` here and learn every rank's outcome, without raising for failures.
 
         Returns ``([(kind, payload_or_failure) per rank], own exception or None)``: kind is
-        ``"ok"`` (payload is ``fn``'s result) or ``"error"`` (a :class:`~.errors.RankFailure`:
+        ``"ok"`` (payload is ``fn``'s result) or ``"error"`` (a :class:`~..base.errors.RankFailure`:
         the exception, its stack and a one-line description). Any
         ``BaseException`` of ``fn`` counts (a KeyboardInterrupt on one rank must not leave
         the others waiting). Raises LostContactError when the exchange itself fails.

@@ -36,7 +36,7 @@ from ..coordination.coordinator import Coordinator, as_timeout
 from ..format import metadata as md
 from ..format.torch_view import TorchView
 from ..format.values import check_user_metadata
-from ..planning.hyper_parallel_protocol import is_seed_planner, is_seed_reader
+from ..planning.hyper_parallel_protocol import is_hyper_parallel_planner, is_hyper_parallel_reader
 from ..planning.planner import LoadPlanner, SavePlanner
 from ..planning.torch_planners import as_our_planner
 from ..planning.torch_protocol import is_torch_planner
@@ -162,7 +162,7 @@ def save(
     # with code of their own run on torch's protocol
     storage_writer = as_our_writer(storage_writer, foreign_ok=True)
     planner = as_our_planner(planner, "save", foreign_ok=True)
-    if is_torch_writer(storage_writer) or is_torch_planner(planner, "save") or is_seed_planner(planner):
+    if is_torch_writer(storage_writer) or is_torch_planner(planner, "save") or is_hyper_parallel_planner(planner):
         if state_dict is None:
             raise ValueError("save() needs a state_dict")
         return _save_on_torch_protocol(state_dict, path, checkpoint_id, storage_writer, planner, coordination,
@@ -233,7 +233,7 @@ def _load_with_protocol_reader(state_dict: Any, path: PathLike | None, checkpoin
     in_flight.wait_for_saves_to(in_flight.place_of(chosen, reader))
     c = coordination
     if isinstance(state_dict, dict) and not state_dict and c.process_group is None and not (
-            is_torch_planner(planner, "load") or is_seed_planner(planner)):
+            is_torch_planner(planner, "load") or is_hyper_parallel_planner(planner)):
         return state_dict
     group = c.process_group if c.process_group is not None or c.no_dist else mesh_group(state_dict)
     coord = Coordinator(group, c.no_dist, c.coordinator_rank, c.timeout)
@@ -364,12 +364,12 @@ def load(
                                    broadcast_from_minimum_rank)
     storage_reader = as_our_reader(storage_reader, foreign_ok=True)
     planner = as_our_planner(planner, "load", foreign_ok=True)
-    # a reader with code of its own: torch's procedure (ours answer the seed's names too, and load as ours)
-    if is_torch_reader(storage_reader) or (is_seed_reader(storage_reader)
+    # a reader with code of its own: torch's procedure (ours answer HyperParallel's names too, and load as ours)
+    if is_torch_reader(storage_reader) or (is_hyper_parallel_reader(storage_reader)
                                            and not isinstance(storage_reader, StorageReader)):
         return _load_with_protocol_reader(state_dict, path, checkpoint_id, storage_reader, planner, coordination,
                                           read)
-    foreign_planner = is_torch_planner(planner, "load") or is_seed_planner(planner)
+    foreign_planner = is_torch_planner(planner, "load") or is_hyper_parallel_planner(planner)
     where = resolve_path(path, checkpoint_id, storage_reader)
     # an async save in flight to this place would commit under the reader (and remove the old files)
     in_flight.wait_for_saves_to(in_flight.place_of(where, storage_reader))

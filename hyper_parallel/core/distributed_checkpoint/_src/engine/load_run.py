@@ -33,7 +33,7 @@ from ..base.options import BroadcastOptions, Coordination, ReadOptions
 from ..coordination.coordinator import Coordinator
 from ..format import metadata as md
 from ..format.torch_view import TorchView
-from ..planning.hyper_parallel_protocol import is_seed_planner
+from ..planning.hyper_parallel_protocol import is_hyper_parallel_planner
 from ..planning.per_call import planner_for_call
 from ..planning.standard_planner import StandardPlanner
 from ..planning.torch_planners import leave_set_up
@@ -227,7 +227,7 @@ def load_on_torch_protocol(state_dict: Any, reader: Any, planner: Any, coord: Co
     torch's protocol (or HyperParallel's newer one), else torch's default planner with this
     library's ``strict`` (no target: everything, nested as saved)."""
     whole = state_dict is None
-    if not (is_torch_planner(planner, "load") or is_seed_planner(planner)):
+    if not (is_torch_planner(planner, "load") or is_hyper_parallel_planner(planner)):
         planner = torch_load_planner(planner, whole=whole, strict=strict)
     target = {} if whole else state_dict
     return run_load(target, reader, planner, coord, checkpoint_id=checkpoint_id, rank=rank,

@@ -1,7 +1,7 @@
 """A phase's result in two parts: what stays on this rank, and what the exchange carries.
 
 Every phase of a save or a load runs inside a cross-rank exchange
-(:meth:`..base.coordination.Coordinator.exchange`), so that a failure on one rank fails
+(:meth:`..coordination.coordinator.Coordinator.exchange`), so that a failure on one rank fails
 every rank at once. The exchange sends what the phase returns to the other ranks; but a
 phase also makes things only its own rank needs next (an open reader, this rank's plan, the
 target's flattened leaves), which cannot or should not travel. A phase therefore returns a

@@ -6,7 +6,7 @@ library's own path; a planner or storage object on torch DCP's protocol with hoo
 (a subclass of torch's ``DefaultLoadPlanner`` overriding ``resolve_tensor``, torch's
 ``_EmptyStateDictLoadPlanner``, a ``FileSystemWriter`` subclass with its own file system, any
 object implementing torch's ABCs, HyperParallel's newer names through
-:mod:`..planning.seed_protocol`) is run here instead, in torch's call order and with its
+:mod:`..planning.hyper_parallel_protocol`) is run here instead, in torch's call order and with its
 semantics:
 
 save (:func:`run_save`): ``storage_writer.reset(checkpoint_id)`` (when given) ->
@@ -33,7 +33,7 @@ The optional arguments are passed as torch 2.13 passes them: ``storage_meta`` on
 what torch asks its own classes when no storage is given; here the storage is chosen by
 :mod:`..backends.resolve` then, so it is not called.
 
-Every step runs inside an exchange of :class:`~..base.coordination.Coordinator`: a hook that
+Every step runs inside an exchange of :class:`~..coordination.coordinator.Coordinator`: a hook that
 raises on one rank fails every rank with the same :class:`~..base.errors.RankFailedError`
 (torch's ``CheckpointException``) whose ``failures`` map the rank to its exception and stack,
 a rank that never arrives fails the others after ``timeout``, and one process (``no_dist``, no

@@ -8,7 +8,7 @@ checkpoint (:func:`check_one_location`), and a save on a mesh's ranks only never
 checkpoint holding tensors it does not have (:func:`part_guard`).
 
 What it is not: the phases of the procedures (:mod:`.checkpoint`) nor the exchanges
-themselves (:mod:`..base.coordination`).
+themselves (:mod:`..coordination.coordinator`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Where one saved item's bytes lie: a file relative to the checkpoint, and a byte range in it.
 
-The record torch DCP's file storage keeps per item (``filesystem._StorageInfo``) and the seed's
-storage layer keeps as ``storage.StorageInfo``, plus the seed's ``tensor_key``: the item's name
+The record torch DCP's file storage keeps per item (``filesystem._StorageInfo``) and HyperParallel's
+storage layer keeps as ``storage.StorageInfo``, plus HyperParallel's ``tensor_key``: the item's name
 inside a container file (a safetensors file names its tensors). Our own ``.metadata`` records
-chunk places in :mod:`.chunks`; this record serves code written against the seed or torch.
+chunk places in :mod:`.chunks`; this record serves code written against HyperParallel's DCP or torch.
 """
 
 from __future__ import annotations

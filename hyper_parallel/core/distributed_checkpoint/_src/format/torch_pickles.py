@@ -24,7 +24,7 @@ loader's check before a load allocates from what ``.metadata`` says, and ``impor
 
 What it is not: our own format (:mod:`.metadata`), the reader that applies these to a torch
 checkpoint's files (:mod:`..backends.torch_format`), the export to torch's format
-(:mod:`..interop.torch_dcp`).
+(:mod:`..interop.torch.exporting`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Upgrading checkpoint metadata records written by older versions of the seed's format.
+"""Upgrading checkpoint metadata records written by older versions of HyperParallel's format.
 
 HyperParallel's DCP stamps its pickled metadata record with a ``version`` string ("2.0" today);
 records pickled before the stamp existed carry none, and count as "1.0". A reader hands what it
@@ -7,9 +7,9 @@ until the record is current, so every later step reads one shape only. A version
 (older than the first rule, or newer than this code) fails at once with a ValueError naming the
 version, because guessing at an unknown layout would load wrong data silently.
 
-The records this accepts are the ones the package serves at the seed's ``metadata.Metadata``
+The records this accepts are the ones the package serves at HyperParallel's ``metadata.Metadata``
 path: our format record (:class:`.metadata.Metadata`, whose ``version`` is the format's integer)
-and torch DCP's ``Metadata`` (the seed's record has torch's fields). Not here: our own
+and torch DCP's ``Metadata`` (HyperParallel's record has torch's fields). Not here: our own
 ``.metadata`` JSON versions, which :mod:`.metadata` upgrades while it parses.
 """
 
@@ -38,7 +38,7 @@ def metadata_record_types() -> tuple[type, ...]:
 
 
 def effective_version(metadata: Any) -> str:
-    """The version of ``metadata`` as the seed writes it ("1.0", "2.0", ...).
+    """The version of ``metadata`` as HyperParallel's DCP writes it ("1.0", "2.0", ...).
 
     Only the instance's own ``version`` counts: a record unpickled from before the field
     existed has none, and the class default must not hide that (it is "1.0"). ``None`` (torch's

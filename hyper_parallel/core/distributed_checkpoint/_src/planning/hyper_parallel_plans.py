@@ -3,7 +3,7 @@
 HyperParallel's newer DCP drives a planner itself, with its own names and plan records, and its
 code builds ``StandardSavePlanner``/``StandardLoadPlanner`` and calls them directly. Those two
 names are our :class:`~.standard_planner.StandardPlanner`, which gets these calls from
-:class:`SeedPlannerCalls` (one object serves both: ``configure_planner`` with a ``metadata``
+:class:`HyperParallelPlannerCalls` (one object serves both: ``configure_planner`` with a ``metadata``
 sets it up for a load, without one for a save):
 
 =====================================================  ============================================
@@ -78,7 +78,7 @@ from .ragged_items import create_ragged_write_items, get_ragged_box_tensor
 from .records import LoadItemType, LoadPlan, ReadItem, SavePlan, WriteItem, WriteItemType
 from .replica_sources import mark_sources, shard_sources
 
-__all__ = ["SeedPlannerCalls", "create_read_items_for_chunk_list", "is_on_host", "use_patch_points",
+__all__ = ["HyperParallelPlannerCalls", "create_read_items_for_chunk_list", "is_on_host", "use_patch_points",
            "plain_loads"]
 
 _patch_points: Any = None
@@ -195,7 +195,7 @@ def _tensor_item(fqn: str, chunk: ChunkStorageMetadata, dtype: torch.dtype, size
                                   "size": torch.Size(size)})
 
 
-class SeedPlannerCalls:
+class HyperParallelPlannerCalls:
     """HyperParallel's planner calls (see the module docstring), mixed into StandardPlanner.
 
     Uses the planner's ``enable_plan_caching``, ``allow_partial_load``, ``allow_pickle``,

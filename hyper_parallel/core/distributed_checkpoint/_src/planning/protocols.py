@@ -6,7 +6,7 @@ implements torch's hooks (``set_up_planner``, ``create_local_plan``, ``create_gl
 ``finish_plan``, ``resolve_data`` / ``resolve_tensor``, ``commit_tensor``, ``load_bytes``) and is
 held to torch's abstract methods; one written for HyperParallel implements its names
 (``configure_planner``, ``build_local_plan``, ``build_global_plan``, ``finalize_plan``, ...) and is
-run by them (:mod:`.seed_protocol`). Either runs under this library's ``save``/``load``.
+run by them (:mod:`.hyper_parallel_protocol`). Either runs under this library's ``save``/``load``.
 
 This library's own planners plan in boxes on another protocol (:mod:`.planner`,
 ``StandardPlanner``); they are not subclasses of these.
@@ -26,10 +26,10 @@ SEED_PLANNER_NAMES = ("configure_planner", "build_local_plan", "build_global_pla
 class SavePlanner(_torch_planner.SavePlanner, metaclass=EitherProtocol):
     """torch DCP's ``SavePlanner`` (see the module docstring for HyperParallel's form)."""
 
-    _SEED_NAMES = SEED_PLANNER_NAMES
+    _HYPER_PARALLEL_NAMES = SEED_PLANNER_NAMES
 
 
 class LoadPlanner(_torch_planner.LoadPlanner, metaclass=EitherProtocol):
     """torch DCP's ``LoadPlanner`` (see the module docstring for HyperParallel's form)."""
 
-    _SEED_NAMES = SEED_PLANNER_NAMES
+    _HYPER_PARALLEL_NAMES = SEED_PLANNER_NAMES

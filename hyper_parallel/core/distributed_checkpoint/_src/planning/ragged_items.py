@@ -1,9 +1,9 @@
-"""The seed's RaggedShard checkpoint helpers, as its planners and tests call them.
+"""HyperParallel's RaggedShard checkpoint helpers, as its planners and tests call them.
 
 HyperParallel's ``distributed_checkpoint.ragged_utils`` turns a RaggedShard DTensor into the
-ordinary N-D boxes its flat run is saved as, in the seed's records: ``(offsets, sizes)``
+ordinary N-D boxes its flat run is saved as, in HyperParallel's records: ``(offsets, sizes)``
 pairs, :class:`RaggedCheckpointBox` (a box plus the slice of the local flat tensor that holds
-it), and seed-form write items (torch's ``WriteItem`` with the seed's ``tensor_data`` dict:
+it), and HyperParallel-form write items (torch's ``WriteItem`` with HyperParallel's ``tensor_data`` dict:
 ``chunk``, ``properties``, ``size``). Our own planner does not use these records (it plans
 boxes directly, :mod:`.standard_planner`); the geometry is the same code
 (:mod:`..sharding.ragged`).
@@ -68,8 +68,8 @@ def compute_ragged_boxes(tensor: DTensor) -> tuple[RaggedCheckpointBox, ...]:
 
 
 def create_ragged_write_items(fqn: str, tensor: DTensor) -> list[Any]:
-    """One seed-form write item per box of this rank's run: ``index`` is
-    ``MetadataIndex(fqn, box offsets)``, ``tensor_data`` the seed's dict (``chunk``: the box,
+    """One HyperParallel-form write item per box of this rank's run: ``index`` is
+    ``MetadataIndex(fqn, box offsets)``, ``tensor_data`` HyperParallel's dict (``chunk``: the box,
     ``properties``: the dtype, ``size``: the global shape)."""
     properties = TensorProperties(dtype=tensor.dtype)
     size = torch.Size(tensor.shape)

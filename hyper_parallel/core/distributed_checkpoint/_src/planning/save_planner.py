@@ -101,7 +101,7 @@ class BoxSavePlanner(BoxPlannerBase, SavePlanner):
     def _enable_plan_caching(self) -> bool:
         """Whether ``cache_result``/``get_cached`` keep and give plans (HyperParallel's name):
         ``enable_plan_caching`` unless HyperParallel's ``configure_planner`` turned it off
-        (:mod:`.seed_plans`)."""
+        (:mod:`.hyper_parallel_plans`)."""
         return self.__dict__.get("_seed_plan_caching", self.enable_plan_caching)
 
     @_enable_plan_caching.setter

@@ -3,14 +3,14 @@
 Save planning is :class:`~.save_planner.BoxSavePlanner`'s, load planning
 :class:`~.load_planner.BoxLoadPlanner`'s (the options and key renaming both share:
 :mod:`.planner_base`); :class:`StandardPlanner` is both at once, with HyperParallel's planner
-calls (:mod:`.seed_plans`) on top. ``StandardSavePlanner`` and ``StandardLoadPlanner``
+calls (:mod:`.hyper_parallel_plans`) on top. ``StandardSavePlanner`` and ``StandardLoadPlanner``
 (HyperParallel's names) are this same class.
 """
 
 from __future__ import annotations
 
 from ..state.topology_mapper import MapperLike
-from .hyper_parallel_plans import SeedPlannerCalls
+from .hyper_parallel_plans import HyperParallelPlannerCalls
 from .load_planner import BoxLoadPlanner
 from .planner_base import check_flags
 from .save_planner import BoxSavePlanner
@@ -18,11 +18,11 @@ from .save_planner import BoxSavePlanner
 __all__ = ["StandardPlanner", "StandardSavePlanner", "StandardLoadPlanner"]
 
 
-class StandardPlanner(SeedPlannerCalls, BoxSavePlanner, BoxLoadPlanner):
+class StandardPlanner(HyperParallelPlannerCalls, BoxSavePlanner, BoxLoadPlanner):
     """The default planner for save and load.
 
     HyperParallel's planner calls (``configure_planner``, ``build_local_plan``, ...) work on it
-    too, for code that drives a planner itself (:mod:`.seed_plans`).
+    too, for code that drives a planner itself (:mod:`.hyper_parallel_plans`).
 
     Why a subclass of both planners (not an object holding one of each): one object serves a
     save and a load, as HyperParallel's code and ours pass it to both, so it stays an instance
@@ -31,7 +31,7 @@ class StandardPlanner(SeedPlannerCalls, BoxSavePlanner, BoxLoadPlanner):
     method that save or load calls, with no forwarding that could bypass it; and the plan
     cache's scope (``cache_key``: the class's name and the options) stays this class's. It
     defines no planning of its own: every method it has is the split planners' (or
-    :class:`~.seed_plans.SeedPlannerCalls`'), so the two cannot drift apart.
+    :class:`~.hyper_parallel_plans.HyperParallelPlannerCalls`'), so the two cannot drift apart.
 
     Hooks for subclasses: :meth:`transform_key` (rename or drop one key) or, for changes
     that need the whole map, :meth:`transform_state_dict` (called on save and on load with
@@ -58,7 +58,7 @@ class StandardPlanner(SeedPlannerCalls, BoxSavePlanner, BoxLoadPlanner):
             ``remove_redundancy``: HyperParallel's name. Replicated chunks are always written
             once.
         broadcast_replicated_tensors: HyperParallel's load option for plans it drives itself
-            (:mod:`.seed_plans`): mark shards several ranks load the same for one reader. Our
+            (:mod:`.hyper_parallel_plans`): mark shards several ranks load the same for one reader. Our
             ``load`` shares such reads whatever this says.
         dedup_save_to_lowest_rank: torch DCP's option (``save_to_minimum_rank``: HyperParallel's
             name). False (default): a tensor held whole by several ranks (a plain tensor, a

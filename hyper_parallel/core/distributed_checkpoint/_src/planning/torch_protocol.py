@@ -21,7 +21,7 @@ that does not override ``load_bytes``) gets one that decodes with ``weights_only
 instead (``allow_pickle=True``: the caller's opt-in to torch's way).
 
 What it is not: the mapping of torch's unmodified planners onto our fast path
-(:mod:`.torch_planners`), HyperParallel's newer protocol names (:mod:`.seed_protocol`).
+(:mod:`.torch_planners`), HyperParallel's newer protocol names (:mod:`.hyper_parallel_protocol`).
 """
 
 from __future__ import annotations

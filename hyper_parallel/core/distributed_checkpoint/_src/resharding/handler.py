@@ -1,8 +1,8 @@
 """HyperParallel's ``ReshardHandler``: assemble one rank's slice of a tensor from another layout's slices.
 
-The seed's ``reshard.ReshardHandler`` answers, for one parameter, "which parts of which source
+HyperParallel's ``reshard.ReshardHandler`` answers, for one parameter, "which parts of which source
 ranks' slices make up the slice this target rank holds?" and then pastes those parts
-together. It works on array slices in memory (numpy, as in the seed; torch tensors too), with
+together. It works on array slices in memory (numpy, as in HyperParallel's DCP; torch tensors too), with
 layouts given as MindSpore-style ``(mesh_shape, tensor_map, rank_list)``. Use it in two steps:
 
 1. :meth:`ReshardHandler.infer_all_tensor_offset` -> ``{source rank: area within that rank's
@@ -12,7 +12,7 @@ layouts given as MindSpore-style ``(mesh_shape, tensor_map, rank_list)``. Use it
 
 Not here: reading checkpoints (our online load and :func:`.reshard.reshard` do that with
 boxes, uneven splits included). The geometry is :mod:`..sharding.tensor_map_areas`: splits
-must be even, as in the seed.
+must be even, as in HyperParallel's DCP.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..sharding.tensor_map_areas import infer_slice_area_by_rank, rank_id_to_dev
 
 __all__ = ["ReshardHandler", "check_layout"]
 
-# (attribute names accepted, the seed's name used in messages)
+# (attribute names accepted, HyperParallel's name used in messages)
 _REQUIRED = ((("mesh_shape",), "mesh_shape"), (("_tensor_map", "tensor_map"), "_tensor_map"),
              (("_rank_list", "rank_list"), "_rank_list"))
 

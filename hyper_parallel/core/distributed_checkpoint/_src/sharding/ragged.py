@@ -20,7 +20,7 @@ as long as the global shape (and stride) are given: ``DTensor.from_local(flat, m
 (``__create_chunk_list__`` would call it replicated), so this package computes the boxes
 itself; DTensor operators that redistribute are not supported on such a tensor.
 
-Supported layouts (as the seed's first phase): one RaggedShard mesh dim, every other mesh
+Supported layouts (as HyperParallel's first phase): one RaggedShard mesh dim, every other mesh
 dim ``Replicate``.
 """
 
@@ -85,7 +85,7 @@ class RaggedShard(Placement):
         return self._local_units
 
     def is_ragged_shard(self) -> bool:
-        """True: this placement is a RaggedShard (the seed's predicate)."""
+        """True: this placement is a RaggedShard (HyperParallel's predicate)."""
         return True
 
     def __eq__(self, other: object) -> bool:

@@ -3,8 +3,8 @@
 HyperParallel's ``reshard`` module works on three plain values instead of a layout object:
 ``mesh_shape`` (ranks per mesh dim), ``tensor_map`` (per tensor dim: ``-1`` for whole, or the
 mesh dim that splits it *counted from the last*, or a tuple of those, outermost first) and a
-*position* in the mesh (``0 .. prod(mesh_shape) - 1``, row-major; the seed calls it the inner
-rank id). The split is even: a dim its splitting ranks do not divide is refused, as the seed
+*position* in the mesh (``0 .. prod(mesh_shape) - 1``, row-major; HyperParallel's DCP calls it the inner
+rank id). The split is even: a dim its splitting ranks do not divide is refused, as HyperParallel's DCP
 refuses it. (:class:`.layout.TensorLayout` is the same geometry with torch's uneven
 ``torch.chunk`` rule; it is what our save and load use.)
 """

@@ -1,12 +1,12 @@
 """Nested state dicts walked the way HyperParallel's and torch DCP's helpers walk them.
 
-The seed's ``utils.traverse_state_dict`` / ``flatten_state_dict`` / ``set_element`` name a
+HyperParallel's ``utils.traverse_state_dict`` / ``flatten_state_dict`` / ``set_element`` name a
 leaf by its *object path*: a tuple of dict keys (as str) and list indices (as int), e.g.
 ``("model", "layers", 0, "weight")``; its flat key is that path joined by dots. Their rule
 for what a leaf is differs from our save's (:mod:`.flatten`): every mapping is descended,
 even one without tensors (an empty one yields nothing), and a list or tuple is descended only
 when it holds a tensor or a mapping somewhere; otherwise it is one leaf. Code written against
-the seed relies on that rule, so it is kept here; our save and load keep theirs.
+HyperParallel's DCP relies on that rule, so it is kept here; our save and load keep theirs.
 
 :func:`set_element` shares :func:`.flatten.set_at` with our load's :func:`.flatten.unflatten`.
 """

@@ -19,9 +19,9 @@ accepted, and which way it maps:
 
 Names nothing maps stay as they are; two names mapped to one is an error naming both.
 
-The seed's form, ``TopologyMapper(target_to_checkpoint_fqn={...})``, is the same class; its
+HyperParallel's form, ``TopologyMapper(target_to_checkpoint_fqn={...})``, is the same class; its
 :meth:`TopologyMapper.compute_required_shards` plans one tensor's reads in torch DCP's
-``ReadItem`` terms (which are the seed's): for each chunk a rank holds, the overlap with every
+``ReadItem`` terms (which are HyperParallel's): for each chunk a rank holds, the overlap with every
 saved chunk of the mapped name.
 
 Example — stage 1 of a PP=2 model whose stages hold 4 layers each::

@@ -19,7 +19,7 @@ module carries that out, in the shape HyperParallel's ``broadcast`` module has:
 It is not :mod:`.shared_reads`, which is what our own ``load`` uses: that one shares any
 replicated region (cut into slabs) with point-to-point messages planned from an exchange of
 needs, and needs no marks in the plan. This one serves plans that carry the marks (the
-seed's planners), with one broadcast per whole shard.
+HyperParallel's planners), with one broadcast per whole shard.
 
 The backend calls go through a :class:`BroadcastOps` record rather than module globals, so a
 face (``distributed_checkpoint.broadcast``) can hand in the names it exposes and a test can

@@ -79,7 +79,7 @@ class WriteResult:
     known_reused: dict[tuple[str, int], Any] = field(default_factory=dict)
     verdicts: dict[tuple[str, int], Verdict] = field(default_factory=dict)  # every chunk's check (see .unchanged)
     stats: UnchangedStats | None = None
-    # The per-item form torch DCP's and the seed's storage layers use (keyword only, so the
+    # The per-item form torch DCP's and HyperParallel's storage layers use (keyword only, so the
     # fields above keep their places): the item written (a MetadataIndex), its byte count, and
     # where it lies (a format.storage_info.StorageInfo). Our own writers leave them None.
     index: Any = field(default=None, kw_only=True)

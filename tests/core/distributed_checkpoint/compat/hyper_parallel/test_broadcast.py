@@ -1,4 +1,4 @@
-"""The seed's read-and-broadcast pipeline (``distributed_checkpoint.broadcast``, real code in
+"""HyperParallel's read-and-broadcast pipeline (``distributed_checkpoint.broadcast``, real code in
 ``transfer/broadcasts.py``): shard order, in-flight limit, groups, batching, and a real load
 walk on 2 gloo ranks where each shard is read by one rank and lands on both."""
 
@@ -22,7 +22,7 @@ from hyper_parallel.core.distributed_checkpoint._src.transfer.broadcasts import 
 
 @dataclass(frozen=True)
 class Read:
-    """A read item with the two fields the pipeline uses (the seed's ReadItem has more)."""
+    """A read item with the two fields the pipeline uses (HyperParallel's ReadItem has more)."""
 
     dest_index: MetadataIndex
     source: planner.BroadcastSource | None = None

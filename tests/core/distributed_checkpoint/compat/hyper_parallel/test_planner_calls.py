@@ -22,7 +22,7 @@ from hyper_parallel.core.distributed_checkpoint._src.base.errors import (
     StateDictMismatchError,
     UnsupportedValueError,
 )
-from hyper_parallel.core.distributed_checkpoint._src.planning.hyper_parallel_protocol import is_seed_planner
+from hyper_parallel.core.distributed_checkpoint._src.planning.hyper_parallel_protocol import is_hyper_parallel_planner
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     CHUNK_INFO,
     BytesStorageMetadata,
@@ -44,7 +44,7 @@ def _saved(fqn: str, shape: tuple, chunks: list[tuple[tuple, tuple]], dtype: str
 def test_our_planner_answers_hyperparallel_names_and_still_plans_as_ours():
     planner = StandardPlanner()
     assert callable(planner.configure_planner) and callable(planner.build_global_plan)
-    assert not is_seed_planner(planner)  # save()/load() keep running it on our own procedure
+    assert not is_hyper_parallel_planner(planner)  # save()/load() keep running it on our own procedure
 
 
 def test_a_save_plan_holds_a_write_item_per_tensor_chunk_and_one_per_other_value():

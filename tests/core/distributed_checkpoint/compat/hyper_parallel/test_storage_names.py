@@ -1,4 +1,4 @@
-"""The seed's storage names: ``storage.METADATA_FILE_NAME``, ``StorageInfo``, the per-item
+"""HyperParallel's storage names: ``storage.METADATA_FILE_NAME``, ``StorageInfo``, the per-item
 ``WriteResult(index=, storage_data=)``, and ``hf_storage``'s header and index names (torch's
 values), beside the names our own storage and torch's keep."""
 

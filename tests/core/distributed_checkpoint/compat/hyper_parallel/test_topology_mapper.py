@@ -1,4 +1,4 @@
-"""TopologyMapper at the seed's path: the seed's constructor and compute_required_shards, on
+"""TopologyMapper at HyperParallel's path: HyperParallel's constructor and compute_required_shards, on
 the same class ours (callables, regex rules) uses, so both callers get what they expect."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HyperParallel's ``distributed_checkpoint.utils`` helpers at their seed path (issue 43 item 4),
+"""HyperParallel's ``distributed_checkpoint.utils`` helpers at their HyperParallel's path (issue 43 item 4),
 beside torch's ``utils`` names, which keep working."""
 
 from __future__ import annotations

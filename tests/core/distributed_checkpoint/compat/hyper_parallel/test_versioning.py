@@ -1,6 +1,6 @@
-"""migrate_metadata at the seed's path: a chain of one-step rules up to the current version.
+"""migrate_metadata at HyperParallel's path: a chain of one-step rules up to the current version.
 
-The seed's record has torch DCP's fields (``state_dict_metadata``, ``version``), so torch's
+HyperParallel's record has torch DCP's fields (``state_dict_metadata``, ``version``), so torch's
 ``Metadata`` stands for it here; our format record (integer ``version``) is accepted too.
 """
 

@@ -1,4 +1,4 @@
-"""checkpoint_io at the seed's path: a flat dict of tensors to one file and back, safetensors
+"""checkpoint_io at HyperParallel's path: a flat dict of tensors to one file and back, safetensors
 by default, torch.save when asked, never an unrestricted unpickle."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ torch's names), every tensor whole, and ``model.safetensors.index.json`` (``weig
 index is complete. Each output file is written atomically (a temporary name, then renamed).
 
 Memory: the tensors of one output file at a time (read with the loader's checked, parallel
-reads from whichever shards hold them: :class:`~.huggingface.TorchShardedSafetensorsReader`),
+reads from whichever shards hold them: :class:`~.reader.TorchShardedSafetensorsReader`),
 never the whole model. On every rank (:func:`consolidate_safetensors_files_on_every_rank`),
 rank ``r`` of ``n`` writes the files whose index is ``r`` modulo ``n``; a failure on any rank
 fails every rank, naming it, and no index is written.
@@ -18,8 +18,8 @@ Unlike torch's: tensors of any dtype (torch's needs a floating one), ``fqn_to_in
 may be None (one file), a mapped key the shards lack is an error naming it, and checkpoint
 keys the mapping leaves out are named in a warning (torch drops them silently).
 
-What it is not: the sharded reader (:mod:`.huggingface`) nor the writer that skips this pass
-altogether (:class:`~.hf_writer.HuggingFaceStorageWriter` with ``enable_consolidation=True``).
+What it is not: the sharded reader (:mod:`.reader`) nor the writer that skips this pass
+altogether (:class:`~.writer.HuggingFaceStorageWriter` with ``enable_consolidation=True``).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def consolidate_safetensors_files_on_every_rank(input_dir: str | os.PathLike, ou
                                                 num_threads: int = 1, process_group: Any = None) -> None:
     """:func:`consolidate_safetensors_files` with the output files shared among the ranks of
     ``process_group`` (every rank calls it; alone without a process group). Raises on every
-    rank, as :class:`~.errors.RankFailedError`, what failed on any."""
+    rank, as :class:`~..errors.RankFailedError`, what failed on any."""
     _consolidate(os.fspath(input_dir), os.fspath(output_dir), fqn_to_index_mapping, num_threads,
                  Coordinator(process_group))
 

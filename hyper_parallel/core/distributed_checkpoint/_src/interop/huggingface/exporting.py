@@ -5,8 +5,8 @@
 ``save_pretrained`` lays them out, and swaps them in so that a crash leaves the earlier
 export or the new one, never a mix.
 
-Not here: the safetensors bytes (:mod:`..format.safetensors`), the directory's names and
-index (:mod:`.hf_index`), reading HF checkpoints (:mod:`.huggingface`, :mod:`.hf_import`).
+Not here: the safetensors bytes (:mod:`...format.safetensors`), the directory's names and
+index (:mod:`.index`), reading HF checkpoints (:mod:`.reader`, :mod:`.importing`).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def swap_in_export(dst_dir: str | os.PathLike, written: list[tuple[str, str]], i
 
     1. the old index goes first (without an index, readers take shards named ``-of-N`` only as
        one whole set, and none while a file of this export is under its temporary name:
-       :func:`.hf_index.indexless_files`), and so
+       :func:`.index.indexless_files`), and so
        does an old ``model.safetensors`` the new export does not replace (transformers would
        take it over the new index);
     2. the new shards take their names, the directory is synced;

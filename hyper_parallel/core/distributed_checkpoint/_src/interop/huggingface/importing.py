@@ -1,12 +1,12 @@
 """Hugging Face import: a safetensors checkpoint (a directory or one file) read whole, or
 streamed into a checkpoint of this format one tensor at a time.
 
-Every file's header is validated by the one parser (:func:`~..format.safetensors.check_safetensors_file`)
+Every file's header is validated by the one parser (:func:`~...format.safetensors.check_safetensors_file`)
 before the ``safetensors`` library opens it; the tensors are then read with ``safe_open``,
 each file opened once (it parses the whole header on every open).
 
-Not here: loading an HF directory straight into a model (:mod:`.huggingface`), the export
-(:mod:`.hf_export`).
+Not here: loading an HF directory straight into a model (:mod:`.reader`), the export
+(:mod:`.exporting`).
 """
 
 from __future__ import annotations

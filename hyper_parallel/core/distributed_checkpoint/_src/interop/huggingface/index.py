@@ -10,8 +10,8 @@ shard missing, two sets, or the temporary file of an export not yet in place is 
 a download that did not finish, and is refused naming what is missing. The import tools
 (:func:`local_sources`) still take numbered shards only through their index.
 
-Not here: the safetensors bytes (:mod:`..format.safetensors`), reading the tensors
-(:mod:`.huggingface`, :mod:`.hf_import`), writing them (:mod:`.hf_export`).
+Not here: the safetensors bytes (:mod:`...format.safetensors`), reading the tensors
+(:mod:`.reader`, :mod:`.importing`), writing them (:mod:`.exporting`).
 """
 
 from __future__ import annotations

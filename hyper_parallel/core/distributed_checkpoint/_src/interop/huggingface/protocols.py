@@ -1,6 +1,6 @@
 """The safetensors-directory readers on the two other reader protocols: HyperParallel's and torch DCP's.
 
-Our loader drives :class:`~.huggingface.HuggingFaceStorageReader` (and its subclasses) through our
+Our loader drives :class:`~.reader.HuggingFaceStorageReader` (and its subclasses) through our
 own protocol: the directory presented as our document (``read_metadata_bytes``), byte ranges
 read by the loader. Code written for HyperParallel's newer DCP, and torch's own loader, drive a
 reader themselves, with their own calls. :class:`ProtocolReads` gives the readers those calls:
@@ -9,7 +9,7 @@ reader themselves, with their own calls. :class:`ProtocolReads` gives the reader
 HyperParallel                                       torch DCP
 ==================================================  =================================================
 ``load_metadata(**kw)``: HyperParallel's            ``read_metadata()``: torch's ``Metadata``, a view
-``Metadata`` (:func:`seed_metadata`)                of our document (:class:`~..format.torch_view.TorchView`)
+``Metadata`` (:func:`seed_metadata`)                of our document (:class:`~...format.torch_view.TorchView`)
 ``configure_reader(md, is_coordinator=, rank=)``    ``set_up_storage_reader(md, is_coordinator, rank=)``
 ``optimize_local_plan`` / ``optimize_global_plan``  ``prepare_local_plan`` / ``prepare_global_plan``
 ``execute_read(plan, planner)``                     ``read_data(plan, planner)`` -> a completed ``Future``
@@ -17,22 +17,22 @@ HyperParallel                                       torch DCP
 ==================================================  =================================================
 
 Both reads carry out the plan's ``ReadItem``\\ s (torch's form, or HyperParallel's, which is the same
-record class here) with :func:`~..transfer.torch_reads.read_torch_items`: each item is the
+record class here) with :func:`~...transfer.torch_reads.read_torch_items`: each item is the
 region ``storage_index.offset + storage_offsets``, ``lengths`` long, of the saved tensor, read
 with the loader's checked, parallel reads from whichever files hold it, converted to the dtype
 of the tensor the planner gives. A planner is called by HyperParallel's hook names where it has
 them (``acquire_tensor`` / ``apply_tensor`` / ``apply_bytes``), else by torch's
 (``resolve_tensor`` / ``commit_tensor`` / ``load_bytes``; ``apply_bytes`` gets the bytes of the
-``torch.save`` stream ``load_bytes`` would, as :class:`~..planning.seed_protocol.SeedLoadPlanner`
+``torch.save`` stream ``load_bytes`` would, as :class:`~...planning.hyper_parallel_protocol.HyperParallelLoadPlanner`
 hands them; safetensors files hold no byte items). A plan of this library's own planner
-(:class:`~..planning.standard_planner.StandardPlanner`) is read by the loader and finished
+(:class:`~...planning.standard_planner.StandardPlanner`) is read by the loader and finished
 (``finish_load``), so the same calls also run our planner.
 
 Every rank reads every item of its own plan: a replicated region is read by each rank that needs
 it (``load`` shares such reads; these protocols leave that to the caller).
 
-What it is not: the readers themselves (:mod:`.huggingface`), nor the call order of a load on
-these protocols (:mod:`..engine.protocol_run`, torch's ``load``).
+What it is not: the readers themselves (:mod:`.reader`), nor the call order of a load on
+these protocols (:mod:`...engine.protocol_run`, torch's ``load``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ...format import metadata as md
 from ...format.chunks import all_chunks
 from ...format.records import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
 from ...format.storage_info import StorageInfo
-from ...planning.hyper_parallel_protocol import SeedLoadPlanner
+from ...planning.hyper_parallel_protocol import HyperParallelLoadPlanner
 from ...planning.planner import LoadPlan as BoxPlan
 from ...transfer.loader import read_plan
 from ...transfer.torch_reads import read_torch_items
@@ -65,7 +65,7 @@ def seed_metadata(document: md.Metadata) -> Metadata:
     file, one per shard for torch's shards), and ``storage_data[MetadataIndex(key, chunk
     offsets)] = StorageInfo(relative_path=file, offset=0, length=-1, tensor_key=key)``. An empty
     tensor has one empty chunk at the origin and no ``storage_data`` entry (no file holds bytes of
-    it). The document stays reachable as ``.document``, as on the torch view.
+    it). The document stays reachable as ``..document``, as on the torch view.
     """
     state: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, StorageInfo] = {}
@@ -91,15 +91,15 @@ def seed_metadata(document: md.Metadata) -> Metadata:
 def _torch_named(planner: Any) -> Any:
     """``planner`` as read_torch_items calls it (torch's names): one with HyperParallel's names
     (``acquire_tensor``, ...) is called by those, through seed_protocol's adapter."""
-    if isinstance(planner, SeedLoadPlanner) or not callable(getattr(planner, "acquire_tensor", None)):
+    if isinstance(planner, HyperParallelLoadPlanner) or not callable(getattr(planner, "acquire_tensor", None)):
         return planner
-    return SeedLoadPlanner(planner)
+    return HyperParallelLoadPlanner(planner)
 
 
 class ProtocolReads:
     """HyperParallel's and torch's reader calls on a reader of ours that presents its files as our
     document (``read_metadata_bytes``; see the module docstring). Mixed into
-    :class:`~.huggingface.HuggingFaceStorageReader`.
+    :class:`~.reader.HuggingFaceStorageReader`.
 
     The document the reads resolve items through is the one the last ``load_metadata`` /
     ``read_metadata`` built (or the one the metadata given to ``configure_reader`` /
@@ -118,7 +118,7 @@ class ProtocolReads:
 
         Raises what ``read_metadata_bytes`` raises: FileNotFoundError (no checkpoint, a file the
         index names is missing), ValueError (a malformed header or index, a directory of the
-        other kind); each also a :class:`~..base.errors.CheckpointError`.
+        other kind); each also a :class:`~...base.errors.CheckpointError`.
         """
         return seed_metadata(self._describe())
 

@@ -8,7 +8,7 @@ once to float32 and then to ``target_dtype`` (torch's ``QuantizedHuggingFaceStor
 computes exactly this, so both give the same bits).
 
 How it fits the loader: :class:`QuantizedHuggingFaceStorageReader` is a
-:class:`~.huggingface.HuggingFaceStorageReader` whose metadata presents each quantized weight
+:class:`~.reader.HuggingFaceStorageReader` whose metadata presents each quantized weight
 as a tensor of ``target_dtype`` held whole in a *virtual file* of its own
 (``dequantized-<n>-<name>``: the n-th quantized weight in name order). The loader plans and
 reads that file like any other; a read of virtual bytes ``[a, b)`` (elements ``a / itemsize``

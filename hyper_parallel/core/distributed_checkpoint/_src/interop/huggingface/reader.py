@@ -7,7 +7,7 @@ Two kinds of directory, one reader each (what makes one kind valid makes the oth
   ``model.safetensors.index.json`` names; every tensor whole in one file. Nothing else in the
   directory is read (a stray ``consolidated.safetensors`` beside them is ignored). Without
   either, every ``*.safetensors`` file, as torch's reader reads it, where the names show the
-  set is whole (:func:`.hf_index.indexless_files`: no numbered shard of the set missing).
+  set is whole (:func:`.index.indexless_files`: no numbered shard of the set missing).
 - ``load(sd, storage_reader=TorchShardedSafetensorsReader(dir))`` reads what torch's
   ``HuggingFaceStorageWriter(path, save_distributed=True)`` writes before consolidating:
   every ``*.safetensors`` file of the directory holds some ranks' shards, under the tensors'
@@ -18,12 +18,12 @@ No conversion step, no copy.
 
 How foreign files fit the loader: the reader *presents* the directory as a checkpoint of
 this library. Its ``read_metadata_bytes`` parses the safetensors headers and returns a format-v2
-``.metadata`` in which every tensor is one table-stored chunk (its whole box) in one file
+``..metadata`` in which every tensor is one table-stored chunk (its whole box) in one file
 record per safetensors file (for torch's shards: one table chunk per shard, each file's shard
 of a key having id 0 in that file); each record's "index" is the file's JSON header (offset
 8, its length and crc32c). On every rank, ``file_index`` reads a file's header again, checks
 it against that crc32c (a file rewritten while loading is an error, not a mix of two
-versions) and returns an :class:`~.data_file.UncheckedIndex`: where each tensor's bytes start. From
+versions) and returns an :class:`~..data_file.UncheckedIndex`: where each tensor's bytes start. From
 there the loader is the ordinary one: a rank intersects its targets with the chunks and
 reads only the overlapping byte ranges (a ``Shard(0)`` rank reads only its rows), a target
 of another dtype is converted, and ``strict`` behaves as for any checkpoint.
@@ -149,8 +149,8 @@ def torch_saved_offsets(header: SafetensorsHeader, where: str,
 
 
 class _LocalFiles(LocalFiles, StorageReader):
-    """:class:`~..format.safetensors.LocalFiles` as a storage reader: a local directory read by
-    :class:`HuggingFaceStorageReader`. Unlike :class:`~..backends.filesystem.FileSystemReader`
+    """:class:`~...format.safetensors.LocalFiles` as a storage reader: a local directory read by
+    :class:`HuggingFaceStorageReader`. Unlike :class:`~...backends.filesystem.FileSystemReader`
     it follows symbolic links (the Hugging Face hub cache). Names come only from the index
     (validated plain names) or are fixed.
     """
@@ -171,7 +171,7 @@ class _LocalFiles(LocalFiles, StorageReader):
 class HuggingFaceStorageReader(ProtocolReads, StorageReader):
     """Reads a Hugging Face safetensors checkpoint directory as if it were a checkpoint of ours.
 
-    Pass it to :func:`~.api.load` instead of a path: every rank reads only the byte ranges
+    Pass it to :func:`~..api.load` instead of a path: every rank reads only the byte ranges
     its targets need, straight into them, whatever their layout::
 
         load(model.state_dict(), storage_reader=HuggingFaceStorageReader("/models/llama"))
@@ -190,7 +190,7 @@ class HuggingFaceStorageReader(ProtocolReads, StorageReader):
     Safetensors files have no checksums: nothing is verified beyond the headers' consistency
     and the files' sizes (see the module docstring).
 
-    HyperParallel's reader calls and torch's work too (:mod:`.hf_protocols`), for planners that
+    HyperParallel's reader calls and torch's work too (:mod:`.protocols`), for planners that
     drive a reader themselves::
 
         meta = reader.load_metadata()      # HyperParallel's Metadata: a chunk at the origin per tensor
@@ -207,7 +207,7 @@ class HuggingFaceStorageReader(ProtocolReads, StorageReader):
         storage_reader: where the bytes come from, for storage options a URL cannot carry
             (e.g. ``FsspecReader(url, key=..., secret=...)``); default: local files
             (symbolic links followed, as the Hugging Face hub cache needs) or an
-            :class:`~.fsspec_storage.FsspecReader` for a URL.
+            :class:`~..fsspec_storage.FsspecReader` for a URL.
 
     Raises (from ``load``, ``load_metadata``, ``read_metadata``; each class is also the builtin
     one HyperParallel's reader raises, named after it):
@@ -301,7 +301,7 @@ class HuggingFaceStorageReader(ProtocolReads, StorageReader):
         return sorted(set(weight_map.values())), weight_map
 
     def read_metadata_bytes(self) -> bytes:
-        """Describe the directory as a format-v2 ``.metadata`` (coordinator only; see the module docstring)."""
+        """Describe the directory as a format-v2 ``..metadata`` (coordinator only; see the module docstring)."""
         names, weight_map = self.weight_files()
         for name in names if weight_map is not None else ():
             if not self._exists(name):
@@ -388,7 +388,7 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
     Saving that way (without ``enable_consolidation``), every rank writes its shard of each
     tensor to a file of its own, ``shard-00001-model-00001-of-00001.safetensors`` and so on,
     under the tensor's own name, and records in the file's header where in the whole tensor
-    the shard starts; no index is written. Pass the directory to :func:`~.api.load`::
+    the shard starts; no index is written. Pass the directory to :func:`~..api.load`::
 
         torch.distributed.checkpoint.save(model.state_dict(),
             storage_writer=HuggingFaceStorageWriter(d, save_distributed=True))
@@ -436,7 +436,7 @@ class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
         return names, None
 
     def read_metadata_bytes(self) -> bytes:
-        """Describe the shards as a format-v2 ``.metadata`` (coordinator only): a table chunk per shard."""
+        """Describe the shards as a format-v2 ``..metadata`` (coordinator only): a table chunk per shard."""
         names, _ = self.weight_files()
         headers = self._read_headers(names)
         shards: dict[str, list[tuple[Box, int]]] = {}

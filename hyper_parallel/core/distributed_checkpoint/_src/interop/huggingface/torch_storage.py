@@ -5,8 +5,8 @@ Code written for torch DCP hands ``save``/``load``/``async_save`` torch's own
 ``QuantizedHuggingFaceStorageReader`` (torchtitan's initial load from HF weights, its last
 step saved as HF safetensors). Each is converted to this library's class of the same name,
 with the same options, as torch's ``FileSystemWriter``/``FileSystemReader`` are
-(:mod:`..backends.torch_storage`); the conversions are registered with
-:mod:`..backends.storage_mappings` when this module is imported (the package imports it).
+(:mod:`...backends.torch_storage`); the conversions are registered with
+:mod:`...backends.storage_mappings` when this module is imported (the package imports it).
 
 What maps (torch option -> ours):
 
@@ -20,8 +20,8 @@ What maps (torch option -> ours):
 A subclass of torch's classes that overrides a method is not converted; ``save``/``load`` then
 run it through torch's protocol.
 
-What it is not: our Hugging Face readers and writer (:mod:`.huggingface`, :mod:`.quantized_hf`,
-:mod:`.hf_writer`).
+What it is not: our Hugging Face readers and writer (:mod:`.reader`, :mod:`.quantized`,
+:mod:`.writer`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ __all__ = ["writer_from_torch", "reader_from_torch", "quantized_reader_from_torc
 
 
 def writer_from_torch(writer: Any) -> HuggingFaceStorageWriter:
-    """Our :class:`~.hf_writer.HuggingFaceStorageWriter` for torch's, with its options."""
+    """Our :class:`~.writer.HuggingFaceStorageWriter` for torch's, with its options."""
     consolidated = getattr(writer, "consolidated_output_path", None)
     path = consolidated if writer.enable_consolidation and consolidated is not None else writer.path
     return HuggingFaceStorageWriter(
@@ -51,12 +51,12 @@ def writer_from_torch(writer: Any) -> HuggingFaceStorageWriter:
 
 
 def reader_from_torch(reader: Any) -> HuggingFaceStorageReader:
-    """Our :class:`~.huggingface.HuggingFaceStorageReader` for torch's, with its options."""
+    """Our :class:`~.reader.HuggingFaceStorageReader` for torch's, with its options."""
     return HuggingFaceStorageReader(os.fspath(reader.path), reader.thread_count)
 
 
 def quantized_reader_from_torch(reader: Any) -> QuantizedHuggingFaceStorageReader:
-    """Our :class:`~.quantized_hf.QuantizedHuggingFaceStorageReader` for torch's, with its options."""
+    """Our :class:`~.quantized.QuantizedHuggingFaceStorageReader` for torch's, with its options."""
     return QuantizedHuggingFaceStorageReader(os.fspath(reader.path), reader.thread_count,
                                              target_dtype=reader.target_dtype, block_size=reader.block_size)
 

@@ -1,10 +1,10 @@
 """The Hugging Face writer on torch DCP's ``StorageWriter`` protocol, for code that drives it itself.
 
-Our ``save`` drives :class:`~.hf_writer.HuggingFaceStorageWriter` by this library's protocol
+Our ``save`` drives :class:`~.writer.HuggingFaceStorageWriter` by this library's protocol
 (``write_plan``, ``commit``). torch's own ``save``, and code written against torch's writer
 (its unit tests, tools that run a plan by hand), call torch's methods instead.
 :class:`TorchProtocolWrites` gives the writer those calls, writing through the same layout
-code (:meth:`~.hf_writer.HuggingFaceStorageWriter.write_tensors`), so the files are the same:
+code (:meth:`~.writer.HuggingFaceStorageWriter.write_tensors`), so the files are the same:
 
 =============================================  =====================================================
 torch's call                                   here
@@ -28,7 +28,7 @@ rank=)``                                       0); the directory is made
                                                consolidated, ``model.safetensors.index.json`` last
                                                (``weight_map`` from the results, ``total_size`` the
                                                bytes of the distinct items), as the commit of our
-                                               own save does (:func:`.hf_export.swap_in_export`)
+                                               own save does (:func:`.exporting.swap_in_export`)
 ``storage_meta()``                             ``StorageMeta(checkpoint_id=the directory)``
 =============================================  =====================================================
 
@@ -43,8 +43,8 @@ writes their bytes into the file before the safetensors data, and nothing can re
 back). A save that fails leaves its temporary files (torch's protocol has no clean-up call);
 the next save into the directory removes them.
 
-What it is not: the writer itself and its layout (:mod:`.hf_writer`), the readers' protocols
-(:mod:`.hf_protocols`).
+What it is not: the writer itself and its layout (:mod:`.writer`), the readers' protocols
+(:mod:`.protocols`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ _SAVE = "hf_save"  # the save's id: its temporary file names
 
 
 class TorchProtocolWrites:
-    """torch's writer calls on :class:`~.hf_writer.HuggingFaceStorageWriter` (see the module
+    """torch's writer calls on :class:`~.writer.HuggingFaceStorageWriter` (see the module
     docstring). Mixed into the writer, whose ``write_tensors`` and ``put_in_place`` do the work."""
 
     fqn_to_index_mapping: dict[str, int] | None

@@ -11,7 +11,7 @@ torch's name and arguments (``torch.distributed.checkpoint.HuggingFaceStorageWri
   place in the final file: one write per contiguous run (one for a ``Shard(0)`` box; its whole
   4 KiB blocks with O_DIRECT on local block filesystems). A box of many short runs (a
   ``Shard(1)`` box has one per row, and the ranks' rows share disk blocks) is first regrouped
-  over the process group into whole rows (:mod:`..transfer.row_exchange`, in
+  over the process group into whole rows (:mod:`...transfer.row_exchange`, in
   :meth:`~HuggingFaceStorageWriter.write_together`): each rank then writes the rows it owns
   of such a tensor as one run (a 2-rank ``Shard(1)`` save of 1 GiB in 436 tensors: 2.32x our own
   save's time before, 1.27-1.50x after). Where nothing is regrouped (one process), such a box is one strided
@@ -23,32 +23,32 @@ torch's name and arguments (``torch.distributed.checkpoint.HuggingFaceStorageWri
 - **Sharded** (``save_distributed=True`` alone): torch's format of per-rank files, rank ``r``
   writing ``shard-<r+1>-model-<i>-of-<N>.safetensors`` with its boxes under the tensors'
   names and their offsets in the whole tensors in the header's ``DCP_SHARDING_INFO``, so
-  torch's ``HuggingFaceStorageReader`` and our :class:`~.huggingface.TorchShardedSafetensorsReader`
+  torch's ``HuggingFaceStorageReader`` and our :class:`~.reader.TorchShardedSafetensorsReader`
   read it. Replicated data is in one file only (the plan gives each box one writer).
 
 Commit: every file is written under a temporary name no reader takes for a checkpoint file;
 after every rank wrote (and synced) its part, the coordinator puts the files in place, with
-``.metadata``'s commit step (:meth:`commit`). Consolidated: :func:`.hf_export.swap_in_export`
+``..metadata``'s commit step (:meth:`commit`). Consolidated: :func:`.exporting.swap_in_export`
 (an earlier export's index goes first, the new files take their names, the new index is
 written atomically last: a crash leaves the old checkpoint, the new one, or files without an
 index that readers refuse: a set with a shard missing, or one still under its temporary
 name). Sharded: torch's format has no index or marker; earlier shard files the save does not
 replace are removed, then the new ones renamed.
 
-Not written: ``.metadata`` (the directory is a Hugging Face one; read it with
-:class:`~.huggingface.HuggingFaceStorageReader`). Refused, each with an error naming the key:
+Not written: ``..metadata`` (the directory is a Hugging Face one; read it with
+:class:`~.reader.HuggingFaceStorageReader`). Refused, each with an error naming the key:
 values other than tensors (torch's writer writes them into the file before the safetensors
 bytes, which no reader can then open), dtypes safetensors has no name for, keys
 ``fqn_to_index_mapping`` does not map. Also refused: URLs (the files are written in place
 with ``pwrite``: a local or shared POSIX filesystem), rank-local saves, and ``user_metadata``
-(no ``.metadata`` to keep it in; so also a CheckpointManager's steps, which it finds and
-describes by their ``.metadata``: refused at the commit, leaving what the directory held).
+(no ``..metadata`` to keep it in; so also a CheckpointManager's steps, which it finds and
+describes by their ``..metadata``: refused at the commit, leaving what the directory held).
 
 torch's own ``save`` (and code written against torch's ``StorageWriter``) drives the writer
-by torch's calls, ``write_data`` and ``finish``, into the same files: :mod:`.hf_torch_writes`.
+by torch's calls, ``write_data`` and ``finish``, into the same files: :mod:`.torch_writes`.
 
-Not here: the safetensors bytes (:mod:`..format.safetensors`), reading these directories
-(:mod:`.huggingface`), exporting a checkpoint of ours (:mod:`.hf_export`).
+Not here: the safetensors bytes (:mod:`...format.safetensors`), reading these directories
+(:mod:`.reader`), exporting a checkpoint of ours (:mod:`.exporting`).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class _Layout:
 class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
     """Writes Hugging Face safetensors files from every rank of a save, with no pass after it.
 
-    Pass it to :func:`~.api.save` (every rank, its own shards: DTensors of any placements,
+    Pass it to :func:`~..api.save` (every rank, its own shards: DTensors of any placements,
     FSDP2 models, plain tensors)::
 
         save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(out, enable_consolidation=True))
@@ -145,7 +145,7 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
         consolidated_output_path: where the consolidated files go (default: ``path``).
         sync_files: fsync the files before they are put in place (default True).
 
-    Raises (from ``save``, on every rank, inside :class:`~.errors.RankFailedError` when ranks
+    Raises (from ``save``, on every rank, inside :class:`~..errors.RankFailedError` when ranks
     save together):
         StateDictMismatchError: a tensor key is not in ``fqn_to_index_mapping``.
         UnsupportedValueError: a value that is not a tensor, a dtype safetensors cannot name
@@ -244,7 +244,7 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
                        thread_count: int) -> None:
         """Consolidated, on several ranks: the tensors whose boxes split a trailing dim (a
         ``Shard(1)`` box has one short run per row, whose disk blocks the ranks share) are
-        regrouped into whole rows over the group (:mod:`..transfer.row_exchange`), and each
+        regrouped into whole rows over the group (:mod:`...transfer.row_exchange`), and each
         rank writes the rows it owns as one run, with O_DIRECT where the filesystem takes it."""
         self._begin(save_id)
         if not self.consolidates or not coord.distributed or coord.world_size < 2:
@@ -310,7 +310,7 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
         dtype) gives, consolidated or as rank ``shard - 1``'s shard files. ``add_empty``: also
         write the empty tensors no rank holds a box of (the coordinator's part, sharded).
         Both protocols write through here: ours (:meth:`write_plan`) and torch's
-        (:mod:`.hf_torch_writes`).
+        (:mod:`.torch_writes`).
 
         Returns each key this rank wrote: its file's final name and where its data starts in
         the file's data area (safetensors' ``data_offsets``; for a box of a consolidated tensor,
@@ -445,7 +445,7 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
     # ------------------------------------------------------------------ commit
 
     def read_committed(self, name: str = md.METADATA_FILE) -> bytes | None:
-        """None: a Hugging Face directory has no ``.metadata`` of ours (nothing of an earlier save
+        """None: a Hugging Face directory has no ``..metadata`` of ours (nothing of an earlier save
         is reclaimed through it; :meth:`commit` replaces an earlier export itself)."""
         return None
 
@@ -462,7 +462,7 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
         """The commit of both protocols (the coordinator, after every rank wrote its part):
         the files of this save take their final names. Consolidated: ``names`` (None: the files
         this rank laid out in this save) that were written under this save's temporary name, or
-        are already in place, and then ``index`` (:func:`.hf_export.swap_in_export`). Sharded:
+        are already in place, and then ``index`` (:func:`.exporting.swap_in_export`). Sharded:
         every shard file written under this save's temporary name; earlier shard files go."""
         out = self.output_dir
         if self.consolidates:
@@ -500,9 +500,9 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
 
 def _refuse_user_metadata(metadata: bytes, out: str) -> None:
     """Refuse a save that asked to keep ``user_metadata``: a Hugging Face directory has no
-    ``.metadata`` to keep it in, and dropping it silently loses what the caller relies on. The
+    ``..metadata`` to keep it in, and dropping it silently loses what the caller relies on. The
     CheckpointManager is such a caller: it records each step's number and metrics there and
-    finds committed steps by their ``.metadata``, so steps written as Hugging Face directories
+    finds committed steps by their ``..metadata``, so steps written as Hugging Face directories
     vanish from a restarted manager, whose retention then deletes them. Raised before any
     file is put in place (the save fails; what ``out`` held stays)."""
     user = md.Metadata.from_json(metadata).user

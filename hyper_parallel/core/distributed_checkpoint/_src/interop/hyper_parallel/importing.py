@@ -1,6 +1,6 @@
 """Import checkpoints written by HyperParallel's own DCP (``mindspore-ai/hyper-parallel``).
 
-A HyperParallel checkpoint directory holds a pickled ``.metadata`` (or, saved with
+A HyperParallel checkpoint directory holds a pickled ``..metadata`` (or, saved with
 ``use_collectives=False``, one rank-local ``.rank<r>_metadata`` / ``<r>.metadata`` per rank)
 and per-rank data files: ``_rank<r>_.safetensors`` (a real safetensors file in current
 HyperParallel; a ``torch.save`` archive under that name in older ones) and non-tensor values
@@ -308,7 +308,7 @@ def _parse(meta: HPMetadata, where: str, tensors: dict[str, _Tensor], values: di
 def _check_coverage(key: str, t: _Tensor, src: str) -> None:
     """The chunks must tile the tensor: pairwise disjoint (within its shape) and of full volume.
 
-    Overlaps are found by :func:`~.box.first_overlap` (a sweep: thousands of shards cost
+    Overlaps are found by :func:`~..box.first_overlap` (a sweep: thousands of shards cost
     little more than sorting them).
     """
     total = math.prod(t.shape)
@@ -493,7 +493,7 @@ def import_hyper_parallel(
 ) -> md.Metadata:
     """Convert a checkpoint written by HyperParallel's DCP into this package's format.
 
-    Reads a collective checkpoint (one ``.metadata``) or a rank-local one (one metadata per
+    Reads a collective checkpoint (one ``..metadata``) or a rank-local one (one metadata per
     rank, from ``save(..., use_collectives=False)``; replicas every rank wrote are kept once).
     Every saved shard becomes one chunk of the same box, so ``load`` reshards the result into
     any layout; keys keep HyperParallel's flattened names (``"model.layers.0.weight"``).
@@ -510,7 +510,7 @@ def import_hyper_parallel(
         progress: called with each chunk's byte count once it is written.
 
     Returns:
-        The new checkpoint's :class:`~.metadata.Metadata`.
+        The new checkpoint's :class:`~..metadata.Metadata`.
 
     Raises:
         UnsupportedValueError: ``trust`` is False; a hostile or unknown class in the metadata

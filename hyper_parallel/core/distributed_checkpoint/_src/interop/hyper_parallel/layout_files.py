@@ -4,7 +4,7 @@
 :func:`load_layout` reads one back, telling the kind by content: our JSON
 (``"format": "hyper-parallel-layout"``) or MindSpore's dialect, whose bytes
 ``mindspore_strategy.py`` reads and writes. HyperParallel's plain layout maps
-(``{rank: {name: info}}``, see :func:`.strategy.rank_layout_map`) are written and read back as
+(``{rank: {name: info}}``, see :func:`...sharding.strategy.rank_layout_map`) are written and read back as
 the JSON they are. Not here: what a layout is (``layout.py``) or how
 a name finds its layout (``strategy.py``).
 """

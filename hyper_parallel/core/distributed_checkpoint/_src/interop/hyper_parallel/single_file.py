@@ -4,7 +4,7 @@
 "base API": a whole (unsharded) state dict in one file, written and read by one process.
 They are not distributed checkpoints (use ``save``/``load`` for those).
 
-``save_checkpoint_file(state_dict, path)`` and ``load_checkpoint_file(path)`` are the seed's
+``save_checkpoint_file(state_dict, path)`` and ``load_checkpoint_file(path)`` are HyperParallel's
 lower end of the same idea (its ``checkpoint_io``): a *flat* dict of tensors to one file and
 back, in safetensors or, when asked, ``torch.save`` format; never an unrestricted unpickle.
 
@@ -179,7 +179,7 @@ SAFETENSORS_FORMAT = "safetensors"
 
 
 def _uses_safetensors(path: Path, ckpt_format: str | None) -> bool:
-    """The seed's rule: ``"safetensors"`` means safetensors, any other name ``torch.save``;
+    """HyperParallel's rule: ``"safetensors"`` means safetensors, any other name ``torch.save``;
     None decides by the file's suffix."""
     if ckpt_format is None:
         return path.suffix == ".safetensors"
@@ -188,14 +188,14 @@ def _uses_safetensors(path: Path, ckpt_format: str | None) -> bool:
 
 def save_checkpoint_file(state_dict: Mapping[str, Any], file_path: str | os.PathLike,
                          ckpt_format: str | None = SAFETENSORS_FORMAT) -> None:
-    """Write a flat dict of tensors to one file (the seed's ``checkpoint_io.save_checkpoint_file``).
+    """Write a flat dict of tensors to one file (HyperParallel's ``checkpoint_io.save_checkpoint_file``).
 
     Args:
         state_dict: ``{name: tensor}``, keys as they go in the file (no nesting; see
             :func:`save_checkpoint` for nested dicts).
         file_path: the file to write; its directory must exist.
         ckpt_format: ``"safetensors"`` (the default) writes safetensors; any other name writes
-            a ``torch.save`` pickle; None picks safetensors for a ``.safetensors`` file and
+            a ``torch.save`` pickle; None picks safetensors for a ``..safetensors`` file and
             ``torch.save`` otherwise.
 
     Raises:
@@ -225,7 +225,7 @@ def save_checkpoint_file(state_dict: Mapping[str, Any], file_path: str | os.Path
 
 
 def load_checkpoint_file(file_path: str | os.PathLike, ckpt_format: str | None = SAFETENSORS_FORMAT) -> dict[str, Any]:
-    """Read one file back into a flat dict (the seed's ``checkpoint_io.load_checkpoint_file``).
+    """Read one file back into a flat dict (HyperParallel's ``checkpoint_io.load_checkpoint_file``).
 
     Args:
         file_path: the file to read.

@@ -4,8 +4,8 @@ HyperParallel code that drives storage itself (its ``_save_impl``/``load``, its 
 tools) calls a writer's ``configure_writer`` / ``execute_write(plan, planner)`` /
 ``finalize_checkpoint(metadata, results)`` and a reader's ``load_metadata`` /
 ``configure_reader`` / ``execute_read(plan, planner, groups, batch_bytes)``, with the plan
-records of :mod:`..planning.records`. :class:`FileSystemWriter` and :class:`FileSystemReader`
-here are our filesystem writer and reader (:mod:`..backends.filesystem`) with those calls added;
+records of :mod:`...planning.records`. :class:`FileSystemWriter` and :class:`FileSystemReader`
+here are our filesystem writer and reader (:mod:`...backends.filesystem`) with those calls added;
 they write and read HyperParallel's own layout, not this library's format:
 
 - ``_rank<r>_.safetensors``: rank ``r``'s tensor items, each under its name, or
@@ -14,11 +14,11 @@ they write and read HyperParallel's own layout, not this library's format:
   function to rebuild only with the planner's ``allow_pickle``). ``bytes`` values are pickled
   too, so the planner's ``apply_bytes`` gets them back (HyperParallel writes them raw, and then
   its own ``apply_bytes`` cannot unpickle them);
-- ``.metadata`` (the coordinator, with collectives) or ``<r>.metadata`` (each rank, without):
+- ``..metadata`` (the coordinator, with collectives) or ``<r>.metadata`` (each rank, without):
   the checkpoint's ``Metadata`` record, pickled, its ``storage_data`` mapping each item to a
-  :class:`~..format.storage_info.StorageInfo` (file, byte range, key in the file).
+  :class:`~...format.storage_info.StorageInfo` (file, byte range, key in the file).
 
-Metadata is read back with an allow-list (:class:`~..base.file_exchange.RecordUnpickler`: records
+Metadata is read back with an allow-list (:class:`~...base.file_exchange.RecordUnpickler`: records
 and plain data only) and its file names must be plain names inside the directory.
 
 ``execute_read`` is HyperParallel's pipeline: the shards the plan marks with a ``BroadcastSource``
@@ -271,7 +271,7 @@ class FileSystemWriter(_fs.FileSystemWriter):
 
     def finalize_checkpoint(self, metadata: Any, results: Iterable[Iterable[WriteResult]]) -> None:
         """Record every rank's write results in ``metadata.storage_data`` and commit it, pickled:
-        ``.metadata`` by the coordinator (with collectives), ``<rank>.metadata`` by each rank
+        ``..metadata`` by the coordinator (with collectives), ``<rank>.metadata`` by each rank
         (without); other ranks do nothing."""
         if self.use_collectives and not self.is_coordinator:
             return
@@ -307,12 +307,12 @@ class FileSystemReader(_fs.FileSystemReader):
 
     def load_metadata(self, **kwargs: Any) -> Any:
         """The checkpoint's pickled ``Metadata`` record: ``<rank>.metadata`` when ``rank`` is
-        given (a save without collectives), else ``.metadata``.
+        given (a save without collectives), else ``..metadata``.
 
         Raises:
             FileNotFoundError: the file is not there (names it).
             pickle.UnpicklingError: it names a class or function other than records and plain data.
-            ValueError: it is not a pickle (this library's own ``.metadata``: use ``load``).
+            ValueError: it is not a pickle (this library's own ``..metadata``: use ``load``).
         """
         rank = kwargs.get("rank")
         path = self.checkpoint_dir / (METADATA_FILE if rank is None else f"{rank}{METADATA_FILE}")

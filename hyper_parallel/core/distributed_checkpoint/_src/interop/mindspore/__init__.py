@@ -1,1 +1,1 @@
-"""MindSpore: ``.ckpt`` and MindSpore safetensors files, distributed checkpoints, strategy files."""
+"""MindSpore: ``..ckpt`` and MindSpore safetensors files, distributed checkpoints, strategy files."""

@@ -1,6 +1,6 @@
-"""MindSpore checkpoints: read and write ``.ckpt`` and MindSpore safetensors, no MindSpore needed.
+"""MindSpore checkpoints: read and write ``..ckpt`` and MindSpore safetensors, no MindSpore needed.
 
-A MindSpore ``.ckpt`` is protobuf (``checkpoint.proto``): a run of ``Checkpoint`` messages,
+A MindSpore ``..ckpt`` is protobuf (``checkpoint.proto``): a run of ``Checkpoint`` messages,
 each holding one ``Value {tag: name, tensor: TensorProto {dims, tensor_type, tensor_content}}``.
 A tensor above MindSpore's slice size (512 MiB) is written as several consecutive messages of
 one name whose contents concatenate, row-major. ``tensor_type`` names the dtype MindSpore's
@@ -16,11 +16,11 @@ Reading maps the file only to walk the protobuf headers, so indexing a file of a
 touches a few pages; each tensor is then ``pread`` straight into its new tensor, one at a
 time, when it is written (peak memory: the largest tensor).
 
-- :func:`read_mindspore_checkpoint`: a ``.ckpt`` or safetensors file -> ``{name: tensor}``.
+- :func:`read_mindspore_checkpoint`: a ``..ckpt`` or safetensors file -> ``{name: tensor}``.
 - :func:`import_mindspore`: a file -> a DCP checkpoint; or a MindSpore *distributed* checkpoint
   (``rank_<id>/`` directories of sliced files plus the strategy file) -> a DCP checkpoint that
   records each slice with its saved layout, so :func:`load` reshards it onto any torch mesh.
-- :func:`export_mindspore`: a DCP checkpoint -> one ``.ckpt`` or safetensors file that
+- :func:`export_mindspore`: a DCP checkpoint -> one ``..ckpt`` or safetensors file that
   ``mindspore.load_checkpoint`` reads bit-exact (byte-identical to MindSpore's own writer).
 
 Strategy files are ``mindspore_strategy.py``'s concern.
@@ -76,7 +76,7 @@ def import_mindspore(
 
     Two sources:
 
-    - a ``.ckpt`` or MindSpore safetensors file: every tensor whole (string values become
+    - a ``..ckpt`` or MindSpore safetensors file: every tensor whole (string values become
       ``str`` values);
     - a MindSpore distributed checkpoint: a directory of ``rank_<id>/`` sub-directories,
       each with that rank's sliced file, plus ``strategy`` (the strategy file the job saved,
@@ -185,12 +185,12 @@ def export_mindspore(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> ExportSummary:
-    """Write a DCP checkpoint as one MindSpore ``.ckpt`` (or safetensors) file, whole tensors.
+    """Write a DCP checkpoint as one MindSpore ``..ckpt`` (or safetensors) file, whole tensors.
 
     The file is what ``mindspore.save_checkpoint`` writes for the same tensors, byte for byte
     (tensors above 512 MiB in several messages), so ``mindspore.load_checkpoint`` reads it
     bit-exact. It streams: one tensor in memory at a time. Plain values become what MindSpore
-    keeps in ``append_dict``: strings stay strings (``.ckpt`` only), ints/floats/bools become
+    keeps in ``append_dict``: strings stay strings (``..ckpt`` only), ints/floats/bools become
     0-d Int64/Float64/Bool tensors; other values (bytes, lists, dicts, None) are skipped and
     listed in the summary.
 
@@ -199,7 +199,7 @@ def export_mindspore(
         dst: the file to write (written to a temporary name, then renamed).
         format: ``"ckpt"`` or ``"safetensors"``; by default from ``dst``'s extension.
         prefix: export only keys starting with it, with it removed (e.g. ``"model."``).
-        crc: add MindSpore's crc (the ``.ckpt`` ``crc_num`` trailer, or safetensors
+        crc: add MindSpore's crc (the ``..ckpt`` ``crc_num`` trailer, or safetensors
             ``crc_num`` metadata) so ``load_checkpoint(..., crc_check=True)`` verifies it.
         verify: check our checksums while reading.
         progress: called with each tensor's byte count once written.

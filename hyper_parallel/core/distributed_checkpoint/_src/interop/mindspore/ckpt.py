@@ -1,11 +1,11 @@
-"""MindSpore ``.ckpt`` files: the protobuf dialect, read (indexed without copying) and written.
+"""MindSpore ``..ckpt`` files: the protobuf dialect, read (indexed without copying) and written.
 
-A ``.ckpt`` is a run of ``Checkpoint`` messages, each holding one ``Value {tag: name,
+A ``..ckpt`` is a run of ``Checkpoint`` messages, each holding one ``Value {tag: name,
 tensor: TensorProto {dims, tensor_type, tensor_content}}``; a tensor above SLICE_BYTES is
 several consecutive messages of one name. ``crc_check=True`` appends ``b"crc_num"`` and a
-crc32. Encrypted files are refused. See :mod:`.mindspore` for the whole picture.
+crc32. Encrypted files are refused. See :mod:`.checkpoints` for the whole picture.
 
-Not here: the protobuf wire format (:mod:`..base.protowire`), the file model (:mod:`.mindspore_file`).
+Not here: the protobuf wire format (:mod:`...base.protowire`), the file model (:mod:`.file_model`).
 """
 
 from __future__ import annotations

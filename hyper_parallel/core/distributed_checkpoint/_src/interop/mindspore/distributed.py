@@ -2,7 +2,7 @@
 strategy file, imported as one checkpoint whose chunks keep the layout the strategy gives
 them (each distinct slice written once; replicated values checked to agree).
 
-Not here: strategy files (:mod:`..sharding.mindspore_strategy`), single files (:mod:`.mindspore`).
+Not here: strategy files (:mod:`.strategy`), single files (:mod:`.checkpoints`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The MindSpore file model: dtype names, the index of a file's values, reading them.
 
-:class:`MindSporeFile` is an open ``.ckpt`` or MindSpore safetensors file (the dialects:
-:mod:`.mindspore_ckpt`, :mod:`.mindspore_safetensors`): each value's dtype, shape and the
+:class:`MindSporeFile` is an open ``..ckpt`` or MindSpore safetensors file (the dialects:
+:mod:`.ckpt`, :mod:`.safetensors_files`): each value's dtype, shape and the
 byte ranges holding it, read with ``pread`` straight into a new tensor.
 
-Not here: parsing either dialect, importing or exporting (:mod:`.mindspore`).
+Not here: parsing either dialect, importing or exporting (:mod:`.checkpoints`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class TensorInfo:
 
 
 class MindSporeFile:
-    """An open MindSpore ``.ckpt`` or safetensors file: its index, and each value on demand.
+    """An open MindSpore ``..ckpt`` or safetensors file: its index, and each value on demand.
 
     Use :func:`open_mindspore_file`. ``tensors`` keeps the file's order. Values are read with
     ``pread`` straight into the new tensor (one copy, no mapping kept). Close it (or use it as

@@ -1,6 +1,6 @@
 """Opening a MindSpore file of either dialect, told apart by its content.
 
-Not here: the dialects (:mod:`.mindspore_ckpt`, :mod:`.mindspore_safetensors`).
+Not here: the dialects (:mod:`.ckpt`, :mod:`.safetensors_files`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from .safetensors_files import _Safetensors
 
 
 def open_mindspore_file(path: str | os.PathLike, *, verify: bool = True) -> MindSporeFile:
-    """Open a MindSpore ``.ckpt`` or safetensors file (told apart by content) and index it.
+    """Open a MindSpore ``..ckpt`` or safetensors file (told apart by content) and index it.
 
     Args:
-        verify: check the crc the file carries, if any (``.ckpt`` trailer, safetensors
+        verify: check the crc the file carries, if any (``..ckpt`` trailer, safetensors
             ``crc_num``); reads the file once.
 
     Raises:
@@ -46,7 +46,7 @@ def open_mindspore_file(path: str | os.PathLike, *, verify: bool = True) -> Mind
 
 
 def read_mindspore_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor | str]:
-    """Every value of a MindSpore ``.ckpt`` or safetensors file: ``{name: tensor or str}``.
+    """Every value of a MindSpore ``..ckpt`` or safetensors file: ``{name: tensor or str}``.
 
     Holds the whole file in memory; :func:`import_mindspore` streams instead.
 

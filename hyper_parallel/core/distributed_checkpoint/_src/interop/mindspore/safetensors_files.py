@@ -2,7 +2,7 @@
 with ``crc_check=True``, a ``crc_num``: the crc32 over each tensor's name and bytes, in name
 order. Read through the one safetensors parser; written in MindSpore's order, byte for byte.
 
-Not here: the safetensors format itself (:mod:`..format.safetensors`).
+Not here: the safetensors format itself (:mod:`...format.safetensors`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 MindSpore's compiler saves, per parameter, how it is sliced over the devices
 (``set_auto_parallel_context(strategy_ckpt_config={"save_file": ...})``): a protobuf
 ``ParallelStrategyMap`` (``node_strategy.proto``), or the same in JSON when the file name ends
-in ``.json``. Each ``parallel_layout_item`` holds a parameter name and its ``ParallelLayouts``:
+in ``...sharding.json``. Each ``parallel_layout_item`` holds a parameter name and its ``ParallelLayouts``:
 
 - ``dev_matrix``: the device matrix (our mesh shape); rank = row-major position in it;
 - ``tensor_map``: per tensor dim the device-matrix dim that splits it, counted from the
@@ -134,7 +134,7 @@ def _split_stage(name: str) -> tuple[str, int]:
 
 
 def _check(layout: MindSporeLayout, name: str, where: str) -> MindSporeLayout:
-    """Refuse a layout the rest cannot hold: bounded as our ``.metadata`` bounds layouts
+    """Refuse a layout the rest cannot hold: bounded as our ``...sharding.metadata`` bounds layouts
     (at most MAX_MESH_NDIM mesh dims and MAX_WORLD ranks), so nothing walks a mesh of
     16.7M ranks or allocates one of 2**40."""
     at = f"{where}: parameter {name!r}"

@@ -6,7 +6,7 @@
 
 They take torch's arguments in torch's order (the storage object is required, and carries the
 checkpoint's path); the deprecated ones warn as torch does (a ``FutureWarning`` with torch's
-text). Not here: the calls themselves (:mod:`..engine.checkpoint`).
+text). Not here: the calls themselves (:mod:`...engine.checkpoint`).
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 :func:`export_torch_dcp` writes what ``torch.distributed.checkpoint.save`` would have written
 for the same state dict, so any torch DCP job loads it (``dcp.load``, under any layout, or
 ``format_utils.dcp_to_torch_save``) without this package installed. It is the reverse of
-:func:`~.offline_transform.import_torch_dcp`.
+:func:`~..offline_transform.import_torch_dcp`.
 
 What is written is torch's format, not ours:
 
-- ``.metadata`` is torch's ``Metadata`` object, **pickled** (torch's writer does the same):
+- ``..metadata`` is torch's ``Metadata`` object, **pickled** (torch's writer does the same):
   ``state_dict_metadata`` (each key's dtype, global size and chunk boxes, or "bytes"),
   ``planner_data`` (each key's path in the nested state dict, so torch un-flattens nested
   dicts as ``dcp.save`` recorded them), ``storage_data`` (file, offset, length of every item).
@@ -22,7 +22,7 @@ chunks keep the boxes of the layout each tensor was saved with (pieces of at mos
 ``max_chunk_bytes``), so a sharded torch job reads only the chunks it overlaps.
 
 Memory: one chunk per writing thread (at most ``max_chunk_bytes``, default 256 MiB, when a tensor's
-rows allow), plus whole values for non-tensor keys. Like our own commit, ``.metadata`` is
+rows allow), plus whole values for non-tensor keys. Like our own commit, ``..metadata`` is
 written last (temporary name, fsync, rename); data files have fresh names, so replacing an
 existing checkpoint (``overwrite=True``) never damages it before the new one commits.
 
@@ -209,7 +209,7 @@ def _materialize(value: Any, reader: StorageReader, placeholders: dict[int, md.E
 def _write_file(path: str, name: str, items: list[_TensorChunk | _Object], reader: StorageReader,
                 placeholders: dict[int, md.Entry], verify: bool, sync_files: bool,
                 progress: Callable[[int], None] | None, stop: threading.Event) -> dict[MetadataIndex, _StorageInfo]:
-    """Write one ``.distcp`` file: each item a ``torch.save`` stream, back to back."""
+    """Write one ``..distcp`` file: each item a ``torch.save`` stream, back to back."""
     out: dict[MetadataIndex, _StorageInfo] = {}
     with open(os.path.join(path, name), "wb") as f:
         for item in items:
@@ -290,7 +290,7 @@ def _torch_metadata(files: dict[int, list[_TensorChunk | _Object]], mappings: di
 
 
 def _commit(dst: str, tmeta: Metadata, sync_files: bool) -> None:
-    """``.metadata`` last: a temporary name, fsync, rename, fsync of the directory."""
+    """``..metadata`` last: a temporary name, fsync, rename, fsync of the directory."""
     with atomic_file(os.path.join(dst, md.METADATA_FILE), sync=sync_files) as f:
         pickle.dump(tmeta, f)
 
@@ -331,20 +331,20 @@ def export_torch_dcp(
     and ``planner_data`` records their paths. Values torch DCP itself never stores (an empty
     dict) are left out, as ``dcp.save`` would.
 
-    Its ``.metadata`` is torch's format: a Python pickle of torch's ``Metadata`` (loading it
+    Its ``..metadata`` is torch's format: a Python pickle of torch's ``Metadata`` (loading it
     runs ``pickle.load``, as every torch DCP load does). It is written last, atomically.
 
     Args:
         src: our checkpoint (a path or a :class:`StorageReader`).
         dst: a new directory (``overwrite=True`` to replace a checkpoint there; its old
-            data files are removed only after the new ``.metadata`` is in place).
+            data files are removed only after the new ``..metadata`` is in place).
         allow_pickle: export values our checkpoint holds as pickles (saved with
             ``allow_pickle=True``); unpickling them runs code from the checkpoint.
         max_chunk_bytes: largest torch chunk (``int`` or ``"512MiB"``; ``None``: no limit).
             Each tensor keeps the boxes of the layout it was saved with; a larger box is
             cut into row slabs. Bounds this function's memory and what a torch rank reads.
         verify: check our checksums while reading the source.
-        sync_files: fsync data files, ``.metadata`` and the directory.
+        sync_files: fsync data files, ``..metadata`` and the directory.
         thread_count: files written at once (one thread each); memory grows with it.
         progress: called with each tensor chunk's byte count once written, from the writing
             threads (``tqdm.update`` is fine).

@@ -5,8 +5,8 @@ a Hugging Face directory or a MindSpore file.
 - :func:`convert_full_checkpoint_to_dcp`: a full checkpoint file or directory, its kind told
   by HyperParallel's ``src_platform`` or by the path, handed to the importer of its kind.
 
-Not here: the importers themselves (:mod:`.hf_import`, :mod:`.mindspore`), layout changes
-(:mod:`..resharding`).
+Not here: the importers themselves (:mod:`..huggingface.importing`, :mod:`..mindspore.checkpoints`), layout changes
+(:mod:`...resharding`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ _SRC_PLATFORMS = {"huggingface": "huggingface", "hf": "huggingface", "safetensor
 
 def _looks_like_mindspore(path: str) -> bool:
     """A file starting like MindSpore's protobuf (field 1 or 2, length-delimited). Not by its
-    ``.ckpt`` suffix: Lightning's torch checkpoints have it too (torch files start with a zip
+    ``..ckpt`` suffix: Lightning's torch checkpoints have it too (torch files start with a zip
     header or a pickle opcode)."""
     try:
         with open(path, "rb") as f:
@@ -85,19 +85,19 @@ def convert_full_checkpoint_to_dcp(
     src_ckpt: str | os.PathLike | None = None,
     dst_dir: str | os.PathLike | None = None,
 ) -> md.Metadata:
-    """Convert a full checkpoint (HF safetensors dir/file, a torch ``.pt``/``.bin``, or MindSpore's) to DCP.
+    """Convert a full checkpoint (HF safetensors dir/file, a torch ``..pt``/``..bin``, or MindSpore's) to DCP.
 
     safetensors sources stream one tensor at a time. torch files are opened with
     ``torch.load(weights_only=True, mmap=True)`` — tensors are paged in as they are written;
     a file that needs full unpickling is refused unless ``allow_pickle=True``.
 
     Args:
-        src: a Hugging Face directory, a ``.safetensors`` file, a torch file, or (with
-            ``src_platform="mindspore"``) a MindSpore ``.ckpt`` or safetensors file.
+        src: a Hugging Face directory, a ``..safetensors`` file, a torch file, or (with
+            ``src_platform="mindspore"``) a MindSpore ``..ckpt`` or safetensors file.
         dst_path: the new checkpoint directory.
         src_platform: HyperParallel's argument naming the source: ``"huggingface"``,
             ``"torch"`` or ``"mindspore"`` (read without MindSpore by
-            :func:`~.mindspore_format.import_mindspore`, which also takes MindSpore's
+            :func:`~..mindspore_format.import_mindspore`, which also takes MindSpore's
             distributed checkpoints). None (default) tells safetensors from torch files by
             the path.
         prefix: prepended to every key (e.g. ``"model."``).

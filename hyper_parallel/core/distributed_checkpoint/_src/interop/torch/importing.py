@@ -1,10 +1,10 @@
 """torch DCP import: a checkpoint ``torch.distributed.checkpoint`` wrote, rewritten in this format.
 
-torch's ``.metadata`` is a pickle, so :func:`import_torch_dcp` needs ``trust=True``. Each
+torch's ``..metadata`` is a pickle, so :func:`import_torch_dcp` needs ``trust=True``. Each
 tensor's chunks are checked against the files before anything of its size is allocated;
 tensors then stream through torch's own reader in batches of up to IMPORT_BATCH_BYTES.
 
-Not here: the export to torch DCP (:mod:`.torch_dcp`).
+Not here: the export to torch DCP (:mod:`.exporting`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ IMPORT_BATCH_BYTES = 256 << 20  # torch-DCP import: tensors loaded per torch loa
 
 
 def _check_torch_chunks(key: str, m: Any, src: str) -> None:
-    """Check a tensor of torch's ``.metadata`` before a buffer of its shape is allocated: its
+    """Check a tensor of torch's ``..metadata`` before a buffer of its shape is allocated: its
     chunks lie inside the shape and cover it (their byte ranges are checked against the files
-    by :func:`~..format.torch_pickles.check_chunks_in_files`, as ``load`` does). A forged shape
+    by :func:`~...format.torch_pickles.check_chunks_in_files`, as ``load`` does). A forged shape
     then fails here, naming the key, instead of allocating whatever it says.
 
     Raises CorruptCheckpointError.
@@ -72,7 +72,7 @@ def import_torch_dcp(src_path: str | os.PathLike, dst_path: str | os.PathLike, *
                      overwrite: bool = False) -> md.Metadata:
     """Convert a checkpoint written by ``torch.distributed.checkpoint`` into this format.
 
-    torch's ``.metadata`` is a pickle, and loading a pickle can run code; this therefore
+    torch's ``..metadata`` is a pickle, and loading a pickle can run code; this therefore
     requires ``trust=True``. Tensors stream in batches of up to IMPORT_BATCH_BYTES (peak
     memory: that, or the largest tensor); non-tensor values come through torch's own reader.
     """

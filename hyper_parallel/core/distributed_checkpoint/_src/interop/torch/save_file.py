@@ -50,7 +50,7 @@ def torch_save_to_dcp(torch_save_path: str | os.PathLike, dcp_checkpoint_dir: st
 
     The file is read with ``torch.load(weights_only=True)``: tensors, containers and plain
     values only, no code runs. A file holding other objects is refused
-    (:class:`~..base.errors.UnsupportedValueError`) unless ``allow_pickle=True``, which you pass
+    (:class:`~...base.errors.UnsupportedValueError`) unless ``allow_pickle=True``, which you pass
     only for a file you trust.
 
     Example::

@@ -5,7 +5,7 @@ Every saved key under ``optimizer_key`` becomes a target: a tensor of a paramete
 (key path ``(optimizer_key, "state", <param fqn>, <name>)``, as ``get_state_dict`` and FSDP
 name them) takes that parameter's DTensor layout from ``model_state_dict`` (same mesh,
 placements, global shape; its own dtype), any other tensor is loaded whole on the CPU, and plain
-values (``param_groups``) whole. Then one :func:`~..engine.checkpoint.load` fills them, resharding
+values (``param_groups``) whole. Then one :func:`~...engine.checkpoint.load` fills them, resharding
 from whatever layout saved them. torch builds FSDP1 ``ShardedTensor`` targets; ours are the
 DTensors FSDP2 and tensor parallelism use.
 """
