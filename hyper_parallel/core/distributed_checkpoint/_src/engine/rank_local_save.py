@@ -21,11 +21,12 @@ from ..backends.resolve import writer_for
 from ..base.errors import CheckpointError, CommitError
 from ..coordination.coordinator import Coordinator
 from ..format import metadata as md
+from ..format.metadata_build import build_metadata
 from ..planning.per_call import planner_for_call
 from ..planning.planner import EntrySpec, SavePlan
 from ..planning.standard_planner import StandardPlanner
 from ..state.flatten import FlatStateDict, flatten
-from ..transfer.saver import build_metadata, data_file_names, write_plan
+from ..transfer.saver import data_file_names, write_plan
 from .commit import (
     NotCommittedError,
     commit_metadata,

@@ -24,6 +24,7 @@ from ..backends.resolve import writer_for
 from ..base.options import Coordination, WriteOptions
 from ..coordination.coordinator import Coordinator
 from ..format import metadata as md
+from ..format.metadata_build import build_metadata
 from ..format.values import check_user_metadata
 from ..planning.per_call import planner_for_call
 from ..planning.plan_cache import CachedSaveResult, announce_plan, cache_scope, cached_plans, plan_digest, remember_plan
@@ -31,7 +32,7 @@ from ..planning.planner import SavePlan
 from ..planning.standard_planner import StandardPlanner
 from ..state.flatten import FlatStateDict
 from ..transfer.plan_writer import PlanWriter
-from ..transfer.saver import build_metadata, data_file_names, write_plan
+from ..transfer.saver import data_file_names, write_plan
 from .commit import commit_and_agree, remove_own_files, write_and_report
 from .flattened import Flattened, flatten_once
 from .incremental import IncrementalState

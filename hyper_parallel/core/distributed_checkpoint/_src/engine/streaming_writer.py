@@ -22,8 +22,9 @@ from ..backends.resolve import writer_for
 from ..base.errors import CheckpointError
 from ..coordination.coordinator import Coordinator
 from ..format import metadata as md
+from ..format.metadata_build import build_metadata
 from ..planning.planner import EntrySpec, SavePlan, WriteItem
-from ..transfer.saver import WriteResult, build_metadata, data_file_names, write_plan
+from ..transfer.saver import WriteResult, data_file_names, write_plan
 from .commit import commit_and_agree, write_and_report
 
 

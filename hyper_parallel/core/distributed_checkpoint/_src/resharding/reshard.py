@@ -63,6 +63,7 @@ from ..engine.metadata_reader import metadata_bytes
 from ..format import metadata as md
 from ..format.chunks import all_chunks, covered
 from ..format.data_file import tensor_bytes
+from ..format.metadata_build import build_metadata
 from ..planning.planner import EntrySpec, SavePlan, WriteItem
 from ..sharding.grid import Grid, shared_grid
 from ..sharding.layout import Layout, TensorLayout
@@ -71,7 +72,7 @@ from ..sharding.strategy import match_layout
 from ..state.flatten import renamed_path
 from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
 from ..transfer.loader import check_files_hold, read_box
-from ..transfer.saver import WriteResult, build_metadata, data_file_names, write_plan
+from ..transfer.saver import WriteResult, data_file_names, write_plan
 from .bulk_write import BulkWriter, bulk_groups
 
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
