@@ -38,7 +38,7 @@ LAYERS: list[dict[str, list[str]]] = [
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",
                   "shard_lookup", "tensor_map_areas"]},
     {"format": ["values", "row_checksums", "chunk_info", "validation", "sealed_json", "records", "metadata",
-                "versioning", "chunks", "torch_view",
+                "versioning", "chunks", "torch_view", "metadata_build",
                 "storage_info", "safetensors", "data_file", "torch_pickles"]},
     {"backends": ["locations", "protocol", "direct_io", "open_files", "filesystem", "placed_writes", "fsspec",
                   "resolve", "storage_mappings", "torch_abcs", "torch_format", "torch_storage"],

@@ -95,7 +95,7 @@ def _strided_copy(t: torch.Tensor) -> torch.Tensor:
 def test_small_chunks_written_whole_are_the_bytes_of_the_copied_path(tmp_path, direct_io, monkeypatch):
     # small contiguous chunks go out as one view with one checksum; strided twins of the same
     # values go through the saver's copies: the data files must be the same bytes
-    from hyper_parallel.core.distributed_checkpoint._src.engine import checkpoint
+    from hyper_parallel.core.distributed_checkpoint._src.engine import save_run as checkpoint
 
     g = torch.Generator().manual_seed(5)
     sd = {"scalar": torch.tensor(2.5), "bias": torch.randn(4096, generator=g),

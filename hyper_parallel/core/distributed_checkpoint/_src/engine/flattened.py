@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..state.flatten import Flat, flatten
+from ..state.flatten import FlatLeaves, flatten
 
 __all__ = ["Flattened", "flatten_once"]
 
@@ -24,10 +24,10 @@ __all__ = ["Flattened", "flatten_once"]
 class Flattened:
     """The state dict flattened (``flat``), or the error flattening it raised (``error``)."""
 
-    flat: Flat | None
+    flat: FlatLeaves | None
     error: BaseException | None
 
-    def leaves(self) -> Flat:
+    def leaves(self) -> FlatLeaves:
         """The flattened state; raises what flattening raised (call it inside an exchange)."""
         if self.error is not None:
             raise self.error

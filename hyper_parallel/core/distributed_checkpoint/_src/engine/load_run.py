@@ -34,8 +34,8 @@ from ..coordination.coordinator import Coordinator
 from ..format import metadata as md
 from ..format.torch_view import TorchView
 from ..planning.hyper_parallel_protocol import is_hyper_parallel_planner
+from ..planning.load_planner import BoxLoadPlanner
 from ..planning.per_call import planner_for_call
-from ..planning.standard_planner import StandardPlanner
 from ..planning.torch_planners import leave_set_up
 from ..planning.torch_protocol import is_torch_planner, torch_load_planner
 from ..state.flatten import unflatten
@@ -124,7 +124,7 @@ def resolve_load(state_dict: Any, where: str | None, reader: StorageReader | Non
         rank = coord.rank
     given = planner  # a checkpoint in torch's format, or a torch-protocol planner: torch's procedure
     if not foreign_planner:
-        planner = planner_for_call(planner if planner is not None else StandardPlanner(), read.allow_pickle)
+        planner = planner_for_call(planner if planner is not None else BoxLoadPlanner(), read.allow_pickle)
         if getattr(planner, "allow_partial_load", False) and read.strict is True:
             # StandardLoadPlanner(allow_partial_load=True): HyperParallel's strict=False
             read = replace(read, strict=False)

@@ -26,7 +26,7 @@ from ..base.errors import CheckpointError
 from ..coordination.coordinator import Coordinator
 from ..format import metadata as md
 from ..sharding.records import mesh_ranks
-from ..state.flatten import Flat, FlatStateDict
+from ..state.flatten import FlatLeaves, FlatStateDict
 
 __all__ = ["PathLike", "resolve_path", "bound_calls", "distributed", "mesh_group", "check_one_location",
            "part_guard"]
@@ -87,7 +87,7 @@ def distributed() -> bool:
 MESH_DEPTH = 64  # DTensors nested deeper than this are not looked at
 
 
-def mesh_group(state_dict: Any, flat: Flat | None = None) -> Any:
+def mesh_group(state_dict: Any, flat: FlatLeaves | None = None) -> Any:
     """The group of the one mesh every DTensor of ``state_dict`` lives on, when that mesh is
     a root mesh over some ranks only (``init_device_mesh(..., rank_list=)``); else None.
 

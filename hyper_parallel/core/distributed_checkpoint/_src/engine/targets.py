@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..base.errors import StateDictMismatchError, UnsupportedValueError
 from ..format import metadata as md
 from ..sharding.sharded_tensor import local_tensors
-from ..state.flatten import Flat, FlatStateDict, Leaf, is_stateful, update_in_place
+from ..state.flatten import FlatLeaves, FlatStateDict, Leaf, is_stateful, update_in_place
 from ..state.version_stamp import mark_written
 
 __all__ = ["Target", "prepare_target", "check_keys", "asked_for", "check_all_asked_for", "apply_loaded", "assign_back"]
@@ -36,12 +36,12 @@ class Target:
     Stateful objects), ``view`` the ``{key: value}`` the planner plans against, and
     ``materialized`` the leaves (by key) whose meta-device tensors were replaced."""
 
-    flat: Flat
+    flat: FlatLeaves
     view: FlatStateDict
     materialized: dict[str, Leaf]
 
 
-def prepare_target(flat: Flat) -> Target:
+def prepare_target(flat: FlatLeaves) -> Target:
     """The target ready to plan against, in one pass over its leaves.
 
     Targets on the meta device (a model built under ``torch.device("meta")``) hold no memory

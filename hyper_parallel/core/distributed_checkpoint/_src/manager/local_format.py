@@ -88,7 +88,7 @@ from ..format.safetensors import METADATA_KEY, PAD_PREFIX, encode_header, header
 from ..format.values import decode_value, encode_value, is_json_value, json_culprit
 from ..sharding.records import dtensor_box, layout_record
 from ..sharding.sharded_tensor import is_sharded_tensor
-from ..state.flatten import Flat
+from ..state.flatten import FlatLeaves
 from ..state.version_stamp import mark_written
 
 FORMAT_NAME = "hyper-parallel-local"
@@ -165,7 +165,7 @@ class LocalEntry:
         return (self.key, self.kind)
 
 
-def describe(flat: Flat, cache: dict | None = None) -> tuple[list[LocalEntry], list[Any], str]:
+def describe(flat: FlatLeaves, cache: dict | None = None) -> tuple[list[LocalEntry], list[Any], str]:
     """The entries of a flattened state dict, the value of each (local tensors for DTensors),
     and its fingerprint. Raises UnsupportedValueError for values the tier cannot store.
 

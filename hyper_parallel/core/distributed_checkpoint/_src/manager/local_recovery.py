@@ -31,7 +31,7 @@ from typing import Any
 from ..base.errors import CheckpointError, CorruptCheckpointError
 from ..base.options import LocalTierOptions
 from ..coordination.coordinator import Coordinator
-from ..state.flatten import Flat, flatten, update_in_place
+from ..state.flatten import FlatLeaves, flatten, update_in_place
 from .local_directory import TierDirectory
 from .local_format import (
     Manifest,
@@ -406,7 +406,7 @@ def _warn_refused(refused: list[str], outcome: str) -> None:
                   f"{outcome}", stacklevel=3)
 
 
-def _apply(flat: Flat, values: dict[str, Any]) -> None:
+def _apply(flat: FlatLeaves, values: dict[str, Any]) -> None:
     """Put the loaded non-tensor values where they came from, then give Stateful objects
     their filled state (tensors were filled in place)."""
     for key, value in values.items():

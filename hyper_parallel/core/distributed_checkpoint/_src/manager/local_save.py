@@ -28,7 +28,7 @@ import torch
 from ..asynchronous.buffers import BufferPool, StagingStats, copy_into, copy_value, tensor_spec
 from ..base.options import LocalTierOptions
 from ..base.priority import lower_this_thread
-from ..state.flatten import Flat, flatten
+from ..state.flatten import FlatLeaves, flatten
 from .local_directory import TierDirectory
 from .local_format import FORMAT_NAME as LOCAL_FORMAT
 from .local_format import FORMAT_VERSION as LOCAL_VERSION
@@ -131,7 +131,7 @@ class LocalSaver:
         self._submit(job)
         return job.error
 
-    def _snapshot(self, job: _Job, flat: Flat) -> None:
+    def _snapshot(self, job: _Job, flat: FlatLeaves) -> None:
         """Copy every payload (tensors, arrays, bytes) into one reused staging buffer, laid out
         as the shard file's body: the background thread writes and sends it as it is."""
         entries, values, job.fingerprint = describe(flat, self._layouts)

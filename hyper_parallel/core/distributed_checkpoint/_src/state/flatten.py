@@ -128,8 +128,12 @@ class Leaf:
 
 
 @dataclass
-class Flat:
-    """A flattened state dict plus the Stateful objects found in it (outermost last)."""
+class FlatLeaves:
+    """What :func:`flatten` returns: every leaf of a state dict by its dotted key (with where it
+    sat and how to set it back), plus the Stateful objects found in it (outermost last).
+
+    Not :class:`FlatStateDict`, the ``{key: value}`` dict planners receive, which is built from it.
+    """
 
     leaves: dict[str, Leaf]
     statefuls: list[tuple[Any, Any]]  # (object, the state dict it produced)
@@ -147,7 +151,7 @@ class FlatStateDict(dict):
     paths: dict[str, tuple[PathPart, ...]]
 
     @classmethod
-    def of(cls, flat: Flat) -> FlatStateDict:
+    def of(cls, flat: FlatLeaves) -> FlatStateDict:
         return cls.from_items({k: (leaf.path, leaf.value) for k, leaf in flat.leaves.items()})
 
     @classmethod
@@ -157,7 +161,7 @@ class FlatStateDict(dict):
         return out
 
 
-def flatten(state_dict: Any) -> Flat:
+def flatten(state_dict: Any) -> FlatLeaves:
     """Flatten a (nested) state dict; raises on keys that collide once joined by dots."""
     if not isinstance(state_dict, dict):
         raise UnsupportedValueError(
@@ -244,7 +248,7 @@ def flatten(state_dict: Any) -> Flat:
 
     for k, v in state_dict.items():
         walk_item((), state_dict, k, v)
-    return Flat(leaves, statefuls)
+    return FlatLeaves(leaves, statefuls)
 
 
 def unflatten(items: dict[tuple[PathPart, ...], Any]) -> dict[str, Any]:
