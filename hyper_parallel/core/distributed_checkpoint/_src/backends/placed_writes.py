@@ -4,6 +4,13 @@ A consolidated Hugging Face file is one tensor after another, and every rank hol
 them: each writes its boxes' contiguous runs at their offsets (:func:`box_runs`). Whole 4 KiB
 blocks of a run go with O_DIRECT, the rest through the page cache, so the two kinds of write
 never meet on one page (:class:`PlacedWrites`).
+
+The buffered pieces go on a thread of their own. On ext4 (and most local filesystems) a
+buffered write takes the file's inode lock exclusively and so waits for every O_DIRECT write
+in flight on the file, the other ranks' included: written by the caller, the two partial
+blocks of each box stalled the thread that copies the next bounce buffer for ~1.3 ms each
+(a 2-rank ``Shard(0)`` save of 1 GiB in 436 tensors: ~580 such writes per rank, 0.77 s of a
+~1.4 s save). Queued, they wait on their own thread while the copies and O_DIRECT writes go on.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ def box_runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarra
 DIRECT_MIN = 64 << 10  # runs shorter than this are written through the page cache
 BOUNCE_BYTES = 8 << 20  # bytes of a run copied into aligned memory and written with O_DIRECT at a time
 QUEUED = 2  # bounce buffers waiting for a file's writer thread
+BUFFERED_QUEUED = 1024  # buffered pieces (copies of at most DIRECT_MIN bytes) waiting for theirs
 
 
 class PlacedWrites:
@@ -56,7 +64,10 @@ class PlacedWrites:
     Bounce buffers are written by a thread of the file while the caller copies the next one
     (at most ``QUEUED`` waiting): copying and the disk overlap, as in our own saver. Runs
     written from the caller's own aligned memory are written before :meth:`write` returns,
-    so the caller may reuse that memory at once. :meth:`drain` waits for the queued writes.
+    so the caller may reuse that memory at once. With ``direct``, the buffered pieces (a run's
+    partial blocks, runs under ``DIRECT_MIN``) are copied and written by a second thread of
+    the file, so the caller never waits on the inode lock that O_DIRECT writes in flight hold
+    (see the module docstring). :meth:`drain` waits for every queued write.
     """
 
     def __init__(self, path: str, direct: bool):
@@ -71,17 +82,23 @@ class PlacedWrites:
                     raise
         self.direct = self.direct_fd is not None
         self._writes: WriteQueue | None = None  # the file's writer thread, started by the first bounce buffer
+        self._buffered: WriteQueue | None = None  # its thread of buffered pieces (direct only), started alike
         self._lock = threading.Lock()
 
     def write(self, data: memoryview, offset: int) -> None:
         view = memoryview(data).cast("B")
         head = -offset % DIRECT_IO_ALIGN
         body = (view.nbytes - head) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
-        if not self.direct or view.nbytes < DIRECT_MIN or body <= 0:
+        if not self.direct:
             pwrite_all(self.fd, [view], offset)
             return
-        pwrite_all(self.fd, [view[:head]], offset)
-        pwrite_all(self.fd, [view[head + body:]], offset + head + body)
+        if view.nbytes < DIRECT_MIN or body <= 0:
+            self._submit_buffered(view, offset)
+            return
+        if head:
+            self._submit_buffered(view[:head], offset)
+        if head + body < view.nbytes:
+            self._submit_buffered(view[head + body:], offset + head + body)
         for pos in range(head, head + body, BOUNCE_BYTES):
             piece = view[pos:min(head + body, pos + BOUNCE_BYTES)]
             if direct_io.is_aligned(piece):
@@ -109,12 +126,27 @@ class PlacedWrites:
                 self._writes = WriteQueue(fd, fallback=fd == self.direct_fd, depth=QUEUED)  # type: ignore[arg-type]
         self._writes.submit([piece], offset)
 
+    def _submit_buffered(self, piece: memoryview, offset: int) -> None:
+        """Queue a copy of ``piece`` (at most ``DIRECT_MIN`` bytes) for the buffered thread."""
+        with self._lock:
+            if self._buffered is None:
+                self._buffered = WriteQueue(self.fd, fallback=False, depth=BUFFERED_QUEUED)
+        self._buffered.submit([memoryview(bytes(piece))], offset)
+
     def drain(self, raise_error: bool = True) -> None:
         """Wait for every queued write; raise the first error."""
         with self._lock:
-            writes, self._writes = self._writes, None
-        if writes is not None:
-            writes.finish(raise_error)
+            queues, self._writes, self._buffered = (self._writes, self._buffered), None, None
+        first: BaseException | None = None
+        for writes in queues:  # both, even when the first fails: no thread is left writing
+            if writes is None:
+                continue
+            try:
+                writes.finish(raise_error)
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def copy_box(self, data: memoryview, start: int, shape: tuple[int, ...], box: Box, itemsize: int) -> None:
         """Copy ``box``'s row-major bytes ``data`` into the tensor of ``shape`` at byte ``start``

@@ -195,6 +195,8 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
         self._tag = ""
         self._save = ""  # the save the state above belongs to
         self._regrouped: set[str] = set()  # keys written by write_together in this save
+        self._together: set[int] = set()  # the files write_together wrote rows into (synced by write_plan)
+        self._together_error: BaseException | None = None  # its writes' first error (raised by write_plan)
         self._direct = self._node_local = False  # decided in prepare()
 
     @staticmethod
@@ -239,13 +241,19 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
         if self._save != save_id:
             self._save, self._tag, self._pending, self._index = save_id, save_id[:8], [], None
             self._temps, self._regrouped = set(), set()
+            self._together, self._together_error = set(), None
 
     def write_together(self, coord: Coordinator, plan: SavePlan, planner: SavePlanner, save_id: str,
                        thread_count: int) -> None:
         """Consolidated, on several ranks: the tensors whose boxes split a trailing dim (a
         ``Shard(1)`` box has one short run per row, whose disk blocks the ranks share) are
         regrouped into whole rows over the group (:mod:`...transfer.row_exchange`), and each
-        rank writes the rows it owns as one run, with O_DIRECT where the filesystem takes it."""
+        rank writes the rows it owns as one run, with O_DIRECT where the filesystem takes it.
+
+        The files are not synced here: :meth:`write_plan` (next, inside the exchange that
+        reports every rank's failure) raises the first error of these writes and syncs these
+        files with its own, one ``fsync`` per file and rank, before any commit (a separate sync
+        here cost a cross-rank exchange and a second ``fsync`` of every file)."""
         self._begin(save_id)
         if not self.consolidates or not coord.distributed or coord.world_size < 2:
             return
@@ -279,16 +287,13 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
         try:
             held = {key: _held_boxes(items) for key, items in boxes.items() if key in shapes}
             self._regrouped = set(regroup_rows(coord, shapes, dtypes, held, value, write, row_offset))
-
-            def sync() -> None:
-                for f in fds.values():
+            for f in fds.values():  # the queued (buffered) writes: done before the files are synced
+                try:
                     f.drain()
-                    if self.sync_files:
-                        os.fsync(f.fd)
-
-            if self._regrouped:  # (the same on every rank)
-                coord.exchange("save (regrouping rows: syncing)", sync)  # a failure here fails every rank too
+                except BaseException as exc:  # raised by write_plan, where every rank learns of it
+                    self._together_error = self._together_error or exc
         finally:
+            self._together = set(fds)
             for f in fds.values():
                 f.close()
 
@@ -296,6 +301,8 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
                    thread_count: int) -> WriteResult:
         self._file_of_keys(plan.entries)  # refused before anything is written
         self._begin(save_id)
+        if self._together_error is not None:  # a write of write_together's (this rank's) failed
+            raise self._together_error
         boxes = {k: v for k, v in _boxes_by_key(plan.items).items() if k not in self._regrouped}
         held = {key: functools.partial(_resolved, planner, key, boxes[key], plan.entries[key])
                 for key in sorted(boxes, key=lambda k: -sum(w.nbytes for w in boxes[k]))}
@@ -366,7 +373,7 @@ class HuggingFaceStorageWriter(TorchProtocolWrites, PlanWriter):
         tmp_of = dict(zip(layouts, (tmp for tmp, _ in self._pending), strict=True))
         self._index = {"metadata": {"total_size": sum(lay.size - len(lay.header) for lay in layouts.values())},
                        "weight_map": {key: layouts[i].name for key, i in files.items()}}
-        mine = sorted({files[key] for key in held})
+        mine = sorted({files[key] for key in held} | self._together)  # also synced: write_together's rows
         if self.is_coordinator:
             mine = sorted(layouts)
         fds: dict[int, PlacedWrites] = {}
