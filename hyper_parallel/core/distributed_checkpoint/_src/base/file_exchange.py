@@ -56,6 +56,14 @@ class FileType(enum.Enum):
 
 
 _RECORD_MODULES = ("hyper_parallel.", "torch.distributed.checkpoint.")
+_PACKAGE = "hyper_parallel.core.distributed_checkpoint."
+# Where releases before 4 kept the record classes a pickle names (inside the package, before the
+# internals moved under _src/): read as the public faces that export the same classes now.
+_MOVED_RECORD_MODULES = {
+    _PACKAGE + "format.records": _PACKAGE + "metadata",
+    _PACKAGE + "format.storage_info": _PACKAGE + "storage",
+    _PACKAGE + "planning.records": _PACKAGE + "planner",
+}
 _BUILTINS = {"set", "frozenset", "complex", "slice", "range", "bytearray"}
 _RECONSTRUCTORS = {("copyreg", "_reconstructor"), ("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__"),
                    ("collections", "OrderedDict"),
@@ -72,7 +80,7 @@ class RecordUnpickler(AllowlistUnpickler):
         if module == "torch" and name in ("Size", "device"):
             return pickle.Unpickler.find_class(self, module, name)
         if module.startswith(_RECORD_MODULES) or module == "torch":
-            found = pickle.Unpickler.find_class(self, module, name)
+            found = pickle.Unpickler.find_class(self, _MOVED_RECORD_MODULES.get(module, module), name)
             if isinstance(found, (torch.dtype, torch.memory_format, torch.layout)):
                 return found
             if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 
 __all__ = ["StorageInfo"]
 
+# The public face that exports these records. Pickles of them (HyperParallel's per-rank metadata,
+# exchange files) name this path, not the internal one, so a file one release writes loads in
+# the next even when the internals move.
+PUBLIC_MODULE = "hyper_parallel.core.distributed_checkpoint.storage"
+
 
 @dataclass
 class StorageInfo:
@@ -31,3 +36,9 @@ class StorageInfo:
     length: int
     tensor_key: str | None = None
     transform_descriptors: Sequence[str] | None = field(default=None, kw_only=True)
+
+
+# after the classes are built (a dataclass resolves its annotations in its own module first)
+for _record in (StorageInfo,):
+    _record.__module__ = PUBLIC_MODULE
+del _record

@@ -38,6 +38,11 @@ from ..format.records import MetadataIndex, TorchRecordType, dtype_element_size,
 __all__ = ["WriteItemType", "LoadItemType", "TensorWriteData", "BytesIOWriteData", "WriteItem", "ReadItem",
            "SavePlan", "LoadPlan", "BroadcastSource"]
 
+# The public face that exports these records. Pickles of them (HyperParallel's per-rank metadata,
+# exchange files) name this path, not the internal one, so a file one release writes loads in
+# the next even when the internals move.
+PUBLIC_MODULE = "hyper_parallel.core.distributed_checkpoint.planner"
+
 BytesIOWriteData = _torch_planner.BytesIOWriteData
 _TORCH_ENUMS = (_torch_planner.WriteItemType, _torch_planner.LoadItemType)
 
@@ -194,3 +199,10 @@ class LoadPlan(_torch_planner.LoadPlan, metaclass=TorchRecordType):
                           storage_offsets=(), lengths=i.lengths)
                  for i in self.items]
         return LoadPlan(items=items, storage_data=None, planner_data=None)
+
+
+# after the classes are built (a dataclass resolves its annotations in its own module first)
+for _record in (WriteItemType, LoadItemType, TensorWriteData, WriteItem, BroadcastSource, ReadItem, SavePlan,
+                LoadPlan):
+    _record.__module__ = PUBLIC_MODULE
+del _record

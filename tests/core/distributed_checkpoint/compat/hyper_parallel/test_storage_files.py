@@ -164,3 +164,25 @@ def test_a_writer_and_reader_of_ours_still_save_and_load_our_format():
         assert Path(d, ".metadata").read_bytes().startswith(b"{")  # our JSON document
         out = load({"w": torch.zeros(3)}, storage_reader=filesystem_storage.FileSystemReader(d), no_dist=True)
         assert torch.equal(out["w"], torch.ones(3))
+
+
+FORM_R3 = Path(__file__).resolve().parents[4] / "fixtures" / "hyper_parallel_form_r3"
+
+
+def test_a_checkpoint_the_previous_release_wrote_still_loads():
+    # its pickle names the record classes where release 3 kept them (format.records, ...)
+    raw = (FORM_R3 / ".metadata").read_bytes()
+    assert b"hyper_parallel.core.distributed_checkpoint.format.records" in raw
+    target = {"model": {"w": torch.zeros(2, 3)}, "step": 0, "raw": b""}
+    _load(str(FORM_R3), target)
+    assert torch.equal(target["model"]["w"], torch.arange(6.0).reshape(2, 3))
+    assert target["step"] == 9 and target["raw"] == b"\x00\x01"
+
+
+def test_new_metadata_names_the_public_paths_of_its_records(tmp_path):
+    # so a file written now loads after the internals move again
+    _save(str(tmp_path), {"w": torch.ones(2), "step": 1})
+    raw = (tmp_path / ".metadata").read_bytes()
+    assert b"_src" not in raw
+    assert b"hyper_parallel.core.distributed_checkpoint.metadata" in raw
+    assert b"hyper_parallel.core.distributed_checkpoint.storage" in raw
