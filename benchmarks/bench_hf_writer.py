@@ -20,6 +20,10 @@ Usage::
     python benchmarks/bench_hf_writer.py                      # 1 GiB, 436 tensors, 2 ranks, 3 reps, on disk
     python benchmarks/bench_hf_writer.py --dim 1 --layers 2   # Shard(1), 28 tensors
     python benchmarks/bench_hf_writer.py --dir /dev/shm       # no disk in the way
+    python benchmarks/bench_hf_writer.py --only 'HF writer, consolidated' --reps 5   # the issue's ratio alone
+
+The load average (``/proc/loadavg``) before and after is printed: on a shared machine quote it
+with each figure, and prefer the ratios (both saves from the same run).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ SCENARIOS = ("ours", "HF writer, consolidated", "HF writer, sharded", "torch HF 
              "torch HF writer, sharded")
 
 
-def rank_main(rank: int, ws: int, store: str, where: str, layers: int, size: int, reps: int, dim: int) -> None:
+def rank_main(rank: int, ws: int, store: str, where: str, layers: int, size: int, reps: int, dim: int,
+              only: tuple[str, ...] = SCENARIOS) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as tdcp
@@ -88,6 +93,8 @@ def rank_main(rank: int, ws: int, store: str, where: str, layers: int, size: int
 
     times: dict[str, list[float]] = {}
     for name, fn in runs.items():
+        if name not in only:
+            continue
         path = os.path.join(where, name.replace(" ", "_").replace(",", ""))
 
         def fresh(path: str = path) -> None:  # a fresh directory per repetition (the last one removed, untimed)
@@ -128,6 +135,15 @@ def _correct(name, path, sd, load, load_file, sharded_reader) -> bool:
     return True
 
 
+def _loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages (empty where /proc is not there)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=36, help="36: 436 tensors; 2: 28")
@@ -136,18 +152,22 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--dim", type=int, default=0, choices=(0, 1), help="the dim every tensor is sharded on")
     ap.add_argument("--dir", default=None, help="where to save (default: a temporary directory on disk)")
+    ap.add_argument("--only", action="append", choices=SCENARIOS[1:], default=[],
+                    help="a scenario to run besides 'ours' (repeat for more); default: all")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    only = tuple(n for n in SCENARIOS if n == "ours" or not a.only or n in a.only)
     if a.rank is not None:
-        rank_main(a.rank, a.ranks, a.store, a.dir, a.layers, a.size_mib << 20, a.reps, a.dim)
+        rank_main(a.rank, a.ranks, a.store, a.dir, a.layers, a.size_mib << 20, a.reps, a.dim, only)
         return
+    load_before = _loadavg()
     where = tempfile.mkdtemp(prefix="bench_hf_writer_", dir=a.dir)
     try:
         store = os.path.join(where, "store")
         args = [sys.executable, os.path.abspath(__file__), "--layers", str(a.layers), "--ranks", str(a.ranks),
                 "--reps", str(a.reps), "--size-mib", str(a.size_mib), "--dim", str(a.dim), "--dir", where,
-                "--store", store]
+                "--store", store, *(f"--only={n}" for n in a.only)]
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
         procs = [subprocess.Popen([*args, "--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env)
                  for r in range(a.ranks)]
@@ -159,10 +179,11 @@ def main() -> None:
     times = json.loads(outs[0].strip().splitlines()[-1])
     n = 28 if a.layers == 2 else 12 * a.layers + 4
     print(f"{a.size_mib} MiB global in {n} tensors, Shard({a.dim}) over {a.ranks} ranks, {a.reps} reps, fsync on, "
-          f"in {a.dir or tempfile.gettempdir()}; seconds of the slowest rank: best / median")
+          f"in {a.dir or tempfile.gettempdir()}; seconds of the slowest rank: best / median; load average "
+          f"{load_before} before, {_loadavg()} after")
     ours = statistics.median(times["ours"])
     print("\n".join(table_head("save", "best / median (s)", "median / ours", "read back exact")))
-    for name in SCENARIOS:
+    for name in only:
         t = times[name]
         print(table_row(name, f"{min(t):.3f} / {statistics.median(t):.3f}", f"{statistics.median(t) / ours:.2f}x",
                         bool(times[f"{name}|correct"][0])))
