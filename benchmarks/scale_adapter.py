@@ -127,7 +127,7 @@ def simulated_writes(global_plans: list[Any]) -> list[Any]:
 def build_metadata(global_plans: list[Any], results: list[Any], ranks: int) -> Any:
     """MEASURED: the coordinator's merge of every rank's write report into the checkpoint's
     metadata object (v2: ``saver.build_metadata`` over the global plan's entries)."""
-    from hyper_parallel.core.distributed_checkpoint._src.transfer.saver import build_metadata as build
+    from hyper_parallel.core.distributed_checkpoint._src.format.metadata_build import build_metadata as build
 
     return build(global_plans[0].entries, results, "0123456789abcdef", ranks, {})
 
