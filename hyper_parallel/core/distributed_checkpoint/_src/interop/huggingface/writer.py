@@ -15,8 +15,8 @@ torch's name and arguments (``torch.distributed.checkpoint.HuggingFaceStorageWri
   :meth:`~HuggingFaceStorageWriter.write_together`): each rank then writes the rows it owns
   of such a tensor as one run (a 2-rank ``Shard(1)`` save of 1 GiB in 436 tensors: 2.32x our own
   save's time before, 1.23-1.38x after; see docs/performance.md). Where nothing is regrouped
-  (one process), such a box is one strided copy into a shared mapping of the file on a filesystem of this node. Each byte is written
-  once, by one rank. The path must be one directory
+  (one process), such a box is one strided copy into a shared mapping of the file on a
+  filesystem of this node. Each byte is written once, by one rank. The path must be one directory
   that every rank sees (a shared filesystem for ranks on several nodes). (torch's writer
   writes shards to ``<path>/sharded`` first, then rank 0 reads them all back and writes the
   files; here there is no ``sharded`` directory.)
