@@ -81,7 +81,7 @@ def combine_layout(directory: str | os.PathLike) -> dict[str, Any]:
             continue
         path = os.path.join(directory, name)
         one = load_layout(path)
-        if not isinstance(one, dict):
+        if isinstance(one, LayoutStrategy) or not isinstance(one, dict):
             raise ValueError(f"{path}: a layout map ({{rank: {{name: layout}}}}) was expected, "
                              f"not a {type(one).__name__}")
         for rank, params in one.items():

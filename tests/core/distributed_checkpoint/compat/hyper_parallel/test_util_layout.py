@@ -131,3 +131,33 @@ def test_a_plain_layout_map_is_written_and_read_back_as_the_json_it_is():
             load_layout(Path(d, "foreign.json"))
         with pytest.raises(FileNotFoundError, match="missing.layout"):
             load_layout(Path(d, "missing.layout"))
+
+
+def test_combine_layout_merges_every_layout_file_of_a_directory(tmp_path):
+    save_layout({"0": {"w": {"tensor_map": [0, -1]}}}, tmp_path / "rank0.layout")
+    save_layout({"1": {"w": {"tensor_map": [0, -1]}}, "2": {"w": None}}, tmp_path / "rank1.layout")
+    save_layout({"9": {}}, tmp_path / "other.json")  # not a .layout file: left out
+    assert layout.combine_layout(tmp_path) == {"0": {"w": {"tensor_map": [0, -1]}},
+                                               "1": {"w": {"tensor_map": [0, -1]}}, "2": {"w": None}}
+    save_layout({"1": {}}, tmp_path / "again.layout")
+    with pytest.raises(ValueError, match=r"rank 1 has a layout in both .*again\.layout and .*rank1\.layout"):
+        layout.combine_layout(tmp_path)
+
+
+def test_combine_layout_refuses_a_layout_file_that_is_not_a_layout_map(tmp_path):
+    save_layout({"*.weight": Layout((2,), ("tp",))("tp", "None")}, tmp_path / "ours.layout")
+    with pytest.raises(ValueError, match=r"ours\.layout: a layout map"):
+        layout.combine_layout(tmp_path)
+
+
+def _global_layout(rank: int, world_size: int) -> dict:
+    tp = Layout((2,), ("tp",))
+    weight = SimpleNamespace(layout=tp("tp", "None"), dtype=torch.float32, shape=(4, 2 + rank))
+    return layout.get_global_layout(_Cell({"w": weight}))
+
+
+def test_get_global_layout_gathers_every_ranks_record_on_every_rank():
+    results = run_ranks(_global_layout, 2)
+    assert results[0] == results[1]
+    assert sorted(results[0]) == ["0", "1"]
+    assert results[0]["0"]["w"]["full_shape"] == (4, 2) and results[0]["1"]["w"]["full_shape"] == (4, 3)
