@@ -32,7 +32,7 @@ INTERNAL = "_src"  # the private subpackage that holds every layer; the faces si
 LAYERS: list[dict[str, list[str]]] = [
     {"base": ["errors", "torch_options", "limits", "alignment", "box", "areas", "dtypes", "gc_pause", "timeline",
               "sizes", "file_names", "allowlist_pickle", "file_exchange", "atomic_file", "protowire", "priority",
-              "overrides", "either_protocol", "options"]},
+              "overrides", "either_protocol", "options", "public_path"]},
     {"coordination": ["coordinator"]},
     {"state": ["flatten", "nested_paths", "topology_mapper", "train_state", "version_stamp"]},
     {"sharding": ["ragged", "sharded_tensor", "placements", "grid", "layout", "strategy", "records",

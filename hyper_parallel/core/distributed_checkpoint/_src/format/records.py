@@ -49,14 +49,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import metadata as _torch_md
 
+from ..base.public_path import publish
+
 __all__ = ["CURRENT_CHECKPOINT_VERSION", "TorchRecordType", "is_own_record", "MetadataIndex", "TensorProperties",
            "TensorStorageMetadata", "Metadata",
            "ChunkStorageMetadata", "BytesStorageMetadata", "StorageMeta", "dtype_element_size"]
 
-# The public face that exports these records. Pickles of them (HyperParallel's per-rank metadata,
-# exchange files) name this path, not the internal one, so a file one release writes loads in
-# the next even when the internals move.
-PUBLIC_MODULE = "hyper_parallel.core.distributed_checkpoint.metadata"
 
 # The version HyperParallel stamps on its metadata record (see :mod:`.versioning` for older ones).
 CURRENT_CHECKPOINT_VERSION = "2.0"
@@ -225,7 +223,5 @@ class Metadata(_torch_md.Metadata, metaclass=TorchRecordType):
     version: str | None = CURRENT_CHECKPOINT_VERSION
 
 
-# after the classes are built (a dataclass resolves its annotations in its own module first)
-for _record in (MetadataIndex, TensorProperties, TensorStorageMetadata, Metadata):
-    _record.__module__ = PUBLIC_MODULE
-del _record
+publish("hyper_parallel.core.distributed_checkpoint.metadata", MetadataIndex, TensorProperties, TensorStorageMetadata,
+        Metadata)

@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..base.public_path import publish
+
 __all__ = ["StorageInfo"]
 
-# The public face that exports these records. Pickles of them (HyperParallel's per-rank metadata,
-# exchange files) name this path, not the internal one, so a file one release writes loads in
-# the next even when the internals move.
-PUBLIC_MODULE = "hyper_parallel.core.distributed_checkpoint.storage"
 
 
 @dataclass
@@ -38,7 +36,4 @@ class StorageInfo:
     transform_descriptors: Sequence[str] | None = field(default=None, kw_only=True)
 
 
-# after the classes are built (a dataclass resolves its annotations in its own module first)
-for _record in (StorageInfo,):
-    _record.__module__ = PUBLIC_MODULE
-del _record
+publish("hyper_parallel.core.distributed_checkpoint.storage", StorageInfo)

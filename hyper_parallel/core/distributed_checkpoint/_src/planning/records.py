@@ -33,15 +33,12 @@ from typing import Any
 
 from torch.distributed.checkpoint import planner as _torch_planner
 
+from ..base.public_path import publish
 from ..format.records import MetadataIndex, TorchRecordType, dtype_element_size, is_own_record
 
 __all__ = ["WriteItemType", "LoadItemType", "TensorWriteData", "BytesIOWriteData", "WriteItem", "ReadItem",
            "SavePlan", "LoadPlan", "BroadcastSource"]
 
-# The public face that exports these records. Pickles of them (HyperParallel's per-rank metadata,
-# exchange files) name this path, not the internal one, so a file one release writes loads in
-# the next even when the internals move.
-PUBLIC_MODULE = "hyper_parallel.core.distributed_checkpoint.planner"
 
 BytesIOWriteData = _torch_planner.BytesIOWriteData
 _TORCH_ENUMS = (_torch_planner.WriteItemType, _torch_planner.LoadItemType)
@@ -201,8 +198,5 @@ class LoadPlan(_torch_planner.LoadPlan, metaclass=TorchRecordType):
         return LoadPlan(items=items, storage_data=None, planner_data=None)
 
 
-# after the classes are built (a dataclass resolves its annotations in its own module first)
-for _record in (WriteItemType, LoadItemType, TensorWriteData, WriteItem, BroadcastSource, ReadItem, SavePlan,
-                LoadPlan):
-    _record.__module__ = PUBLIC_MODULE
-del _record
+publish("hyper_parallel.core.distributed_checkpoint.planner", WriteItemType, LoadItemType, TensorWriteData, WriteItem,
+        BroadcastSource, ReadItem, SavePlan, LoadPlan)
