@@ -9,8 +9,10 @@ own files. Given to ``save``/``load`` they write and read our format, as the pac
 The read pipeline's functions are read from this module at call time, so replacing one here
 changes what ``execute_read`` does: ``safe_open`` (how a safetensors file is opened),
 ``_open_checkpoint_files`` (the cache of open files, an ``_OpenFiles``), ``_fetch_tensor_file``,
-``_apply_fetched``, ``BroadcastBatcher`` and ``wait_broadcasts``. ``_get_tensor_size`` is
-HyperParallel's shape helper.
+``_apply_fetched``, ``BroadcastBatcher`` and ``wait_broadcasts``. A replaced ``safe_open`` also
+serves ``load``'s reads of this library's own data files (valid safetensors files) while it is
+in place, as HyperParallel's reader opens every file through it; the library's own ``safe_open``
+leaves those reads on the fast path. ``_get_tensor_size`` is HyperParallel's shape helper.
 """
 
 import sys

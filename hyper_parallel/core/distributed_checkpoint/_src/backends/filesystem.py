@@ -59,6 +59,7 @@ from . import direct_io
 from .direct_io import O_DIRECT
 from .locations import checkpoint_path
 from .open_files import OpenFiles
+from .opener_reads import OpenerReads, installed_opener
 from .protocol import Buffer, StorageReader, StorageWriter
 
 COALESCE_BYTES = 256 << 10  # buffered: parts under this are gathered into one write
@@ -495,6 +496,7 @@ class FileSystemReader(StorageReader):
             raise CheckpointError("direct_io=True: this platform has no O_DIRECT; pass direct_io=None")
         self._direct: bool | None = None if direct_io is None else direct_io and bool(O_DIRECT)
         self._files = OpenFiles(self._open_mode)
+        self._through_opener = OpenerReads(_PlainReads(self), lambda name: os.path.join(self.path, name))
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.read_calls = 0
@@ -617,6 +619,17 @@ class FileSystemReader(StorageReader):
         return direct_io.is_memory_filesystem(self.path)
 
     def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
+        """Bytes ``offset:offset+len(buffer)`` of file ``name``; through HyperParallel's
+        ``filesystem_storage.safe_open`` while a caller has replaced it (:mod:`.opener_reads`)."""
+        opener = installed_opener()
+        if opener is not None and OpenerReads.serves(name):
+            self._through_opener.read_into(name, offset, buffer, opener)
+            with self._lock:
+                self.bytes_read += memoryview(buffer).nbytes
+            return
+        self._read(name, offset, buffer)
+
+    def _read(self, name: str, offset: int, buffer: Buffer) -> None:
         view = memoryview(buffer).cast("B")
         want = view.nbytes
         calls = 0
@@ -664,4 +677,19 @@ class FileSystemReader(StorageReader):
         return out
 
     def close(self) -> None:
+        self._through_opener.close()
         self._files.close()
+
+
+class _PlainReads:
+    """A reader's own ``preadv`` reads, whatever opener is installed: where :class:`OpenerReads`
+    reads a file's header (structure, not tensor data)."""
+
+    def __init__(self, reader: FileSystemReader):
+        self._reader = reader
+
+    def file_size(self, name: str) -> int:
+        return self._reader.file_size(name)
+
+    def read_into(self, name: str, offset: int, buffer: Buffer) -> None:
+        self._reader._read(name, offset, buffer)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ...backends import filesystem as _fs
+from ...backends import opener_reads
 from ...base.file_exchange import RecordUnpickler
 from ...format.metadata import METADATA_FILE
 from ...format.records import CURRENT_CHECKPOINT_VERSION
@@ -69,9 +70,12 @@ _patch_points: Any = None
 
 
 def use_patch_points(module: Any) -> None:
-    """Read the pipeline's functions from ``module`` (the face) at call time."""
+    """Read the pipeline's functions from ``module`` (the face) at call time; its ``safe_open``
+    also serves :func:`load`'s filesystem reads while a caller has replaced it
+    (:mod:`...backends.opener_reads`)."""
     global _patch_points
     _patch_points = module
+    opener_reads.use_opener_from(module)
 
 
 def _point(name: str, default: Any) -> Any:
