@@ -108,7 +108,7 @@ def _b64(values, dtype="<i8") -> str:
     (lambda d: d["entries"]["opt.lr"].__setitem__("value", {"$pickle": "gASV"}), "bad value"),
     (lambda d: d.__setitem__("format", "torch-dcp"), "not a hyper-parallel checkpoint"),
     (lambda d: d.__setitem__("version", "1"), "version"),
-    (lambda d: d.__setitem__("version", 3), "newer"),
+    (lambda d: d.__setitem__("version", 4), "newer"),
     (lambda d: d.__setitem__("entries", []), "entries"),
 ])
 def test_hostile_metadata_is_rejected_with_a_clear_message(mutate, message):

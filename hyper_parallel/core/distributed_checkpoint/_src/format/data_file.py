@@ -47,6 +47,7 @@ _MAGIC = b"HPDCIDX2"
 _HEAD = struct.Struct("<8sIIII")  # magic, items, crcs, block_bytes, flags
 _HASHES = 1
 _ROW = 24  # key id u64, sub u32, crc position u32, start u64
+LAYOUT_VERSION = 2  # the data files' own layout (their "__metadata__" says it): unchanged since format v2
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -181,7 +182,7 @@ def _plan(items: list[Item], save_id: str, hashes: bool, block_bytes: int, slots
     final (offsets written in), else a ``str.format`` template (braces doubled)."""
     aligned = any(i.nbytes >= ALIGNED_PAYLOAD_MIN for i in items)
     lb, rb = ("{{", "}}") if slots is not None else ("{", "}")
-    meta = json.dumps({"format": md.FORMAT_NAME, "version": str(md.FORMAT_VERSION), "save_id": save_id},
+    meta = json.dumps({"format": md.FORMAT_NAME, "version": str(LAYOUT_VERSION), "save_id": save_id},
                       separators=(",", ":"))
     out: list[str] = [lb + '"__metadata__":', meta.replace("{", lb).replace("}", rb)]
     rel: list[int] = []

@@ -28,6 +28,9 @@ names are earlier steps in the same parent directory. A *table* store lists irre
 (imports, hand-made layouts) as binary columns. Where a chunk's bytes and checksums are
 inside its data file is in that file's own index (:mod:`.data_file`).
 
+Version 3 is version 2 with a long file table written as columns (:mod:`.file_table`);
+writers use it only where the table has at least ``COLUMNAR_FILES`` files.
+
 Version 1 (still read) listed every chunk with its file, byte range and checksums.
 
 Kinds: ``tensor``, ``ndarray`` (numpy, returned as numpy), ``bytes``, ``pickle`` (opt-in
@@ -46,7 +49,6 @@ import base64
 import binascii
 import json
 import math
-import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +61,7 @@ from ..base.errors import MetadataError
 from ..base.gc_pause import paused_gc
 from ..base.limits import MAX_ELEMENTS, MAX_TILES, MAX_WORLD
 from ..sharding.grid import Grid, shared_grid
+from .file_table import COLUMNAR_FILES, FileRecord, encode_columns, encode_rows, parse_columns, parse_rows
 from .records import BytesStorageMetadata, ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 from .sealed_json import check_seal, seal_json
 from .validation import (
@@ -67,7 +70,6 @@ from .validation import (
     check_ints,
     check_shape,
     field_error,
-    plain_file_names,
     step_dir_name,
     step_of,
     validate_file_name,
@@ -76,7 +78,7 @@ from .validation import (
 from .values import decode_path_part, decode_value, encode_path_part, encode_value
 
 FORMAT_NAME = "hyper-parallel-dcp"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # the newest version this reader reads; writers write 2 unless the file table is long
 METADATA_FILE = ".metadata"
 
 KINDS = ("tensor", "ndarray", "bytes", "pickle", "object")
@@ -100,28 +102,6 @@ class ChunkRecord:
     @property
     def rows(self) -> int:
         return self.sizes[0] if self.sizes else 1
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    """A data file: where it is, who wrote it, and where its index is (format v2).
-
-    ``dir`` is "" for this checkpoint's directory, else the name of an earlier step's
-    directory beside it (incremental checkpoints). v1 files have no index (offsets 0).
-    """
-
-    name: str
-    dir: str = ""
-    rank: int = -1
-    index_offset: int = 0
-    index_length: int = 0
-    index_crc: int = 0
-    size: int = 0
-
-    @property
-    def path(self) -> str:
-        """The name storage readers open: a plain name, or ``../<dir>/<name>``."""
-        return self.name if not self.dir else f"../{self.dir}/{self.name}"
 
 
 @dataclass
@@ -243,7 +223,8 @@ class Metadata:
         return sorted({f.dir for f in self.files if f.dir})
 
     def to_json(self) -> bytes:
-        """Serialise as format v2 (a checkpoint read from v1 cannot be written back)."""
+        """Serialise as format v2, or v3 when the file table has at least
+        :data:`~.file_table.COLUMNAR_FILES` files (a checkpoint read from v1 cannot be written back)."""
         with paused_gc():
             return self._to_json()
 
@@ -274,16 +255,16 @@ class Metadata:
                     d["layout"] = layout_json(e.layout)
                 d["store"] = _encode_store(e.store, key, layout_json)
             entries[key] = d
+        columns = len(self.files) >= COLUMNAR_FILES  # (version 3 only where it is needed: earlier releases read 2)
         doc = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": 3 if columns else 2,
             "save_id": self.save_id,
             "world_size": self.world_size,
             "user": self.user,
             "dirs": self.dirs,
             "rank_lists": rank_lists,
-            "files": [[f.name, self.dirs.index(f.dir), f.rank, f.index_offset, f.index_length, f.index_crc, f.size]
-                      for f in self.files],
+            "files": encode_columns(self.files, self.dirs) if columns else encode_rows(self.files, self.dirs),
             "entries": entries,
         }
         if self.fragment is not None:
@@ -460,7 +441,8 @@ def _parse(doc: Any, where: str, with_entries: bool = True) -> Metadata:
         meta.fragment = (check_int(frag[0], where, None, "fragment rank", hi=size - 1), size)
     meta.dirs = _parse_dirs(doc.get("dirs"), where)
     meta.rank_lists = _parse_rank_lists(doc.get("rank_lists"), where)
-    meta.files = _parse_files(doc.get("files"), meta.dirs, where)
+    files = doc.get("files")
+    meta.files = parse_columns(files, meta.dirs, where) if version >= 3 else parse_rows(files, meta.dirs, where)
     if with_entries:
         meta.entries = {key: _parse_entry_v2(key, e, meta, where) for key, e in entries_raw.items()}
     return meta
@@ -494,51 +476,6 @@ def _parse_rank_lists(raw: Any, where: str) -> list[list[int]]:
                                 f"found {ranks!r:.100}")
         out.append(ranks)
     return out
-
-
-def _parse_files(raw: Any, dirs: list[str], where: str) -> list[FileRecord]:
-    if not isinstance(raw, list):
-        raise MetadataError(f"{where}: 'files' must be a list of file records")
-    out = _files_checked_at_once(raw, dirs)
-    if out is None:  # something is wrong: the record by record checks say what
-        out = [_parse_file(f, dirs, where) for f in raw]
-    if len({(f.dir, f.name) for f in out}) != len(out):
-        raise MetadataError(f"{where}: 'files' lists a file twice")
-    return out
-
-
-def _files_checked_at_once(raw: list, dirs: list[str]) -> list[FileRecord] | None:
-    """The file records when every one passes :func:`_parse_file`'s checks, done column by
-    column with C-level builtins (a checkpoint of 65,536 ranks lists 65,536 files: a few passes, not 400,000
-    calls); None when any fails (the caller then finds it and names it)."""
-    if not all(type(f) is list and len(f) == 7 for f in raw):
-        return None
-    if not raw:
-        return []
-    names, d, rank, off, length, crc, size = zip(*raw, strict=True)
-    if not plain_file_names(names):
-        return None
-    if any(set(map(type, col)) != {int} for col in (d, rank, off, length, crc, size)):
-        return None  # bools and floats too (as check_int)
-    if not (min(d) >= 0 and max(d) <= len(dirs) - 1 and min(rank) >= -1 and max(rank) <= MAX_WORLD
-            and min(size) >= 0 and max(size) <= 1 << 62 and min(off) >= 0 and min(length) >= 0
-            and min(crc) >= 0 and max(crc) <= 0xFFFFFFFF and all(map(operator.le, off, size))
-            and all(map(operator.le, map(operator.add, off, length), size))):
-        return None
-    return list(map(FileRecord, names, map(dirs.__getitem__, d), rank, off, length, crc, size))
-
-
-def _parse_file(f: Any, dirs: list[str], where: str) -> FileRecord:
-    if not isinstance(f, list) or len(f) != 7:
-        raise MetadataError(f"{where}: a file record must be a list of 7 fields, found {f!r:.200}")
-    name = validate_file_name(f[0], where)
-    d = check_int(f[1], where, None, f"file {name!r}: dir index", hi=len(dirs) - 1)
-    rank = check_int(f[2], where, None, f"file {name!r}: rank", lo=-1, hi=MAX_WORLD)
-    size = check_int(f[6], where, None, f"file {name!r}: size", hi=1 << 62)
-    off = check_int(f[3], where, None, f"file {name!r}: index offset", hi=size)
-    length = check_int(f[4], where, None, f"file {name!r}: index length", hi=size - off)
-    crc = check_int(f[5], where, None, f"file {name!r}: index crc32c", hi=0xFFFFFFFF)
-    return FileRecord(name, dirs[d], rank, off, length, crc, size)
 
 
 def _parse_common(key: str, e: Any, where: str) -> Entry:

@@ -107,6 +107,8 @@ def migrate_metadata(metadata: Any, rules: Mapping[str, MigrationRule] | None = 
     if not isinstance(metadata, types):
         raise TypeError(f"migrate_metadata takes a metadata record ({', '.join(t.__name__ for t in types)}), "
                         f"found {type(metadata).__name__}")
+    if isinstance(metadata, Metadata) and type(vars(metadata).get("version")) is int:
+        return metadata  # our format's record: its parser reads every version it knows as current
     current_key = _version_key(CURRENT_CHECKPOINT_VERSION)
     seen: set[str] = set()
     while True:

@@ -45,9 +45,10 @@ from ..format.data_file import (
     key_id,
     plan_template,
 )
+from ..format.file_table import data_file_name
 from ..format.row_checksums import row_crc32c
 from ..sharding.grid import Grid
-from ..transfer.saver import WriteResult, data_file_name
+from ..transfer.saver import WriteResult
 
 KINDS = ("tensor", "ndarray")
 MAX_GROUPS = 64  # distinct layouts; more: the per-rank work per group outgrows the general path's

@@ -48,6 +48,7 @@ from ..format.data_file import (
     plan_file,
     tensor_bytes,
 )
+from ..format.file_table import data_file_name
 from ..planning.planner import SavePlan, SavePlanner, WriteItem
 from .chunk_checks import ChunkChecks
 from .host_copy import copy_fed, copy_into, gather_fed, side_by_side
@@ -101,10 +102,6 @@ def _split_files(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
     for b in bins:
         b.sort(key=order)
     return [b for b in bins if b]
-
-
-def data_file_name(rank: int, index: int, save_id: str) -> str:
-    return f"data-r{rank:05d}-{index}-{save_id}.safetensors"
 
 
 def data_file_names(rank: int, save_id: str, thread_count: int, hashes: bool = False) -> list[str]:

@@ -42,8 +42,8 @@ def test_torch_default_version_none_counts_as_1_0():
 
 def test_our_format_record_is_current_and_keeps_an_integer_version():
     md = Metadata(entries={}, save_id="s", world_size=1)
-    assert md.version == FORMAT_VERSION == 2
-    assert migrate_metadata(md) is md and md.version == 2
+    assert md.version == FORMAT_VERSION == 3
+    assert migrate_metadata(md) is md and md.version == 3
 
 
 @pytest.mark.parametrize("version", ["0.5", "abc"])
