@@ -22,6 +22,10 @@ Every rank finds the quantized pairs itself (from ``model.safetensors.index.json
 one file's header), since only the coordinator reads the metadata. Scale tensors stay keys
 of the checkpoint (as in torch): a target may ask for them and gets them raw.
 
+torch's per-item hook ``_process_read_request(f, item, planner)`` (which torch's read loop
+calls with an open ``safetensors.safe_open`` file) is here too, for code that drives it itself;
+it dequantizes through the same arithmetic (:func:`dequantize_region`).
+
 Not here: MXFP4 (``*_blocks``/``*_scales``, gpt-oss), refused with a clear error.
 """
 
@@ -32,17 +36,20 @@ import os
 import re
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c
 import numpy as np
 import torch
 
+from ...backends.locations import is_url, local_path
 from ...backends.protocol import Buffer, StorageReader
 from ...base.dtypes import dtype_name, itemsize, torch_dtype
-from ...base.errors import CorruptCheckpointError, UnsupportedValueError
+from ...base.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from ...format import metadata as md
 from ...format.data_file import UncheckedIndex
 from ...format.safetensors import SafetensorsHeader, SafetensorsTensor, read_header, read_header_bytes
+from ...format.validation import validate_file_name
 from .index import HF_SINGLE
 from .reader import HuggingFaceStorageReader
 
@@ -129,8 +136,13 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
 
     def _reset(self) -> None:
         self._headers: dict[str, SafetensorsHeader] = {}
-        self._holder: dict[str, str] | None = None  # tensor -> file
-        self._pairs: list[tuple[str, str]] | None = None  # (weight, scale), by weight name
+        self._pairs: list[tuple[str, str]] | None = None  # (weight, scale), by weight name; None: not read yet
+        # torch's names, which its reader's per-item hook (_process_read_request) reads and code
+        # written for torch's reader may set: tensor -> file, weight -> scale (both filled when
+        # the files are read), weight -> full shape (filled by no one here; the file's otherwise)
+        self._weight_map: dict[str, str] = {}
+        self._weight_scale_mapping: dict[str, str] = {}
+        self._tensor_full_shapes: dict[str, torch.Size] = {}
         self._names: dict[str, int] = {}  # virtual file -> pair number
         self._weights: dict[int, QuantizedWeight] = {}
 
@@ -159,15 +171,16 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
     def _tensor_files(self) -> dict[str, str]:
         """Every tensor's file: the index's ``weight_map``, or the single file's header."""
         with self._lock:
-            if self._holder is None:
+            if self._pairs is None:
                 names, weight_map = self.weight_files()
                 if weight_map is None:
                     weight_map = dict.fromkeys(self._header(names[0]).tensors, HF_SINGLE)
-                self._holder = weight_map
+                self._weight_map = weight_map
                 self._pairs = sorted((k, k + SCALE_SUFFIX) for k in weight_map
                                      if k.endswith(".weight") and k + SCALE_SUFFIX in weight_map)
+                self._weight_scale_mapping = dict(self._pairs)
                 self._names = {virtual_name(n, w): n for n, (w, _) in enumerate(self._pairs)}
-            return self._holder
+            return self._weight_map
 
     def _tensor(self, key: str) -> tuple[str, SafetensorsTensor]:
         name = self._tensor_files()[key]
@@ -306,7 +319,7 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         self.files.read_into(q.file, q.start + first, memoryview(raw.numpy()))
         weight = raw.view(torch_dtype(q.dtype))
         b, cols, end = self.block_size, q.cols, first + n
-        pos, direct = first, self.target_dtype == torch.float32
+        pos = first
         while pos < end:
             r, c = divmod(pos, cols)
             if c or end - pos < cols:  # part of one row
@@ -316,11 +329,7 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
             i = pos - first
             count = nrows * ncols
             scale = self._scale_row(q, r // b, c, c + ncols)
-            dest = out[i:i + count].view(nrows, ncols)
-            if direct:  # float32 values: computed in place
-                dest.copy_(weight[i:i + count].view(nrows, ncols)).mul_(scale)
-            else:  # float32 product, then rounded to target_dtype (torch's two roundings)
-                dest.copy_(weight[i:i + count].view(nrows, ncols).to(torch.float32).mul_(scale))
+            _scale_into(out[i:i + count].view(nrows, ncols), weight[i:i + count].view(nrows, ncols), scale)
             pos += count
 
     def _scale_row(self, q: QuantizedWeight, block_row: int, c0: int, c1: int) -> torch.Tensor:
@@ -335,12 +344,159 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         raw = torch.empty((b1 - b0) * ssize, dtype=torch.uint8)
         self.files.read_into(q.scale_file, q.scale_start + (block_row * q.scale_cols + b0) * ssize,
                              memoryview(raw.numpy()))
-        cells = raw.view(torch_dtype(q.scale_dtype)).to(torch.float32)
-        counts = [b] * (b1 - b0)  # whole blocks only between the first and last cells
-        counts[0] = min(c1, (b0 + 1) * b) - c0
-        if b1 - b0 > 1:
-            counts[-1] = c1 - (b1 - 1) * b
-        return cells.repeat_interleave(torch.tensor(counts, dtype=torch.int64), output_size=c1 - c0)
+        return _column_scales(raw.view(torch_dtype(q.scale_dtype)), c0, c1, b)
+
+    # ------------------------------------------------------------------ torch's per-item hook
+
+    def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
+        """torch's per-item hook (:meth:`HuggingFaceStorageReader._process_read_request`), which
+        dequantizes a block-quantized weight's region.
+
+        A weight is quantized when ``_weight_scale_mapping`` (torch's name) pairs it with its
+        ``<name>.weight_scale_inv``; that map and ``_weight_map`` (tensor -> file) are filled
+        when this reader reads the checkpoint's files (``read_metadata``, a load), or here on the
+        first call when both are still empty. Code written for torch's reader may set them
+        itself, as it may ``_tensor_full_shapes`` (weight -> full shape; a weight it leaves out
+        has the shape ``f`` gives).
+
+        The region's float8 (or any) values are read from ``f``, and the whole scale grid from
+        ``f`` when the weight map puts it in the weight's file, else from the file it names,
+        opened with ``safetensors.safe_open`` (local directories only). Each element is
+        ``float32(weight) * float32(scale of its block)``, rounded to ``target_dtype``, then
+        copied into the planner's tensor: the bits a load with this reader gives. Every other
+        tensor (scales included) is read raw.
+
+        Raises (each naming the tensor), besides the plain reader's:
+            UnsupportedValueError: a quantized weight is not 2-D, its scale is not floating, or
+                it is MXFP4 (``*_blocks`` with ``*_scales``); the scale's file is remote.
+            CorruptCheckpointError: the weight map places the scale in no file; the scale
+                grid is not ``ceil(rows / block_size) x ceil(cols / block_size)``; ``f`` gives
+                a region of another shape than asked.
+            CheckpointError: the region lies outside the weight.
+        """
+        key = req.storage_index.fqn
+        scale_key = self._scale_of(key)
+        if scale_key is None:
+            super()._process_read_request(f, req, planner)
+            return
+        self._commit_read(req, planner, self._dequantized_region(f, req, key, scale_key))
+
+    def _scale_of(self, key: str) -> str | None:
+        """The scale tensor of quantized weight ``key``; None for any other tensor."""
+        with self._lock:
+            if self._pairs is None and not self._weight_map and not self._weight_scale_mapping:
+                self._tensor_files()  # nothing known yet: learn the pairs from the files
+            if key.endswith((SCALE_SUFFIX, "_scales")):
+                return None
+            if key.endswith("_blocks") and (key in self._weight_scale_mapping
+                                            or key[: -len("_blocks")] + "_scales" in self._weight_map):
+                raise UnsupportedValueError(
+                    f"{self._file_of(key)}: tensor {key!r} is MXFP4 (with "
+                    f"{key[: -len('_blocks')] + '_scales'!r}), which this reader does not dequantize; it reads FP8 "
+                    "weights with block-wise weight_scale_inv")
+            return self._weight_scale_mapping.get(key)
+
+    def _file_of(self, key: str) -> str:
+        """Where ``key`` lies, for messages: its file, else the checkpoint."""
+        name = self._weight_map.get(key)
+        return self._where(name) if name is not None else self.path
+
+    def _dequantized_region(self, f: Any, req: Any, key: str, scale_key: str) -> torch.Tensor:
+        """``req``'s region of quantized weight ``key``, dequantized to ``target_dtype``."""
+        where = self._file_of(key)
+        shape = self._tensor_full_shapes.get(key)
+        if shape is None:
+            shape = f.get_slice(key).get_shape()
+        shape = tuple(int(n) for n in shape)
+        if len(shape) != 2:
+            raise UnsupportedValueError(f"{where}: {key!r} of shape {list(shape)} has scale {scale_key!r}, but only "
+                                        "2-D weights are block-quantized")
+        slices = self._region_slices(req)
+        if len(slices) != 2 or any(not 0 <= s.start <= s.stop <= n for s, n in zip(slices, shape, strict=True)):
+            raise CheckpointError(f"{where}: the read of {key!r} asks for {[(s.start, s.stop) for s in slices]}, "
+                                  f"outside its shape {list(shape)}")
+        weight = f.get_slice(key)[slices]
+        lengths = tuple(s.stop - s.start for s in slices)
+        if tuple(weight.shape) != lengths:
+            raise CorruptCheckpointError(f"{where}: the read of {lengths} elements of {key!r} gave "
+                                         f"{list(weight.shape)}")
+        scale = self._scale_grid(f, key, scale_key)
+        b = self.block_size
+        grid = (-(-shape[0] // b), -(-shape[1] // b))
+        if tuple(scale.shape) != grid:
+            raise CorruptCheckpointError(
+                f"{where}: scale {scale_key!r} has shape {list(scale.shape)}, but weight {key!r} of shape "
+                f"{list(shape)} with block_size={b} needs {list(grid)} (ceil(rows / block) x ceil(cols / block)); "
+                f"{_fitting_blocks(shape, tuple(scale.shape))}")
+        if not scale.is_floating_point():
+            raise UnsupportedValueError(f"{where}: scale {scale_key!r} of {key!r} is {scale.dtype}; expected a "
+                                        "floating dtype")
+        return dequantize_region(weight, scale, slices[0].start, slices[1].start, b, self.target_dtype)
+
+    def _scale_grid(self, f: Any, key: str, scale_key: str) -> torch.Tensor:
+        """The whole scale grid of ``key``: from ``f`` when in the weight's file, else from its own."""
+        name = self._weight_map.get(scale_key)
+        if name is None:
+            raise CorruptCheckpointError(f"{self._file_of(key)}: scale {scale_key!r} of "
+                                         f"{key!r} is in no file of the checkpoint's weight map")
+        if name == self._weight_map.get(key):
+            return f.get_tensor(scale_key)
+        where = self._where(name)
+        if is_url(self.path):
+            raise UnsupportedValueError(f"{where}: scale {scale_key!r} of {key!r} is in another file than the weight, "
+                                        "and safetensors opens local files only; load with load() instead")
+        validate_file_name(name, self.path)
+        # looked up when called, as torch's reader does: a caller that swaps the safetensors
+        # module (to open files its own way) has its handles used for this file too
+        import safetensors
+
+        with safetensors.safe_open(os.path.join(local_path(self.path), name), framework="pt", device="cpu") as other:
+            return other.get_tensor(scale_key)
+
+
+def dequantize_region(weight: torch.Tensor, scale: torch.Tensor, row: int, col: int, block: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The region of a block-quantized weight whose values ``weight`` holds (2-D, any dtype),
+    at ``row``, ``col`` of the whole weight, dequantized: element ``(i, j)`` is
+    ``float32(weight[i, j]) * float32(scale[(row + i) // block, (col + j) // block])``, rounded
+    to ``dtype``. ``scale`` is the whole weight's grid. Memory follows the region, never
+    ``block``."""
+    rows, cols = weight.shape
+    out = torch.empty((rows, cols), dtype=dtype)
+    if not rows or not cols:
+        return out
+    b0, b1 = col // block, -(-(col + cols) // block)
+    r = row
+    while r < row + rows:  # one band of rows per block row
+        band = r // block
+        end = min((band + 1) * block, row + rows)
+        _scale_into(out[r - row:end - row], weight[r - row:end - row],
+                    _column_scales(scale[band, b0:b1], col, col + cols, block))
+        r = end
+    return out
+
+
+def _column_scales(cells: torch.Tensor, c0: int, c1: int, block: int) -> torch.Tensor:
+    """Each column's float32 scale for columns ``c0:c1`` (``c0 < c1``), from ``cells``: one
+    block row's scale cells for blocks ``c0 // block`` to ``ceil(c1 / block)``.
+
+    Each cell is repeated once per column of ``c0:c1`` it covers (the first and last cells may
+    cover part of their block)."""
+    b0, b1 = c0 // block, -(-c1 // block)
+    counts = [block] * (b1 - b0)  # whole blocks only between the first and last cells
+    counts[0] = min(c1, (b0 + 1) * block) - c0
+    if b1 - b0 > 1:
+        counts[-1] = c1 - (b1 - 1) * block
+    return cells.to(torch.float32).repeat_interleave(torch.tensor(counts, dtype=torch.int64), output_size=c1 - c0)
+
+
+def _scale_into(dest: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> None:
+    """``dest = float32(weight) * scales`` (one scale per column), rounded once to ``dest``'s
+    dtype: the float32 product first, as torch's reader computes it."""
+    if dest.dtype == torch.float32:  # computed in place
+        dest.copy_(weight).mul_(scales)
+    else:
+        dest.copy_(weight.to(torch.float32).mul_(scales))
 
 
 _MAX_BLOCK = 2**63 - 1  # int64, as torch's reader and our metadata hold it

@@ -46,6 +46,7 @@ import math
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -380,6 +381,41 @@ class HuggingFaceStorageReader(ProtocolReads, StorageReader):
 
     def close(self) -> None:
         self.files.close()
+
+    # ------------------------------------------------------------------ torch's per-item hook
+
+    def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
+        """torch's per-item step of its safetensors read loop: the region ``req`` names
+        (``storage_offsets``, ``lengths``) of tensor ``req.storage_index.fqn``, read from ``f``
+        (an open ``safetensors.safe_open`` file, or anything with its ``get_slice(name)[slices]``),
+        copied into ``planner.resolve_tensor(req)`` and handed to ``planner.commit_tensor``.
+
+        For code that drives this hook itself (a subclass of torch's reader, torch's tests). This
+        reader's own loads (``load``, ``read_data``, ``execute_read``) do not call it: they read
+        the files' byte ranges straight into the targets.
+
+        Raises:
+            CheckpointError: ``storage_offsets`` and ``lengths`` differ in length, or the
+                planner's tensor has another shape than the region read.
+        """
+        self._commit_read(req, planner, f.get_slice(req.storage_index.fqn)[self._region_slices(req)])
+
+    def _region_slices(self, req: Any) -> tuple[slice, ...]:
+        """``req``'s region as one slice per dimension."""
+        offsets, lengths = list(req.storage_offsets), list(req.lengths)
+        if len(offsets) != len(lengths):
+            raise CheckpointError(f"{self.path}: the read of {req.storage_index.fqn!r} has {len(offsets)} offsets "
+                                  f"{offsets} but {len(lengths)} lengths {lengths}")
+        return tuple(slice(int(o), int(o) + int(n)) for o, n in zip(offsets, lengths, strict=True))
+
+    def _commit_read(self, req: Any, planner: Any, tensor: Any) -> None:
+        """``tensor`` (what was read for ``req``) into the planner's tensor, then committed."""
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"{self.path}: {req.storage_index.fqn!r}: the planner's tensor for a read of "
+                                  f"{list(tensor.size())} has shape {list(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
 
 
 class TorchShardedSafetensorsReader(HuggingFaceStorageReader):
