@@ -28,6 +28,8 @@ with ``torch_npu`` installed) is passed to torch unchanged.
 Additive HyperParallel names on torch's classes (installed when this package is imported):
 ``DeviceMesh.rank_list``, ``DTensor.from_local_with_layout`` and
 ``FSDPModule.set_reduce_op_type`` (see the modules above for what each maps to in torch).
+``DTensor.backward(gradient)`` also takes a plain tensor, read as this rank's local gradient
+as HyperParallel's DTensor reads it (``hyper_parallel.core.dtensor.dtensor``).
 
 HyperParallel's module paths exist as aliases of the same torch objects:
 ``hyper_parallel.core.dtensor.{device_mesh, placement_types, dtensor}``,

@@ -10,6 +10,12 @@ method, since torch has no such name) and :class:`SkipDTensorDispatch`. The seed
 ``DTensor.from_local(local, mesh, placements, shape=global_shape)`` without ``stride`` (torch
 raises "Please pass both shape and stride") gets the contiguous stride of ``shape``: torch's
 ``from_local`` is wrapped for that one case and otherwise called as it is.
+
+``dtensor.backward(gradient)`` with a plain tensor ``gradient`` (HyperParallel's DTensor runs
+autograd on the local shards, so its tests seed a DTensor loss with this rank's local gradient,
+e.g. ``loss.backward(torch.tensor(1.0 / tp_size))``) reads ``gradient`` as this rank's shard of
+the gradient; torch would otherwise pass the plain tensor into the backward of DTensor
+operators, which refuse it ("got mixed torch.Tensor and DTensor"). See :func:`_backward`.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
@@ -140,8 +146,55 @@ def _wrap_from_local(original: Any) -> Any:
     return from_local
 
 
+def _local_gradient_as_dtensor(output: DTensor, gradient: torch.Tensor) -> DTensor:
+    """``gradient``, this rank's local gradient of ``output``, as the DTensor gradient torch expects.
+
+    The gradient of a DTensor is laid out like the DTensor itself, except that a pending sum
+    (``Partial``) becomes ``Replicate``: the gradient of a sum is the same for each of its terms
+    (torch's own default seed, ``torch.ones_like(loss)``, is laid out so). Each rank's plain
+    ``gradient`` is then what HyperParallel's local autograd would see on that rank: the same
+    parameter gradients come out.
+
+    Raises:
+        ValueError: ``gradient``'s shape is not ``output``'s local shape.
+    """
+    local_shape = tuple(output.to_local().shape)
+    if tuple(gradient.shape) != local_shape:
+        raise ValueError(
+            f"DTensor.backward: a plain-tensor gradient is this rank's local gradient and must have the "
+            f"DTensor's local shape {local_shape} (global shape {tuple(output.shape)}, placements "
+            f"{tuple(output.placements)}), got shape {tuple(gradient.shape)}; pass a DTensor gradient otherwise")
+    placements = tuple(Replicate() if p.is_partial() else p for p in output.placements)
+    return DTensor.from_local(gradient, output.device_mesh, placements, run_check=False, shape=output.shape,
+                              stride=output.stride())
+
+
+def _backward(self: DTensor, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
+              create_graph: bool = False, inputs: Any = None) -> None:
+    """``DTensor.backward``: torch's ``Tensor.backward``, taking a plain ``gradient`` as this rank's local gradient.
+
+    HyperParallel's DTensor hands ``backward`` to its local tensor, so a plain-tensor gradient
+    there is the local shard's gradient. Here it is turned into a DTensor first (see
+    :func:`_local_gradient_as_dtensor`); a DTensor gradient or ``None`` goes to torch unchanged.
+
+    Example::
+
+        loss = model(x)                          # a DTensor, e.g. Partial(sum) over the tp mesh
+        loss.backward(torch.tensor(1.0))         # the same as loss.backward() for a scalar loss
+    """
+    if isinstance(gradient, torch.Tensor) and not isinstance(gradient, DTensor):
+        gradient = _local_gradient_as_dtensor(self, gradient)
+    torch.Tensor.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
+
+_backward._hyper_parallel_local_gradient = True  # type: ignore[attr-defined]
+
+
 if not getattr(DTensor.from_local, "_hyper_parallel_shape_only", False):
     DTensor.from_local = staticmethod(_wrap_from_local(DTensor.from_local))  # type: ignore[method-assign]
 
 if not hasattr(DTensor, "from_local_with_layout"):
     DTensor.from_local_with_layout = staticmethod(from_local_with_layout)  # type: ignore[attr-defined]
+
+if not getattr(DTensor.backward, "_hyper_parallel_local_gradient", False):
+    DTensor.backward = _backward  # type: ignore[method-assign]
