@@ -431,6 +431,27 @@ def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, a
         assert len(reader.hints) == 2  # hinted, refused, and read from several threads as before
 
 
+def test_many_files_are_hinted_a_window_ahead_of_the_reads(tmp_path, monkeypatch):
+    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
+    from hyper_parallel.core.distributed_checkpoint._src.transfer import loader
+
+    monkeypatch.setattr(loader, "HINT_WINDOW", 8)  # 32 files: hinted 8 at first, then 4 more at a time
+    sd = {"w": make_tensor((256, 8))}
+    save(sd, str(tmp_path / "src"), no_dist=True)
+    dst = str(tmp_path / "dp32")
+    offline_transform(str(tmp_path / "src"), dst, dst_layout={"*": Layout((32,), ("dp",))("dp", "None")})
+    reader = _Hinting(dst)
+    target = {"w": torch.zeros(256, 8)}
+    load(target, storage_reader=reader)
+    assert torch.equal(target["w"], sd["w"])
+    meta = read_checkpoint_metadata(FileSystemReader(dst))
+    index_hints = [h for h in reader.hints if h and h[0][1] == next(f.index_offset for f in meta.files
+                                                                      if f.path == h[0][0])]
+    assert len(index_hints[0]) == 8 and all(len(h) <= 8 for h in index_hints) and len(index_hints) > 2
+    hinted = [r for h in index_hints for r in h]
+    assert sorted(hinted) == sorted((f.path, f.index_offset, f.index_length) for f in meta.files)  # each once
+
+
 def test_a_single_file_a_load_needs_little_of_is_hinted_then_read(tmp_path):
     sd = {f"w{i}": make_tensor((4, 8), seed=i) for i in range(3)}
     save(sd, str(tmp_path / "c"), no_dist=True)

@@ -66,6 +66,11 @@ DENSE = 0.9  # with O_DIRECT, runs needing less than this fraction of their byte
 # in parallel), then they are read through the page cache in one thread (more threads only
 # contend for the GIL: measured 2x slower with many files).
 MANY_FILES, SMALL_FILE_BYTES = 16, 256 << 10
+# The hints run this many files ahead of the reads, not all at once. One tensor of a checkpoint
+# of 65,536 ranks (a file each), cold: every file hinted first 100 s, no hints 43 s, 256 / 1,024
+# / 4,096 files ahead 13.5 / 13.9 / 16.3 s (an open and one small read per file alone: 5.7 s).
+# At 4,096 files hints make it 3x faster than none (0.8 s against 2.6 s), window or not.
+HINT_WINDOW = 512
 
 
 @dataclass
@@ -489,9 +494,11 @@ def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: i
         return items
     cache = index_cache(reader)
     files = {f.path: f for i in refs for f in i.chunk.files[:1]}
-    if len(files) >= MANY_FILES and _prefetch(reader, [(f.path, f.index_offset, f.index_length)
-                                                        for f in files.values()]):
-        for f in files.values():  # hinted: read in order while the storage works in parallel
+    hints = _HintsAhead(reader, [[(f.path, f.index_offset, f.index_length)] for f in files.values()]) \
+        if len(files) >= MANY_FILES else None
+    if hints is not None and hints.ok:
+        for i, f in enumerate(files.values()):  # hinted: read in order while the storage works in parallel
+            hints.reading(i)
             _try(cache, f)
     elif len(files) > 1 and thread_count > 1:  # read the indexes of different files in parallel
         lane = Lane(fetch_pool, min(thread_count, len(files)))
@@ -507,6 +514,27 @@ def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: i
 def _prefetch(reader: StorageReader, ranges: list[tuple[str, int, int]]) -> bool:
     hint = getattr(reader, "prefetch", None)  # readers written to the protocol may lack it
     return bool(hint(ranges)) if hint is not None else False
+
+
+class _HintsAhead:
+    """Hints the storage about groups of ranges (a file's each) :data:`HINT_WINDOW` groups ahead
+    of the reads that use them, in the order they are read; ``ok`` is False when the reader
+    takes no hints (nothing was hinted)."""
+
+    def __init__(self, reader: StorageReader, groups: list[list[tuple[str, int, int]]]):
+        self._reader, self._groups, self._hinted = reader, groups, 0
+        self.ok = self._hint(HINT_WINDOW)
+
+    def _hint(self, upto: int) -> bool:
+        end = min(upto, len(self._groups))
+        ranges = [r for g in self._groups[self._hinted:end] for r in g]
+        self._hinted = end
+        return _prefetch(self._reader, ranges) if ranges else True
+
+    def reading(self, i: int) -> None:
+        """The reads have reached group ``i``: keep at least half a window hinted beyond it."""
+        if self._hinted < len(self._groups) and self._hinted - i < HINT_WINDOW // 2:
+            self._hint(i + HINT_WINDOW)
 
 
 def _try(cache: IndexCache, f: md.FileRecord) -> None:
@@ -563,9 +591,18 @@ def _read_plan(plan: LoadPlan, planner: TargetResolver, reader: StorageReader, t
         by_file.setdefault(item.chunk.file, []).append(item)
     streams = sorted(by_file.values(), key=lambda items: -sum(i.chunk.length for i in items))
     small = {items[0].chunk.file for items in streams if sum(i.chunk.length for i in items) <= SMALL_FILE_BYTES}
-    if small and not _prefetch(reader, [(i.chunk.file, i.chunk.start, i.chunk.length) for items in streams
-                                        if items[0].chunk.file in small for i in items]):
-        small = set()  # no hints: read them from several threads as before
+    small_streams = [items for items in streams if items[0].chunk.file in small]
+    hints = _HintsAhead(reader, [[(i.chunk.file, i.chunk.start, i.chunk.length) for i in items]
+                                 for items in small_streams])
+    if small and not hints.ok:
+        small, small_streams = set(), []  # no hints: read them from several threads as before
+
+    def read_small() -> int:
+        total = 0
+        for k, items in enumerate(small_streams):
+            hints.reading(k)
+            total += run_file(items)
+        return total
 
     def run_file(items: list[ReadItem]) -> int:
         dests = []
@@ -588,12 +625,12 @@ def _read_plan(plan: LoadPlan, planner: TargetResolver, reader: StorageReader, t
             lane = Lane(file_pool, workers)
             try:
                 done = [lane.submit(run_file, items) for items in large]
-                stats.bytes_read = sum(run_file(items) for items in streams if items[0].chunk.file in small)
+                stats.bytes_read = read_small()
                 stats.bytes_read += sum(f.result() for f in done)
             finally:
                 lane.close()
         else:
-            stats.bytes_read = sum(run_file(items) for items in streams)
+            stats.bytes_read = sum(run_file(items) for items in large) + read_small()
     fence.after_copies()
     return stats
 
