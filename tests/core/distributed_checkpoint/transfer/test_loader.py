@@ -178,3 +178,19 @@ def test_a_load_reuses_its_scratch_memory_instead_of_faulting_in_fresh_buffers(t
     assert all(torch.equal(bits(target[k]), bits(v)) for k, v in sd.items())
     total = sum(v.nbytes for v in sd.values())
     assert sum(fresh) <= total // 2, (sum(fresh), total)  # was: the whole state
+
+
+def test_a_load_over_many_files_keeps_only_a_bounded_cache_of_their_indexes(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
+
+    sd = {f"w{i}": make_tensor((64, 4), seed=i) for i in range(3)}
+    save(sd, str(tmp_path / "src"), no_dist=True)
+    dst = str(tmp_path / "dp32")
+    offline_transform(str(tmp_path / "src"), dst, dst_layout={"*": Layout((32,), ("dp",))("dp", "None")})
+    reader = FileSystemReader(dst)
+    cache = loader.index_cache(reader)
+    cache.max_bytes = 1  # keeps one index at a time: each file's chunks are found right after its index is read
+    target = {k: torch.zeros(64, 4) for k in sd}
+    load(target, storage_reader=reader)
+    assert all(torch.equal(target[k], v) for k, v in sd.items())
+    assert len(cache._indexes) == 1

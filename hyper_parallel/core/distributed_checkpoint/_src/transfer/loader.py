@@ -430,11 +430,16 @@ class IndexCache:
 
     Cached by the whole file record (name, index position and checksum, size), so a file
     rewritten under the same name between two loads is never looked up in its old index.
+    At most ``max_bytes`` of indexes are kept, the oldest dropped first: one tensor of a
+    checkpoint of 65,536 ranks reads 65,536 indexes of 28 KiB (1.8 GB), each needed only
+    while its file's chunks are found (:func:`_resolve_items` resolves a file's chunks right
+    after reading its index).
     """
 
-    def __init__(self, reader: StorageReader, max_files: int = 1 << 16):
-        self.reader, self.max_files = reader, max_files
+    def __init__(self, reader: StorageReader, max_bytes: int = 256 << 20):
+        self.reader, self.max_bytes = reader, max_bytes
         self._indexes: dict[md.FileRecord, FileIndex | UncheckedIndex] = {}
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, f: md.FileRecord) -> FileIndex | UncheckedIndex:
@@ -451,9 +456,13 @@ class IndexCache:
             index = FileIndex(raw, f.path, f.index_offset)
         timeline.record("index", t0, f.index_length, f.path)
         with self._lock:
-            if len(self._indexes) >= self.max_files:
-                self._indexes.clear()
-            self._indexes[f] = index
+            if f not in self._indexes:
+                self._indexes[f] = index
+                self._bytes += f.index_length
+            while self._bytes > self.max_bytes and len(self._indexes) > 1:
+                old = next(iter(self._indexes))
+                del self._indexes[old]
+                self._bytes -= old.index_length
         return index
 
 
@@ -489,26 +498,46 @@ def resolve(ref: ChunkRef, cache: IndexCache) -> md.ChunkRecord:
 
 
 def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: int) -> list[ReadItem]:
-    refs = [i for i in items if not isinstance(i.chunk, md.ChunkRecord)]
-    if not refs:
-        return items
+    """``items`` with every chunk reference resolved to its byte range and checksums: a file's
+    index is read (once per reader), then at once the chunks first looked for in that file."""
+    out = list(items)
+    by_file: dict[str, list[int]] = {}
+    files: dict[str, md.FileRecord] = {}
+    for n, i in enumerate(items):
+        if not isinstance(i.chunk, md.ChunkRecord):
+            first = i.chunk.files[:1]
+            path = first[0].path if first else ""
+            by_file.setdefault(path, []).append(n)
+            if first:
+                files.setdefault(path, first[0])
+    if not by_file:
+        return out
     cache = index_cache(reader)
-    files = {f.path: f for i in refs for f in i.chunk.files[:1]}
-    hints = _HintsAhead(reader, [[(f.path, f.index_offset, f.index_length)] for f in files.values()]) \
-        if len(files) >= MANY_FILES else None
+
+    def resolve_file(path: str) -> None:
+        if path in files:
+            _try(cache, files[path])
+        for n in by_file[path]:
+            out[n] = ReadItem(items[n].key, resolve(items[n].chunk, cache), items[n].region)
+
+    paths = list(by_file)
+    hints = _HintsAhead(reader, [[(files[p].path, files[p].index_offset, files[p].index_length)] if p in files
+                                 else [] for p in paths]) if len(files) >= MANY_FILES else None
     if hints is not None and hints.ok:
-        for i, f in enumerate(files.values()):  # hinted: read in order while the storage works in parallel
-            hints.reading(i)
-            _try(cache, f)
+        for k, path in enumerate(paths):  # hinted: read in order while the storage works in parallel
+            hints.reading(k)
+            resolve_file(path)
     elif len(files) > 1 and thread_count > 1:  # read the indexes of different files in parallel
         lane = Lane(fetch_pool, min(thread_count, len(files)))
         try:
-            for fut in [lane.submit(_try, cache, f) for f in files.values()]:
+            for fut in [lane.submit(resolve_file, path) for path in paths]:
                 fut.result()
         finally:
             lane.close()
-    return [i if isinstance(i.chunk, md.ChunkRecord) else ReadItem(i.key, resolve(i.chunk, cache), i.region)
-            for i in items]
+    else:
+        for path in paths:
+            resolve_file(path)
+    return out
 
 
 def _prefetch(reader: StorageReader, ranges: list[tuple[str, int, int]]) -> bool:
