@@ -162,3 +162,19 @@ def test_gpu_staging_benchmark_runs_on_the_cpu_and_reports_every_way(tmp_path):
 def torch_has_cuda() -> bool:
     import torch
     return torch.cuda.is_available()
+
+
+def test_files_floor_benchmark_touches_every_data_file(tmp_path):
+    import torch
+
+    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform, save
+
+    save({"w": torch.ones(16, 2)}, str(tmp_path / "one"), no_dist=True)
+    offline_transform(str(tmp_path / "one"), str(tmp_path / "dp8"),
+                      dst_layout={"*": Layout((8,), ("dp",))("dp", "None")})
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_files_floor.py"), str(tmp_path / "dp8"),
+           "--threads", "1,2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.count("8 files") == 2 and "cold" in out and "warm" in out
+    empty = subprocess.run([*cmd[:2], str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "no .safetensors files" in empty.stderr
