@@ -12,7 +12,6 @@ dequantization.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 
@@ -23,6 +22,7 @@ from helpers import bits, local_expected, make_dtensor
 from multiprocess import run_ranks
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_quantized import quantize, reference, write_files
 from torch.distributed.checkpoint.quantized_hf_storage import (
     QuantizedHuggingFaceStorageReader as TorchQuantizedReader,
 )
@@ -39,40 +39,6 @@ from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
 
 FILE1, FILE2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
-
-
-def quantize(rows: int, cols: int, block: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float8 weight and its float32 scale grid (one cell per block, amax / 448)."""
-    g = torch.Generator().manual_seed(seed)
-    full = torch.randn(rows, cols, generator=g) * 3
-    grid = torch.empty(-(-rows // block), -(-cols // block))
-    w8 = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            blk = full[i * block:(i + 1) * block, j * block:(j + 1) * block]
-            grid[i, j] = blk.abs().max().clamp(min=1e-4) / 448
-            w8[i * block:(i + 1) * block, j * block:(j + 1) * block] = (blk / grid[i, j]).to(torch.float8_e4m3fn)
-    return w8, grid
-
-
-def reference(w8: torch.Tensor, grid: torch.Tensor, block: int, target: torch.dtype) -> torch.Tensor:
-    """Block by block in float64 (a float8 value times a float32 scale is exact there), then
-    rounded to float32 and to ``target`` as torch rounds."""
-    out = torch.empty(w8.shape, dtype=torch.float64)
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
-            out[rows, cols] = w8[rows, cols].double() * float(grid[i, j])
-    return out.float().to(target)
-
-
-def write_files(d: str, files: dict[str, dict[str, torch.Tensor]]) -> None:
-    weight_map = {}
-    for name, tensors in files.items():
-        save_file(tensors, os.path.join(d, name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
 def read_item(key: str, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> ReadItem:
