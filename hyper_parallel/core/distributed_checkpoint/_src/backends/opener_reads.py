@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -37,9 +36,11 @@ from ..base.errors import CorruptCheckpointError
 from ..format.safetensors import HEAD, parse_header, read_header_bytes
 from .protocol import Buffer
 
-__all__ = ["use_opener_from", "installed_opener", "OpenerReads", "FILES_KEPT"]
+__all__ = ["use_opener_from", "installed_opener", "OpenerReads", "OpenedFiles", "FILES_KEPT"]
 
-FILES_KEPT = 8  # opened files a reader keeps (opening one parses its whole header)
+FILES_KEPT = 8
+"""Safetensors files one read keeps open: reads return to a file again and again, and opening
+one (which parses its whole header) costs far more than the slice read it serves."""
 SUFFIX = ".safetensors"
 
 _source: Any = None
@@ -55,6 +56,32 @@ def installed_opener() -> Callable[..., Any] | None:
     """The face's ``safe_open`` when a caller replaced it, else None (the library's own: our reads)."""
     found = getattr(_source, "safe_open", None) if _source is not None else None
     return None if found is None or found is safetensors.safe_open else found
+
+
+class OpenedFiles:
+    """The files one read holds open, least recently used first: ``reader(path)`` gives the open
+    file (opening it with ``open_one(path)``, and closing the oldest with ``close_one`` once
+    ``capacity`` are held); :meth:`close` lets every one go. Not thread-safe: its user locks."""
+
+    def __init__(self, capacity: int, open_one: Callable[[str], Any], close_one: Callable[[Any], Any]) -> None:
+        self._capacity = max(1, int(capacity))
+        self._open_one = open_one
+        self._close_one = close_one
+        self._open: dict[str, Any] = {}
+
+    def reader(self, path: str) -> Any:
+        handle = self._open.pop(path, None)
+        if handle is None:
+            while len(self._open) >= self._capacity:
+                self._close_one(self._open.pop(next(iter(self._open))))
+            handle = self._open_one(path)
+        self._open[path] = handle
+        return handle
+
+    def close(self) -> None:
+        for handle in self._open.values():
+            self._close_one(handle)
+        self._open.clear()
 
 
 class _Opened:
@@ -84,7 +111,7 @@ class OpenerReads:
     def __init__(self, header_source: Any, full_path: Callable[[str], str]):
         self._source = header_source
         self._full_path = full_path
-        self._open: OrderedDict[str, _Opened] = OrderedDict()
+        self._open: OpenedFiles | None = None  # opened through the opener of the last read
         self._opener: Any = None
         self._lock = threading.Lock()
 
@@ -92,27 +119,29 @@ class OpenerReads:
     def serves(name: str) -> bool:
         return name.endswith(SUFFIX)
 
-    def _file(self, name: str, opener: Callable[..., Any]) -> _Opened:
-        with self._lock:
-            if opener is not self._opener:  # replaced again: nothing opened by the last one is used
-                self._close_all()
-                self._opener = opener
-            opened = self._open.pop(name, None)
-            if opened is None:
-                where = f"data file {self._full_path(name)!r}"
-                size = self._source.file_size(name)
-                raw = read_header_bytes(self._source, name, where, size=size)
-                header = parse_header(raw, size, where)
-                entries = sorted((t.start, t.nbytes, n, t.shape) for n, t in header.tensors.items() if t.nbytes)
-                handle = opener(self._full_path(name), framework="pt", device="cpu")
-                opened = _Opened(handle, bytes(len(raw).to_bytes(HEAD, "little")) + bytes(raw), entries)
-                while len(self._open) >= FILES_KEPT:
-                    self._open.popitem(last=False)[1].close()
-            self._open[name] = opened
-            return opened
+    def _file(self, name: str, opener: Callable[..., Any]) -> _Opened:  # under the lock
+        if opener is not self._opener or self._open is None:  # a new opener: nothing the last one opened is used
+            self.close_all()
+            self._opener = opener
+            self._open = OpenedFiles(FILES_KEPT, lambda n: self._opened(n, opener), _Opened.close)
+        return self._open.reader(name)
+
+    def _opened(self, name: str, opener: Callable[..., Any]) -> _Opened:
+        where = f"data file {self._full_path(name)!r}"
+        size = self._source.file_size(name)
+        raw = read_header_bytes(self._source, name, where, size=size)
+        header = parse_header(raw, size, where)
+        entries = sorted((t.start, t.nbytes, n, t.shape) for n, t in header.tensors.items() if t.nbytes)
+        handle = opener(self._full_path(name), framework="pt", device="cpu")
+        return _Opened(handle, len(raw).to_bytes(HEAD, "little") + bytes(raw), entries)
 
     def read_into(self, name: str, offset: int, buffer: Buffer, opener: Callable[..., Any]) -> None:
-        """Bytes ``offset:offset+len(buffer)`` of file ``name`` into ``buffer``, through ``opener``."""
+        """Bytes ``offset:offset+len(buffer)`` of file ``name`` into ``buffer``, through ``opener``.
+        One read at a time: a file another thread opens may close the least recently used one."""
+        with self._lock:
+            self._read_into(name, offset, buffer, opener)
+
+    def _read_into(self, name: str, offset: int, buffer: Buffer, opener: Callable[..., Any]) -> None:
         view = memoryview(buffer).cast("B")
         out = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
         opened = self._file(name, opener)
@@ -133,14 +162,14 @@ class OpenerReads:
             out[pos - offset:pos - offset + hi - lo] = part
             pos, i = start + hi, i + 1
 
-    def _close_all(self) -> None:
-        for opened in self._open.values():
-            opened.close()
-        self._open.clear()
+    def close_all(self) -> None:  # under the lock
+        if self._open is not None:
+            self._open.close()
+            self._open = None
 
     def close(self) -> None:
         with self._lock:
-            self._close_all()
+            self.close_all()
 
 
 def _entry_bytes(handle: Any, name: str, shape: tuple[int, ...], nbytes: int, lo: int, hi: int) -> np.ndarray:

@@ -38,7 +38,7 @@ import io
 import os
 import pickle
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ import torch.distributed as dist
 
 from ...backends import filesystem as _fs
 from ...backends import opener_reads
+from ...backends.opener_reads import FILES_KEPT
+from ...backends.opener_reads import OpenedFiles as OpenFiles
 from ...base.file_exchange import RecordUnpickler
 from ...format.metadata import METADATA_FILE
 from ...format.records import CURRENT_CHECKPOINT_VERSION
@@ -62,9 +64,6 @@ from ...transfer.saver import WriteResult
 __all__ = ["FileSystemWriter", "FileSystemReader", "OpenFiles", "open_checkpoint_files", "fetch_tensor_file",
            "apply_fetched", "tensor_size", "use_patch_points", "FILES_KEPT"]
 
-FILES_KEPT = 8
-"""Safetensors files one read keeps open: walking the shards in the agreed order returns to a
-file again and again, and opening one costs far more than the slice read it serves."""
 
 _patch_points: Any = None
 
@@ -97,32 +96,6 @@ def tensor_size(tensor: Any) -> tuple[int, ...] | None:
         return tuple(size())
     shape = getattr(tensor, "shape", None)
     return None if shape is None else tuple(shape)
-
-
-class OpenFiles:
-    """The files one read holds open, least recently used first: ``reader(path)`` gives the open
-    file (opening it with ``open_one(path)``, and closing the oldest with ``close_one`` once
-    ``capacity`` are held); :meth:`close` lets every one go."""
-
-    def __init__(self, capacity: int, open_one: Callable[[str], Any], close_one: Callable[[Any], Any]) -> None:
-        self._capacity = max(1, int(capacity))
-        self._open_one = open_one
-        self._close_one = close_one
-        self._open: dict[str, Any] = {}
-
-    def reader(self, path: str) -> Any:
-        handle = self._open.pop(path, None)
-        if handle is None:
-            while len(self._open) >= self._capacity:
-                self._close_one(self._open.pop(next(iter(self._open))))
-            handle = self._open_one(path)
-        self._open[path] = handle
-        return handle
-
-    def close(self) -> None:
-        for handle in self._open.values():
-            self._close_one(handle)
-        self._open.clear()
 
 
 def open_checkpoint_files() -> OpenFiles:
