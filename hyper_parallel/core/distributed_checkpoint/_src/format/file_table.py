@@ -72,7 +72,8 @@ def data_file_name(rank: int, index: int, save_id: str) -> str:
 
 def encode_rows(files: list[FileRecord], dirs: list[str]) -> list[list]:
     """The version 2 table: ``[name, dir index, rank, index offset, index length, index crc32c, size]``."""
-    return [[f.name, dirs.index(f.dir), f.rank, f.index_offset, f.index_length, f.index_crc, f.size] for f in files]
+    index = {d: i for i, d in enumerate(dirs)}
+    return [[f.name, index[f.dir], f.rank, f.index_offset, f.index_length, f.index_crc, f.size] for f in files]
 
 
 def _column(values: list[int]) -> list[int] | dict[str, int]:
