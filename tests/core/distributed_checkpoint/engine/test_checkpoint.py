@@ -422,13 +422,35 @@ def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, a
         load(target, storage_reader=reader, strict=False)
     assert torch.equal(target["w1"], sd["w1"])
     meta = read_checkpoint_metadata(FileSystemReader(dst))
-    indexes = {(f.path, f.index_offset, f.index_length) for f in meta.files}
-    assert set(reader.hints[0]) == indexes  # every file's index first
-    if accept:  # then the 8-row chunk of "w1" in each of the 32 files
+    # every file's index first, with as many bytes before it (where its last chunks lie)
+    tails = {(f.path, f.index_offset - f.index_length, 2 * f.index_length) for f in meta.files}
+    assert set(reader.hints[0]) == tails
+    if accept:  # then the 8-row chunk of "w1" in each of the 32 files: 256 bytes, not in those tails
         assert len(reader.hints) == 2 and len(reader.hints[1]) == 32
         assert all(length == 8 * 8 * 4 for _, _, length in reader.hints[1])
     else:
         assert len(reader.hints) == 2  # hinted, refused, and read from several threads as before
+
+
+def test_chunks_just_before_a_files_index_come_with_it_and_need_no_hint_of_their_own(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
+
+    # 32 files of 20 chunks of 8 bytes: each file's index (~600 bytes) is longer than its chunks
+    sd = {f"w{i:02d}": make_tensor((64, 1), seed=i) for i in range(20)}
+    save(sd, str(tmp_path / "src"), no_dist=True)
+    dst = str(tmp_path / "dp32")
+    offline_transform(str(tmp_path / "src"), dst, dst_layout={"*": Layout((32,), ("dp",))("dp", "None")})
+    reader = _Hinting(dst)
+    target = {"w07": torch.zeros(64, 1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load(target, storage_reader=reader, strict=False)
+    assert torch.equal(target["w07"], sd["w07"])
+    meta = read_checkpoint_metadata(FileSystemReader(dst))
+    assert all(f.index_length > 20 * 8 for f in meta.files)
+    assert reader.hints == [[(f.path, f.index_offset - f.index_length, 2 * f.index_length) for f in
+                             sorted(meta.files, key=lambda f: f.rank)]]  # one hint a file, none for the data
+    assert reader.read_calls == 2 * 32  # a file's index, then its chunk
 
 
 def test_many_files_are_hinted_a_window_ahead_of_the_reads(tmp_path, monkeypatch):
@@ -445,11 +467,11 @@ def test_many_files_are_hinted_a_window_ahead_of_the_reads(tmp_path, monkeypatch
     load(target, storage_reader=reader)
     assert torch.equal(target["w"], sd["w"])
     meta = read_checkpoint_metadata(FileSystemReader(dst))
-    index_hints = [h for h in reader.hints if h and h[0][1] == next(f.index_offset for f in meta.files
-                                                                      if f.path == h[0][0])]
+    tails = {(f.path, f.index_offset - f.index_length, 2 * f.index_length) for f in meta.files}
+    index_hints = [h for h in reader.hints if h and h[0] in tails]
     assert len(index_hints[0]) == 8 and all(len(h) <= 8 for h in index_hints) and len(index_hints) > 2
     hinted = [r for h in index_hints for r in h]
-    assert sorted(hinted) == sorted((f.path, f.index_offset, f.index_length) for f in meta.files)  # each once
+    assert sorted(hinted) == sorted(tails)  # each once
 
 
 def test_a_single_file_a_load_needs_little_of_is_hinted_then_read(tmp_path):

@@ -442,14 +442,17 @@ class IndexCache:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, f: md.FileRecord) -> FileIndex | UncheckedIndex:
+    def get(self, f: md.FileRecord, sizes: dict[str, int] | None = None) -> FileIndex | UncheckedIndex:
+        """The index of ``f``; a file whose index is read now has its real size put in ``sizes``."""
         found = self._indexes.get(f)
         if found is not None:
             return found
         t0 = timeline.start()
         index = self.reader.file_index(f)  # a reader of foreign files supplies its own
         if index is None:
-            check_range(self.reader, f.path, f.index_offset, f.index_length, "its index")
+            size = check_range(self.reader, f.path, f.index_offset, f.index_length, "its index")
+            if sizes is not None:
+                sizes[f.path] = size
             raw = bytearray(f.index_length)
             self.reader.read_into(f.path, f.index_offset, memoryview(raw))
             check_index(raw, f.index_crc, f.path)
@@ -497,10 +500,31 @@ def resolve(ref: ChunkRef, cache: IndexCache) -> md.ChunkRecord:
         f"{names or '(no file of its writer is listed)'}{why}; the checkpoint is incomplete or damaged")
 
 
-def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: int) -> list[ReadItem]:
+@dataclass
+class _Resolved:
+    """What resolving a plan's chunks learned: the items with byte ranges, the real size of
+    each file whose index was read (checked then, not asked again), and the range of each
+    file hinted to the storage before its index was read (data inside it needs no hint)."""
+
+    items: list[ReadItem]
+    sizes: dict[str, int]
+    hinted: dict[str, tuple[int, int]]
+
+    def unhinted(self, ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        """Those of ``ranges`` (file, start, length) outside what was hinted of their file."""
+        out = []
+        for r in ranges:
+            lo, hi = self.hinted.get(r[0], (0, 0))
+            if not lo <= r[1] or r[1] + r[2] > hi:
+                out.append(r)
+        return out
+
+
+def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: int) -> _Resolved:
     """``items`` with every chunk reference resolved to its byte range and checksums: a file's
     index is read (once per reader), then at once the chunks first looked for in that file."""
     out = list(items)
+    done = _Resolved(out, {}, {})
     by_file: dict[str, list[int]] = {}
     files: dict[str, md.FileRecord] = {}
     for n, i in enumerate(items):
@@ -511,19 +535,20 @@ def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: i
             if first:
                 files.setdefault(path, first[0])
     if not by_file:
-        return out
+        return done
     cache = index_cache(reader)
 
     def resolve_file(path: str) -> None:
         if path in files:
-            _try(cache, files[path])
+            _try(cache, files[path], done.sizes)
         for n in by_file[path]:
             out[n] = ReadItem(items[n].key, resolve(items[n].chunk, cache), items[n].region)
 
     paths = list(by_file)
-    hints = _HintsAhead(reader, [[(files[p].path, files[p].index_offset, files[p].index_length)] if p in files
-                                 else [] for p in paths]) if len(files) >= MANY_FILES else None
+    ahead = {p: _index_hint(files[p]) for p in paths if p in files} if len(files) >= MANY_FILES else {}
+    hints = _HintsAhead(reader, [[ahead[p]] if p in ahead else [] for p in paths]) if ahead else None
     if hints is not None and hints.ok:
+        done.hinted = {p: (lo, lo + n) for p, (_, lo, n) in ahead.items()}  # each hinted as its index is reached
         for k, path in enumerate(paths):  # hinted: read in order while the storage works in parallel
             hints.reading(k)
             resolve_file(path)
@@ -537,7 +562,15 @@ def _resolve_items(items: list[ReadItem], reader: StorageReader, thread_count: i
     else:
         for path in paths:
             resolve_file(path)
-    return out
+    return done
+
+
+def _index_hint(f: md.FileRecord) -> tuple[str, int, int]:
+    """The range to hint before reading a file's index: the index and as many bytes before it,
+    where the last payloads lie (a file of a many-rank checkpoint holds a few small chunks
+    just before its index: they then come from the same read, and need no hint of their own)."""
+    lo = max(0, f.index_offset - f.index_length)
+    return f.path, lo, f.index_offset + f.index_length - lo
 
 
 def _prefetch(reader: StorageReader, ranges: list[tuple[str, int, int]]) -> bool:
@@ -566,9 +599,9 @@ class _HintsAhead:
             self._hint(i + HINT_WINDOW)
 
 
-def _try(cache: IndexCache, f: md.FileRecord) -> None:
+def _try(cache: IndexCache, f: md.FileRecord, sizes: dict[str, int]) -> None:
     try:
-        cache.get(f)
+        cache.get(f, sizes)
     except Exception:  # reported by resolve(), with the chunk that needed it
         pass
 
@@ -596,9 +629,10 @@ def read_plan(
 def _read_plan(plan: LoadPlan, planner: TargetResolver, reader: StorageReader, thread_count: int,
                buffer_bytes: int, verify: bool) -> ReadStats:
     stats = ReadStats()
-    plan = LoadPlan(_resolve_items(plan.items, reader, thread_count), plan.targets)
+    resolved = _resolve_items(plan.items, reader, thread_count)
+    plan = LoadPlan(resolved.items, plan.targets)
     # Check every range against its file's size before reading (and before trusting sizes).
-    sizes: dict[str, int] = {}
+    sizes = resolved.sizes
     for item in plan.items:
         c = item.chunk
         if c.file not in sizes:
@@ -621,7 +655,7 @@ def _read_plan(plan: LoadPlan, planner: TargetResolver, reader: StorageReader, t
     streams = sorted(by_file.values(), key=lambda items: -sum(i.chunk.length for i in items))
     small = {items[0].chunk.file for items in streams if sum(i.chunk.length for i in items) <= SMALL_FILE_BYTES}
     small_streams = [items for items in streams if items[0].chunk.file in small]
-    hints = _HintsAhead(reader, [[(i.chunk.file, i.chunk.start, i.chunk.length) for i in items]
+    hints = _HintsAhead(reader, [resolved.unhinted([(i.chunk.file, i.chunk.start, i.chunk.length) for i in items])
                                  for items in small_streams])
     if small and not hints.ok:
         small, small_streams = set(), []  # no hints: read them from several threads as before
