@@ -103,6 +103,56 @@ def test_objects_of_different_sizes_reach_every_rank():
     assert out[1] == ([0, 1], [256, big], None, 1, big)
 
 
+def rank_gathers_small_and_large_objects(rank: int, ws: int) -> list:
+    from hyper_parallel.core.distributed_checkpoint._src.coordination.coordinator import SLOT_BYTES, Coordinator
+
+    coord = Coordinator()
+    out = []
+    # fits the first collective's slot on every rank; on one rank only; on none; exactly at the edge
+    for size in ([3, 5], [3, SLOT_BYTES * 4], [SLOT_BYTES * 2, SLOT_BYTES * 3], [SLOT_BYTES, SLOT_BYTES]):
+        out.append(coord.exchange("x", lambda size=size: bytes([rank + 1]) * size[rank]))
+    out.append(coord.exchange("x", lambda: ("ok", None, {"rank": rank})))
+    return out
+
+
+def test_small_objects_take_one_collective_and_large_ones_still_arrive_whole():
+    from hyper_parallel.core.distributed_checkpoint._src.coordination.coordinator import SLOT_BYTES
+
+    out = run_ranks(rank_gathers_small_and_large_objects, 2, timeout_s=90)
+    assert out[0] == out[1]
+    sizes = ([3, 5], [3, SLOT_BYTES * 4], [SLOT_BYTES * 2, SLOT_BYTES * 3], [SLOT_BYTES, SLOT_BYTES])
+    for got, size in zip(out[0], sizes, strict=False):
+        assert got == [b"\x01" * size[0], b"\x02" * size[1]]
+    assert out[0][-1] == [("ok", None, {"rank": 0}), ("ok", None, {"rank": 1})]
+
+
+def rank_counts_collectives_of_a_status_exchange(rank: int, ws: int) -> list[int]:
+    import torch.distributed as dist
+
+    from hyper_parallel.core.distributed_checkpoint._src.coordination.coordinator import Coordinator
+
+    coord = Coordinator()
+    calls = []
+    real = dist.all_gather
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        coord.exchange("load", lambda: None)
+        small = len(calls)
+        coord.exchange("load", lambda: bytes(1000))
+    finally:
+        dist.all_gather = real
+    return [small, len(calls) - small]
+
+
+def test_a_status_exchange_is_one_collective():
+    assert run_ranks(rank_counts_collectives_of_a_status_exchange, 2, timeout_s=90) == [[1, 2], [1, 2]]
+
+
 def rank_settles_a_collective(rank: int, ws: int) -> list[int]:
     import torch.distributed as dist
 

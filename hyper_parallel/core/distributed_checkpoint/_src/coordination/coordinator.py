@@ -397,12 +397,34 @@ def _padded_payload(obj: Any, world_size: int, group: Any) -> tuple[torch.Tensor
     return _padded(mine, width), sizes, width
 
 
+# Bytes of each rank's slot in the first collective of an all-gather: its pickled object's
+# length (8 bytes) and, when it fits, the object itself. The statuses every save and load
+# exchange at each phase ("ok" and a small payload) then take one collective instead of two.
+SLOT_BYTES = 128
+
+
 def _all_gather_object(obj: Any, world_size: int, group: Any) -> list[Any]:
-    mine, sizes, width = _padded_payload(obj, world_size, group)
+    """Every rank's ``obj``: one collective when every rank's pickled object fits in
+    :data:`SLOT_BYTES` (with its length), else a second one with them all, padded to the
+    widest."""
+    mine = _to_bytes_tensor(obj)
+    n = mine.numel()
+    slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
+    slot[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+    if n <= SLOT_BYTES - 8:
+        slot[8:8 + n] = mine
+    slots = [torch.empty(SLOT_BYTES, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(slots, slot, group=group)
+    _settle([slot, *slots])
+    sizes = [int(s[:8].view(torch.int64).item()) for s in slots]
+    width = max(sizes)
+    if width <= SLOT_BYTES - 8:
+        return [_from_bytes_tensor(s[8:], size) for s, size in zip(slots, sizes, strict=True)]
+    mine = _padded(mine, width)
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(world_size)]
     dist.all_gather(outs, mine, group=group)
     _settle([mine, *outs])
-    return [_from_bytes_tensor(o, n) for o, n in zip(outs, sizes, strict=True)]
+    return [_from_bytes_tensor(o, size) for o, size in zip(outs, sizes, strict=True)]
 
 
 def _gather_object(obj: Any, world_size: int, dst: int, group: Any) -> list[Any] | None:
