@@ -107,13 +107,13 @@ def worker_save_src(path: str, tensors: int, rows: int, cols: int) -> dict:
     return {"wall_s": time.perf_counter() - t, "vmhwm": _vmhwm(), "rss_base": base}
 
 
-def worker_transform(src: str, dst: str, ranks: int) -> dict:
+def worker_transform(src: str, dst: str, ranks: int, min_chunk_bytes: int = 0) -> dict:
     from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
 
     base = _base()
     strategy = {"*": Layout((ranks,), ("dp",))("dp", "None")}
     with Timer(profile=os.environ.get("HP_BENCH_PROFILE")) as t:
-        offline_transform(src, dst, dst_layout=strategy)
+        offline_transform(src, dst, dst_layout=strategy, min_chunk_bytes=min_chunk_bytes or None)
     return {"wall_s": t.seconds, "vmhwm": _vmhwm(), "rss_base": base}
 
 
@@ -272,7 +272,7 @@ def public_case(a: argparse.Namespace, work: str, notes: list[str]) -> dict:
         def prof(step: str, n: int = ranks) -> str | None:
             return os.path.join(a.out, f"scale-profile-{step}-{n}.txt") if a.profile else None
 
-        tr = _spawn("transform", src, dst, ranks, timeout_s=a.timeout, profile=prof("transform"))
+        tr = _spawn("transform", src, dst, ranks, a.min_chunk_bytes, timeout_s=a.timeout, profile=prof("transform"))
         if "error" in tr:
             notes.append(f"public {ranks}: {tr['error']}")
             points.append(_extrapolate_public(measured, ranks) if measured else {"ranks": ranks, **tr})
@@ -487,6 +487,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--issue47", action="store_true",
                     help="opt-in: the public case at 4096,8192,16384,65536 ranks x 1000 tensors of 65536 x 4 (issue "
                          "47's table), every point run (no budget); planning cases skipped unless asked for")
+    ap.add_argument("--min-chunk-bytes", type=int, default=0,
+                    help="public case: offline_transform(..., min_chunk_bytes=N): tiny shards stored as chunks of "
+                         "several ranks, in fewer files (0: a chunk and a file per rank, the default)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a, rest = ap.parse_known_args(argv)
     if a.worker:

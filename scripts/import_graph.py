@@ -71,7 +71,7 @@ LAYERS: list[dict[str, list[str]]] = [
                  "torch", "torch.exporting", "torch.importing", "torch.full_checkpoint", "torch.deprecated_calls",
                  "torch.save_file", "torch.sharded_optimizer"],
      "tools": ["verify"]},
-    {"resharding": ["bulk_write", "reshard", "offline_transform", "handler"],
+    {"resharding": ["bulk_write", "merged_boxes", "reshard", "offline_transform", "handler"],
      "manager": ["ownership", "step_directory", "step_listing", "step_deletion", "retention", "local_format",
                  "local_directory", "local_replication", "local_save", "local_recovery", "local_tier",
                  "checkpoint_manager"]},

@@ -143,9 +143,12 @@ class BulkWriter:
 
     def _locate(self, rank: int) -> list[tuple[Box, np.ndarray | None, int] | None]:
         """Per group: (box, held key indices or None for all, box id), or None when the rank holds nothing."""
-        pos = self.plan._position(rank)
         out: list[tuple[Box, np.ndarray | None, int] | None] = []
         for g in self.groups:
+            pos = g.grid.position(rank)
+            if pos is None:  # a grid of merged boxes over some of the ranks: this rank writes none of it
+                out.append(None)
+                continue
             b, q = g.grid.locate(pos)
             box = g.grid.box(b)
             held = _held(g, b, q)

@@ -69,6 +69,7 @@ def offline_transform(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
     topology_mapper: MapperLike | None = None,
+    min_chunk_bytes: int | None = None,
 ) -> md.Metadata:
     """Rewrite a checkpoint for another parallel layout, offline, in one process.
 
@@ -97,6 +98,10 @@ def offline_transform(
             mapping, a callable, or ``(regex, replacement)`` rules; unmapped names stay.
             ``src_layout`` is checked against the source names, a ``dst_layout`` strategy
             matches the new names.
+        min_chunk_bytes: store tensors whose destination shards would be smaller than this
+            in chunks of several consecutive ranks' shards (see :func:`~.reshard.reshard`):
+            e.g. ``64 << 10`` for a checkpoint of tens of thousands of ranks whose shards
+            are a few rows each. Default None: a chunk and a file per rank.
 
     Raises:
         ValueError: ``src_layout`` disagrees with the checkpoint, the target mesh cannot
@@ -125,7 +130,8 @@ def offline_transform(
         max_memory = _memory_budget(meta)
     dst_mesh, rules = _destination(dst_layout)
     result = reshard(src_path, dst_path, dst_mesh=dst_mesh, rules=rules, max_memory=max_memory, verify=verify,
-                     storage_reader=reader, progress=progress, topology_mapper=topology_mapper)
+                     storage_reader=reader, progress=progress, topology_mapper=topology_mapper,
+                     min_chunk_bytes=min_chunk_bytes)
     assert result is not None
     return result
 

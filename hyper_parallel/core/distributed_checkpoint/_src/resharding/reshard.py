@@ -74,6 +74,7 @@ from ..state.topology_mapper import MapperLike, as_topology_mapper, rename_keys
 from ..transfer.loader import check_files_hold, read_box
 from ..transfer.saver import WriteResult, data_file_names, write_plan
 from .bulk_write import BulkWriter, bulk_groups
+from .merged_boxes import merged_layout, ranks_per_chunk
 
 __all__ = ["reshard", "Box", "ReshardPlan", "plan_reshard", "renamed", "DEFAULT_MAX_MEMORY"]
 
@@ -116,9 +117,11 @@ class ReshardPlan:
         Keys laid out alike (same shape, mesh and placements: the layers of a model) share
         one grid computation per rank, so a rank's items cost a few operations per key.
         """
-        pos = self._position(rank)
         out: list[WriteItem] = []
         for grid, keys in self._groups():
+            pos = grid.position(rank)
+            if pos is None:  # a grid of merged boxes (min_chunk_bytes) over some of the ranks
+                continue
             b, q = grid.locate(pos)
             subs = grid.band_subs(b)
             if not subs:
@@ -135,8 +138,10 @@ class ReshardPlan:
             by: dict[tuple, tuple[Grid, list[tuple[str, int, int, bool]]]] = {}
             for key, grid in self.grids.items():
                 spec = self.entries[key]
+                rl = grid.rank_list
                 sig = (grid.shape, grid.mesh_shape, tuple((d, tuple(ms)) for d, ms in grid.split_by.items()),
-                       tuple(grid.replica_dims), grid.tiles)
+                       tuple(grid.replica_dims), grid.tiles,
+                       (rl.start, rl.stop, rl.step) if isinstance(rl, range) else id(rl))
                 by.setdefault(sig, (grid, []))[1].append(
                     (key, itemsize(spec.dtype), spec.store.offset, spec.store.copies == "all"))
             groups = self.__dict__["_by_grid"] = list(by.values())
@@ -212,11 +217,14 @@ def plan_reshard(
     rules: Mapping[str, TensorLayout] | None = None,
     where: str = "source checkpoint",
     copy_replicas: bool = True,
+    min_chunk_bytes: int | None = None,
 ) -> ReshardPlan:
     """Plan a reshard of ``meta`` onto ``dst_mesh`` (see :func:`reshard`); deterministic, O(tensors).
 
     Keys are planned under the names ``meta.entries`` gives them: pass ``renamed(meta, mapper)``
-    to plan a renaming rewrite (``rules`` then match the new names).
+    to plan a renaming rewrite (``rules`` then match the new names). With ``min_chunk_bytes``,
+    a tensor whose shards would be smaller is stored in chunks of several consecutive ranks'
+    shards (:mod:`.merged_boxes`).
 
     Raises:
         CorruptCheckpointError: the source chunks of a key leave a region uncovered.
@@ -232,6 +240,7 @@ def plan_reshard(
     dropped: dict[str, list[str]] = {}
     objects: list[str] = []
     copies = "all" if copy_replicas else "one"
+    meshes: dict[tuple[int, int], Layout] = {}  # merged meshes, one per (mesh, ranks per chunk)
     for key, entry in meta.entries.items():
         if entry.kind == "object":
             entries[key] = EntrySpec("object", entry.path)
@@ -255,10 +264,13 @@ def plan_reshard(
         _check_coverage(key, meta, entry, shape, where)
         # Tensors without a layout stay whole, held by every destination rank.
         storage = tl if tl is not None else TensorLayout(everywhere, {}, len(shape))
+        group = ranks_per_chunk(tl, shape, itemsize(entry.dtype), min_chunk_bytes) if tl is not None else 1
+        if group > 1:
+            storage = merged_layout(tl, group, meshes)
         grid = _grid(key, shape, storage)
         offset = zlib.crc32(key.encode()) % grid.replicas
         store = md.GridStore(tiles=1, offset=offset, copies=copies,
-                             layout=None if tl is not None else _record(storage))
+                             layout=None if storage is tl else _record(storage))
         entries[key] = EntrySpec(entry.kind, entry.path, entry.dtype, shape,
                                  _record(tl) if tl is not None else None, store)
         if math.prod(shape):
@@ -282,8 +294,9 @@ def _grid(key: str, shape: tuple[int, ...], storage: TensorLayout) -> Grid:
     """Where ``key``'s chunks go on the destination mesh (laid out as ``storage``)."""
     rank_list = storage.layout.rank_list
     try:
+        # the layout's own rank tuple, not a copy: keys on one mesh then share it (ReshardPlan groups by it)
         return shared_grid(shape, storage.layout.mesh_shape, [placement_to_name(p) for p in storage.placements],
-                           None if isinstance(rank_list, range) else list(rank_list))
+                           None if isinstance(rank_list, range) else rank_list)
     except ValueError as exc:
         raise ValueError(f"{key!r}: {exc}; pass rules= to give it another layout") from None
 
@@ -449,6 +462,7 @@ class ReshardOptions:
     verify: bool = True
     sync_files: bool = True
     progress: Callable[[int], None] | None = None
+    min_chunk_bytes: int | None = None
     dst: Layout = field(init=False, repr=False, compare=False)
     mapper: Any = field(init=False, repr=False, compare=False)  # anything with map_fqn, or None
 
@@ -457,6 +471,9 @@ class ReshardOptions:
             raise ValueError("reshard needs dst_mesh: a DeviceMesh, a Layout or a {dim name: size} mapping")
         if not isinstance(self.max_memory, int) or self.max_memory < 1:
             raise ValueError(f"max_memory must be a positive number of bytes, found {self.max_memory!r}")
+        if self.min_chunk_bytes is not None and (type(self.min_chunk_bytes) is not int or self.min_chunk_bytes < 1):
+            raise ValueError(f"min_chunk_bytes must be None or a positive number of bytes, found "
+                             f"{self.min_chunk_bytes!r}")
         object.__setattr__(self, "dst", _mesh(self.dst_mesh, "dst_mesh"))  # frozen: set once, here
         object.__setattr__(self, "mapper", as_topology_mapper(self.topology_mapper))
 
@@ -479,6 +496,7 @@ def reshard(
     copy_replicas: bool = True,
     progress: Callable[[int], None] | None = None,
     topology_mapper: MapperLike | None = None,
+    min_chunk_bytes: int | None = None,
 ) -> md.Metadata | None:
     """Write a copy of a checkpoint laid out for ``dst_mesh``: one data file per destination rank.
 
@@ -531,6 +549,12 @@ def reshard(
             stay. It maps source -> new (the keys a rewrite walks are the source's), the
             opposite of a load planner's mapper (target -> checkpoint), whose exact names
             turn around with ``TopologyMapper.inverse()``. ``rules`` match the new names.
+        min_chunk_bytes: store a tensor whose destination shards would be smaller than this
+            in chunks of that size or more, each several consecutive ranks' shards merged
+            (1-d meshes; other layouts keep a chunk per rank). A checkpoint for tens of
+            thousands of ranks of tiny shards then has fewer files: one tensor is read from
+            a few of them, and each rank still reads its shard from one file. Default None:
+            a chunk and a file per rank.
 
     Returns:
         The new checkpoint's :class:`Metadata` (on every rank of the group).
@@ -554,7 +578,7 @@ def reshard(
     """
     options = ReshardOptions(dst_mesh, src_mesh, rules=rules, copy_replicas=copy_replicas,
                              topology_mapper=topology_mapper, max_memory=max_memory, verify=verify,
-                             sync_files=sync_files, progress=progress)
+                             sync_files=sync_files, progress=progress, min_chunk_bytes=min_chunk_bytes)
     ends = _endpoints(src_path, dst_path, storage_reader, storage_writer, sync_files)
     coordination = Coordination(process_group, process_group is None, coordinator_rank=coordinator_rank,
                                 timeout=timeout)
@@ -671,7 +695,7 @@ def _plan(coord: Coordinator, ends: _Endpoints, options: ReshardOptions, meta_by
     if options.mapper is not None:
         meta = renamed(meta, options.mapper)  # the reader reads by the new names too
     plan = plan_reshard(meta, options.dst, options.src_mesh, options.rules, ends.where,
-                        copy_replicas=options.copy_replicas)
+                        copy_replicas=options.copy_replicas, min_chunk_bytes=options.min_chunk_bytes)
     return _Planned(meta, plan, bulk_groups(plan))
 
 

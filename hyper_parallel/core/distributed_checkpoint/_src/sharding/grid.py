@@ -258,6 +258,16 @@ class Grid:
             q = q * self.mesh_shape[m] + coord[m]
         return box, q
 
+    def position(self, rank: int) -> int | None:
+        """The mesh position of global ``rank``, or None when the grid's mesh does not hold it."""
+        rl = self.rank_list
+        if isinstance(rl, range):
+            return (rank - rl.start) // rl.step if rank in rl else None
+        found = self.__dict__.get("_positions")
+        if found is None:
+            found = self.__dict__["_positions"] = {r: i for i, r in enumerate(rl)}
+        return found.get(rank)
+
     def holder(self, box: int, q: int) -> int:
         """The global rank holding replica ``q`` of box ``box``."""
         coord = [0] * len(self.mesh_shape)
