@@ -261,7 +261,7 @@ def cmd_transform(args: argparse.Namespace) -> int:
         meta = offline_transform(args.src, args.dst, src_layout=args.src_mesh,
                                  dst_layout=args.layout if args.layout is not None else args.mesh,
                                  max_memory=args.max_memory, overwrite=args.overwrite,
-                                 progress=bar.update if bar else None)
+                                 progress=bar.update if bar else None, min_chunk_bytes=args.min_chunk_bytes)
     finally:
         if bar:
             bar.close()
@@ -424,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", type=_mesh_arg, help="destination mesh, e.g. tp=4 or dp=2,tp=4")
     p.add_argument("--src-mesh", type=_mesh_arg, help="check the source was saved on this mesh")
     p.add_argument("--max-memory", type=int, default=None, help="bytes of tensor data held at once")
+    p.add_argument("--min-chunk-bytes", type=int, default=None,
+                   help="store shards smaller than this as chunks of several consecutive ranks (fewer files for "
+                        "tens of thousands of ranks of tiny shards; 1-d meshes)")
     p.set_defaults(fn=cmd_transform)
     p = sub.add_parser("export-hf", help="export tensors as Hugging Face sharded safetensors")
     src_dst(p)

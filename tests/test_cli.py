@@ -270,3 +270,19 @@ def test_verify_of_a_format_v1_checkpoint_reports_no_debris():
     out = run("verify", fixture)
     assert out.returncode == 0, out.stderr
     assert "unreferenced" not in out.stdout
+
+
+def test_transform_stores_tiny_shards_as_chunks_of_several_ranks(ckpt, tmp_path):
+    from hyper_parallel.core.distributed_checkpoint import FileSystemReader, Layout, load, save_layout
+    from hyper_parallel.core.distributed_checkpoint._src.engine.metadata_reader import read_checkpoint_metadata
+
+    strategy = str(tmp_path / "dp8.json")
+    save_layout({"model.w": Layout((8,), ("dp",))("dp", "None")}, strategy)
+    out = run("transform", ckpt, str(tmp_path / "t"), "--layout", strategy, "--min-chunk-bytes", "4096", "--json")
+    assert out.returncode == 0, out.stderr
+    meta = read_checkpoint_metadata(FileSystemReader(str(tmp_path / "t")))
+    # 8 rows of 128 bytes a rank: 4 ranks' rows make a 4 KiB chunk, written by ranks 0 and 4
+    assert meta.entries["model.w"].store.layout["rank_list"] == [0, 4]
+    assert meta.entries["model.w"].layout["mesh_shape"] == [8]
+    a, b = load(path=ckpt), load(path=str(tmp_path / "t"))
+    assert torch.equal(a["model"]["w"], b["model"]["w"]) and torch.equal(a["model"]["b"], b["model"]["b"])
