@@ -185,7 +185,7 @@ def _all_bands(flat: torch.Tensor, dtype: torch.dtype, shape: tuple, parts: list
     step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
     itemsize = torch.empty((), dtype=dtype).element_size()
     if (not width or any(size != width for _, size in cols) or step % itemsize
-            or any(b - a != step for a, b in zip(offsets, offsets[1:]))):
+            or any(b - a != step for a, b in zip(offsets, offsets[1:], strict=False))):
         return ()
     inner = int(np.prod(shape[2:], dtype=np.int64))
     span = step * (len(parts) - 1) + parts[-1][1]
