@@ -1,7 +1,7 @@
 """Staging a tensor as its column bands copies exactly its columns into each band, whatever
 its dtype and strides: one copy per tensor when the bands are alike (numpy, through a
-same-sized integer view, or torch for dtypes numpy cannot hold), one per band otherwise; and the bands an async save stages follow its planner's
-settings."""
+same-sized integer view, or torch for dtypes numpy cannot hold), one per band otherwise.
+The bands an async save stages follow its planner's settings."""
 
 from __future__ import annotations
 
