@@ -23,6 +23,7 @@ def _sources() -> dict[str, torch.Tensor]:
         "bool": base > 0,
         "complex64": torch.complex(base, -base),
         "conj": torch.complex(base, base).conj(),  # a view with the conjugate bit set
+        "negative_bit": torch.complex(base, base).conj().imag,  # a real view with the negative bit set
         "requires_grad": torch.nn.Parameter(base.clone()),
         "transposed": torch.randn(64, 96, generator=g).t(),  # a strided source
         "three_d": torch.randn(24, 16, 3, generator=g),
@@ -30,15 +31,24 @@ def _sources() -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.fixture(params=[1, 2], ids=["one_thread_numpy", "two_threads_torch"])
+def torch_threads(request):
+    """torch's intra-op threads while staging: 1 copies bands through numpy, more through torch."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("tiles", [2, 4])
-def test_each_band_holds_its_columns_and_later_changes_to_the_source_do_not_reach_it(tiles):
+def test_each_band_holds_its_columns_and_later_changes_to_the_source_do_not_reach_it(tiles, torch_threads):
     sources = _sources()
     signature = tuple((key, tensor_spec(value)) for key, value in sources.items())
     buffer = StagingBuffer(signature, {}, False, tuple((key, tiles) for key, _ in signature))
     alike = {key: buffer.targets[key].whole is not None for key in sources}
     assert alike["float32"] and alike["bfloat16"] and alike["transposed"] and not alike["uneven"]
     assert buffer.targets["bfloat16"].ints is not None and buffer.targets["complex64"].ints is None
-    expected = {key: value.detach().clone().resolve_conj() for key, value in sources.items()}
+    expected = {key: value.detach().clone().resolve_conj().resolve_neg() for key, value in sources.items()}
     copy_into([(buffer.targets[key], value) for key, value in sources.items()])
     with torch.no_grad():
         for value in sources.values():

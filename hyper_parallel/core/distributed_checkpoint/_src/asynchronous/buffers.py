@@ -161,7 +161,9 @@ class _Bands(NamedTuple):
     (None for dtypes numpy cannot hold that way), ``int_dtype`` their torch dtype: numpy
     copies it in the source's row order (a sequential read, the bands written side by side),
     where torch's copy follows the target's order (band by band, each a strided read of the
-    source) and reads wide rows slower.
+    source) and reads wide rows slower. numpy copies on one thread, so it is used only where
+    torch's copy would too (``torch.get_num_threads() == 1``); with more, torch's copy
+    splits the tensor among its threads.
     """
 
     views: list[torch.Tensor]
@@ -239,7 +241,7 @@ def copy_into(pairs: list[tuple[Any, Any]]) -> None:
             if isinstance(target, _Bands):  # a host tensor staged as its column bands
                 if target.whole is not None:
                     bands = source.detach().view(target.split)  # splitting dim 1 is always a view
-                    if target.ints is not None and not bands.is_neg():
+                    if target.ints is not None and torch.get_num_threads() == 1 and not bands.is_neg():
                         np.copyto(target.ints, bands.view(target.int_dtype).numpy(), casting="no")
                     else:
                         target.whole.copy_(bands)
