@@ -34,6 +34,7 @@ and the total time of the second save; one run. Target: the budgeted saves' peak
 Usage::
 
     python benchmarks/bench_async.py --size-mb 1024 --world-size 2 --reps 5
+    python benchmarks/bench_async.py --size-mb 512 --cols 4096   # wider rows: band rows of 4 KiB, not 1 KiB
     python benchmarks/bench_async.py --budget --size-mb 2048 --world-size 2 --out benchmarks/results/async_budget.md
 """
 
@@ -83,13 +84,12 @@ METRICS = [
 ]
 
 
-def build_state(ws: int, size_mb: float, tensors: int):
+def build_state(ws: int, size_mb: float, tensors: int, cols: int = 1024):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (ws,))
-    cols = 1024
     rows = max(ws, int(size_mb * (1 << 20) / 4 / cols / tensors))
     per_group = max(1, tensors // 3)
     sd = {"model": {}, "optim": {"state": {}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]}, "step": 0}
@@ -137,7 +137,7 @@ def bench_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict:
     from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer, load, save
 
     warnings.filterwarnings("ignore")
-    sd = build_state(ws, args.size_mb, args.tensors)
+    sd = build_state(ws, args.size_mb, args.tensors, args.cols)
     nbytes = local_bytes(sd)
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
@@ -268,7 +268,7 @@ def budget_rank(rank: int, ws: int, args: argparse.Namespace, root: str) -> dict
     from hyper_parallel.core.distributed_checkpoint import AsyncCheckpointer, save
 
     warnings.filterwarnings("ignore")
-    sd = build_state(ws, args.size_mb, args.tensors)
+    sd = build_state(ws, args.size_mb, args.tensors, args.cols)
     nbytes = local_bytes(sd)
     budget = int(nbytes * args.budget_fraction)
     kind = args.scenario
@@ -352,6 +352,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tensors", type=int, default=48, help="number of tensors (model + 2 Adam states)")
+    parser.add_argument("--cols", type=int, default=1024,
+                        help="columns of every tensor (a band's row is cols/4 elements: wider rows copy faster)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: temp dir)")
     parser.add_argument("--verbose", action="store_true", help="also print every repetition")
@@ -373,7 +375,7 @@ def main() -> None:
     med = {key: statistics.median(per_rep[key]) for key, _ in METRICS}
     mb = ranks[0]["local_bytes"] / (1 << 20)
     print(f"state dict: {args.size_mb:g} MB over {args.world_size} ranks ({mb:.1f} MB local per rank, "
-          f"{args.tensors} tensors), {args.reps} reps, {args.threads} torch thread(s) per rank; "
+          f"{args.tensors} tensors of {args.cols} columns), {args.reps} reps, {args.threads} torch thread(s) per rank; "
           f"load average before {load_before[0]:.2f} {load_before[1]:.2f}, after {load_after[0]:.2f} "
           f"{load_after[1]:.2f} ({os.cpu_count()} cores)")
     print(f"staging allocations per rank over all saves: {[r['allocations'] for r in ranks]}; "

@@ -127,7 +127,7 @@ class StagingBuffer:
                 views = [self.flat[off:off + m].view(dtype).view(shape[0], size, *shape[2:])
                          for (off, m), (_, size) in zip(parts, cols, strict=True)]
                 logical = torch.empty(shape, dtype=dtype, device="meta")
-                self.targets[key] = _Bands(views, cols)
+                self.targets[key] = _Bands(views, cols, *_all_bands(self.flat, dtype, shape, parts, cols))
                 self.banded[key] = BandedSnapshot(logical, views, cols)
                 self.staged[key] = wrap_dtensor(logical, templates[key]) if kind == "dtensor" else logical
                 continue
@@ -152,10 +152,52 @@ def _part_bytes(spec: tuple, cols: list[tuple[int, int]] | None) -> list[int]:
 
 
 class _Bands(NamedTuple):
-    """A staging target made of column bands: ``views[k]`` takes columns ``cols[k]``."""
+    """A staging target made of column bands: ``views[k]`` takes columns ``cols[k]``.
+
+    When the bands are alike (equal widths, the same distance apart in the buffer), ``whole``
+    is every band at once, a strided view of shape ``(rows, bands, width, *rest)``, and
+    ``split`` the shape that views a source as its bands: then one copy stages the tensor
+    instead of one per band. ``ints`` is ``whole`` as a numpy array of same-sized integers
+    (None for dtypes numpy cannot hold that way), ``int_dtype`` their torch dtype: numpy
+    copies it in the source's row order (a sequential read, the bands written side by side),
+    where torch's copy follows the target's order (band by band, each a strided read of the
+    source) and reads wide rows slower. numpy copies on one thread, so it is used only where
+    torch's copy would too (``torch.get_num_threads() == 1``); with more, torch's copy
+    splits the tensor among its threads.
+    """
 
     views: list[torch.Tensor]
     cols: list[tuple[int, int]]
+    whole: torch.Tensor | None = None
+    split: tuple[int, ...] = ()
+    ints: np.ndarray | None = None
+    int_dtype: torch.dtype | None = None
+
+
+#: same-sized integer dtypes, to copy any real dtype's bytes with numpy (which has no bfloat16)
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _all_bands(flat: torch.Tensor, dtype: torch.dtype, shape: tuple, parts: list[tuple[int, int]],
+               cols: list[tuple[int, int]]) -> tuple:
+    """``(whole, split, ints, int_dtype)`` of :class:`_Bands` for bands at ``parts`` (offset,
+    bytes) of ``flat``, or nothing when they are not alike."""
+    width = cols[0][1]
+    offsets = [off for off, _ in parts]
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if (not width or any(size != width for _, size in cols) or step % itemsize
+            or any(b - a != step for a, b in zip(offsets, offsets[1:], strict=False))):
+        return ()
+    inner = int(np.prod(shape[2:], dtype=np.int64))
+    span = step * (len(parts) - 1) + parts[-1][1]
+    rest_strides = torch.empty(shape[2:], device="meta").stride()
+    split = (shape[0], len(cols), width, *shape[2:])
+    whole = flat[offsets[0]:offsets[0] + span].view(dtype).as_strided(
+        split, (width * inner, step // itemsize, inner, *rest_strides))
+    int_dtype = None if dtype.is_complex else _INTS.get(itemsize)
+    ints = whole.view(int_dtype).numpy() if int_dtype is not None else None
+    return whole, split, ints, int_dtype
 
 
 def _allocate(nbytes: int, pinned: bool) -> torch.Tensor:
@@ -197,6 +239,13 @@ def copy_into(pairs: list[tuple[Any, Any]]) -> None:
                 np.copyto(target, source, casting="no")
                 continue
             if isinstance(target, _Bands):  # a host tensor staged as its column bands
+                if target.whole is not None:
+                    bands = source.detach().view(target.split)  # splitting dim 1 is always a view
+                    if target.ints is not None and torch.get_num_threads() == 1 and not bands.is_neg():
+                        np.copyto(target.ints, bands.view(target.int_dtype).numpy(), casting="no")
+                    else:
+                        target.whole.copy_(bands)
+                    continue
                 for view, (lo, size) in zip(target.views, target.cols, strict=True):
                     view.copy_(source[:, lo:lo + size])
                 continue

@@ -43,7 +43,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -83,6 +83,8 @@ __all__ = ["AsyncCheckpointer", "PathLike", "SaveRequest"]
 
 PathLike = str | os.PathLike
 _STAGING_MODES = ("eager", "lazy")
+#: the planner attributes that decide its column bands (StandardPlanner.tiles)
+_BAND_SETTINGS = ("max_tiles", "tile_min_chunk_bytes", "tile_min_band_bytes")
 
 
 class _Unstageable:
@@ -234,6 +236,8 @@ class AsyncCheckpointer:
         self.wait_timeout_s = wait_timeout_s
         self.stats = StagingStats()
         self._pool = BufferPool(max_cached_structures, self.stats)
+        # (planner's band settings, structure, layouts) -> the bands it stages, for as many structures
+        self._band_choices: OrderedDict[tuple, tuple] = OrderedDict()
         self._lock = threading.Lock()
         self._in_flight: deque[_Job] = deque()
         self._unreported: list[tuple[AsyncSaveFuture, BaseException]] = []
@@ -584,8 +588,23 @@ class AsyncCheckpointer:
         # a rank-local save (no collectives) stores chunks whole: nothing to cut into bands
         if not wanted or not job.request.coordination.use_collectives or not hasattr(planner, "staging_bands"):
             return ()
+        # What staging_bands reads: the planner's class and band settings, each tensor's spec
+        # (dtype, shape, device, mesh, placements) and layout. Unchanged, so is its answer:
+        # asking again per tensor would cost every call ~15 us a tensor.
+        choice = (type(planner), *(getattr(planner, name, None) for name in _BAND_SETTINGS), job.signature,
+                  tuple(getattr(_source(t), "layout", None) for t in job.templates.values()))
+        with self._lock:
+            bands = self._band_choices.get(choice)
+            if bands is not None:
+                self._band_choices.move_to_end(choice)
+                return bands
         tiles = ((key, planner.staging_bands(key, job.templates[key])) for key, _ in job.signature)
-        return tuple((key, t) for key, t in tiles if t > 1)
+        bands = tuple((key, t) for key, t in tiles if t > 1)
+        with self._lock:
+            self._band_choices[choice] = bands
+            while len(self._band_choices) > self._pool.max_structures:
+                self._band_choices.popitem(last=False)
+        return bands
 
     def _copy_on_side_streams(self, job: _Job, pairs: list[tuple[Any, Any]]) -> None:
         # Lazy staging from CUDA: copy on a side stream once the training stream has reached
