@@ -37,6 +37,7 @@ from ..backends import direct_io
 from ..base.alignment import DIRECT_IO_ALIGN
 from ..base.box import Box
 from ..coordination.coordinator import Coordinator
+from .host_mailboxes import HostMailboxes
 
 DEFAULT_BATCH_BYTES = 64 << 20  # rows per rank per round (3 such buffers: receiving, assembling, writing)
 MAX_WORLD = 64  # beyond, the W^2 messages per tensor cost more than they save: no regrouping
@@ -143,26 +144,38 @@ def regroup_rows(coord: Coordinator, shapes: dict[str, tuple[int, ...]], dtypes:
                         if dst != me:
                             part(key, me, dst, box.intersect(_rows_box(shape, *owned_rows(shape[0], world, dst))))
             schedule.append((round_keys, parts))
-        # one receive arena and two row arenas (a round assembles into one while the other is
-        # written by a thread), each as large as the largest round needs: faulted in once
-        need_in = max((_bytes_in(parts, dtypes, coord.rank) for _, parts in schedule), default=0)
+        # Ranks of one host hand their parts over in shared memory (one copy in, one out),
+        # others over gloo into one receive arena; two row arenas (a round assembles into one
+        # while the other is written by a thread), each as large as the largest round needs
+        need_out = max((_bytes_out(parts, dtypes, coord.rank) for _, parts in schedule), default=0)
+        mail = HostMailboxes.open(coord, need_out, f"{phase} (regrouping rows)") if world > 1 else None
+        need_in = 0 if mail is not None else max((_bytes_in(parts, dtypes, coord.rank) for _, parts in schedule),
+                                                 default=0)
         need_rows = max((_bytes_owned(keys_, shapes, dtypes, world, coord.rank, offset)
                          for keys_, _ in schedule), default=0)
         inbox = torch.empty(need_in, dtype=torch.uint8)
         arenas = [direct_io.aligned_array(need_rows) for _ in range(min(2, len(schedule)))]
-        with ThreadPoolExecutor(1, thread_name_prefix="dcp-row-write") as writer:
-            pending = None
-            for n, (round_keys, parts) in enumerate(schedule):
-                arena = arenas[n % len(arenas)]
-                if pending is not None and len(arenas) == 1:
-                    _settle(pending, failure)
-                    pending = None
-                writes = _round(coord, parts, round_keys, shapes, dtypes, held, value, offset, failure, inbox, arena)
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="dcp-row-write") as writer:
+                pending = None
+                for n, (round_keys, parts) in enumerate(schedule):
+                    arena = arenas[n % len(arenas)]
+                    if pending is not None and len(arenas) == 1:
+                        _settle(pending, failure)
+                        pending = None
+                    if mail is not None:
+                        _hand_over(coord, mail, n, parts, round_keys, shapes, dtypes, everyone, held, value,
+                                   failure)
+                    writes = _round(coord, parts, round_keys, shapes, dtypes, held, value, offset, failure, inbox,
+                                    arena, mail is not None)
+                    if pending is not None:
+                        _settle(pending, failure)  # the arena of the round before is free again
+                    pending = writer.submit(_write_all, writes, write, failure)
                 if pending is not None:
-                    _settle(pending, failure)  # the arena of the round before is free again
-                pending = writer.submit(_write_all, writes, write, failure)
-            if pending is not None:
-                _settle(pending, failure)
+                    _settle(pending, failure)
+        finally:
+            if mail is not None:
+                mail.close()
 
     coord._collective(f"{phase} (regrouping rows: sending and writing)", transfer)
 
@@ -184,6 +197,65 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _bytes_in(parts: list[_Part], dtypes: dict[str, torch.dtype], me: int) -> int:
     return sum(p.box.numel * dtypes[p.key].itemsize for p in parts if p.dst == me and p.src != me)
+
+
+def _bytes_out(parts: list[_Part], dtypes: dict[str, torch.dtype], me: int) -> int:
+    return sum(p.box.numel * dtypes[p.key].itemsize for p in parts if p.src == me and p.dst != me)
+
+
+def _outgoing(src: int, keys: list[str], shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
+              everyone: list[dict[str, list[Box]]], world: int) -> list[tuple[str, int, Box, int, int]]:
+    """The parts rank ``src`` sends in a round, in the order it lays them out in its slot:
+    ``(key, dst, box, offset, bytes)``. Every rank computes the same list from the boxes all
+    ranks exchanged, so a receiver finds its parts without being told where they are."""
+    out = []
+    at = 0
+    for key in keys:
+        shape = shapes[key]
+        for box in everyone[src].get(key, ()):
+            for dst in range(world):
+                if dst == src:
+                    continue
+                cut = box.intersect(_rows_box(shape, *owned_rows(shape[0], world, dst)))
+                if cut is not None and cut.numel:
+                    n = cut.numel * dtypes[key].itemsize
+                    out.append((key, dst, cut, at, n))
+                    at += n
+    return out
+
+
+def _hand_over(coord: Coordinator, mail: HostMailboxes, round_no: int, parts: list[_Part], keys: list[str],
+               shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
+               everyone: list[dict[str, list[Box]]], held: dict[str, list[Box]], value: Value,
+               failure: list[BaseException]) -> None:
+    """A round through shared memory: this rank copies the parts it sends into its slot, every
+    rank waits for every other (a barrier), then each part it receives is a view of its
+    sender's slot (``message``). The slot is filled again two rounds later, after the next
+    round's barrier, which every rank reaches only once it has assembled this round."""
+    me, world = coord.rank, coord.world_size
+    box_out = mail.outbox(round_no)
+    if not failure:
+        try:
+            for key, _, cut, at, n in _outgoing(me, keys, shapes, dtypes, everyone, world):
+                for box in held[key]:
+                    if box.intersect(cut) == cut:
+                        data = _as_bytes(value(key, box)[cut.relative_to(box)])
+                        box_out[at:at + n] = data.numpy()
+                        break
+                else:
+                    raise RuntimeError(f"{key!r}: no box of this rank holds {cut}")
+        except BaseException as exc:  # reported to every rank in the last step
+            failure.append(exc)
+    dist.barrier(group=coord.group)
+    where: dict[tuple[int, str, Box], tuple[int, int]] = {}
+    for src in {p.src for p in parts if p.dst == me and p.src != me}:
+        for key, dst, cut, at, n in _outgoing(src, keys, shapes, dtypes, everyone, world):
+            if dst == me:
+                where[(src, key, cut)] = (at, n)
+    for p in parts:
+        if p.dst == me and p.src != me:
+            at, n = where[(p.src, p.key, p.box)]
+            p.message = mail.inbox(p.src, round_no)[at:at + n]
 
 
 def _bytes_owned(keys: list[str], shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
@@ -221,14 +293,15 @@ def _write_all(writes: list[tuple[str, int, memoryview]], write: Write, failure:
 def _round(coord: Coordinator, parts: list[_Part], keys: list[str], shapes: dict[str, tuple[int, ...]],
            dtypes: dict[str, torch.dtype], held: dict[str, list[Box]], value: Value, offset: Offset,
            failure: list[BaseException], inbox: torch.Tensor,
-           arena: np.ndarray) -> list[tuple[str, int, memoryview]]:
-    """One round: post the receives, send, wait, assemble the owned rows in ``arena``; the
-    writes to make (rows in ``arena``)."""
+           arena: np.ndarray, handed: bool = False) -> list[tuple[str, int, memoryview]]:
+    """One round: post the receives, send, wait (unless ``handed``: the parts came through
+    shared memory, :func:`_hand_over`), assemble the owned rows in ``arena``; the writes to
+    make (rows in ``arena``)."""
     me, world, group = coord.rank, coord.world_size, coord.group
     works = []
     at = 0
     for p in parts:  # receives first, into the arena
-        if p.dst == me and p.src != me:
+        if p.dst == me and p.src != me and not handed:
             n = p.box.numel * dtypes[p.key].itemsize
             p.message = inbox[at:at + n]
             at += n
@@ -244,7 +317,7 @@ def _round(coord: Coordinator, parts: list[_Part], keys: list[str], shapes: dict
         raise RuntimeError(f"{p.key!r}: no box of this rank holds {p.box}")
 
     for p in parts:  # then the sends (zeros after a failure: no receiver waits)
-        if p.src == me and p.dst != me:
+        if p.src == me and p.dst != me and not handed:
             if not failure:
                 try:
                     p.message = _as_bytes(part_of(p))
@@ -268,11 +341,13 @@ def _round(coord: Coordinator, parts: list[_Part], keys: list[str], shapes: dict
         try:
             for p in parts:
                 if p.key == key and p.dst == me:
-                    src = _as_bytes(part_of(p)) if p.src == me else p.message
+                    src = _as_bytes(part_of(p)).numpy() if p.src == me else p.message
+                    if isinstance(src, torch.Tensor):
+                        src = src.numpy()
                     where = p.box.relative_to(own)
                     last = where[-1]
                     np.copyto(rows[(*where[:-1], slice(last.start * size, last.stop * size))],
-                              src.numpy().reshape(_in_bytes(p.box.sizes, size)))
+                              src.reshape(_in_bytes(p.box.sizes, size)))
         except BaseException as exc:
             failure.append(exc)
             continue
