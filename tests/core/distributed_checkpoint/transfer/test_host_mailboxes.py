@@ -62,6 +62,25 @@ def test_ranks_of_different_hosts_get_no_mailboxes():
     assert run_ranks(rank_on_its_own_host, 2, timeout_s=90) == [True, True]
 
 
+def rank_without_shared_memory(rank: int, ws: int, missing: str) -> bool:
+    import torch.distributed as dist
+
+    from hyper_parallel.core.distributed_checkpoint._src.transfer import host_mailboxes
+
+    coord = Coordinator()
+    dist.barrier(group=coord.group)
+    before = _ours()
+    if rank == 1:  # this rank has no /dev/shm: no rank may use it
+        host_mailboxes.SHM_DIR = missing
+    none = HostMailboxes.open(coord, 4096, "test") is None
+    dist.barrier(group=coord.group)
+    return none and not _ours() - before  # rank 0's area was removed too
+
+
+def test_a_rank_without_shared_memory_makes_every_rank_use_the_network(tmp_path):
+    assert run_ranks(rank_without_shared_memory, 2, str(tmp_path / "none"), timeout_s=90) == [True, True]
+
+
 def rank_saves_consolidated(rank: int, ws: int, d: str) -> bytes:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard

@@ -11,8 +11,8 @@ them in turn, so a rank may fill the next slot while its peers still read the la
 ``/dev/shm``, maps every other rank's area read-only, and removes its own file as soon as
 every rank has mapped it (the mappings stay; nothing is left behind, even after a crash
 later on). :meth:`HostMailboxes.open` returns None (the caller then uses the network) unless
-every rank of the group mapped every other's area: ranks on several hosts, no ``/dev/shm``,
-containers with separate ones.
+every rank of the group mapped every other's area: ranks on several hosts, no ``/dev/shm``
+or too little room in it (the area is reserved when it is made), containers with separate ones.
 
 Who writes where, and when a slot may be read, is the caller's protocol: a barrier after
 each round's writes (see :func:`.row_exchange.regroup_rows`).
@@ -51,7 +51,9 @@ class HostMailboxes:
                 path = os.path.join(SHM_DIR, f"hp-dcp-{uuid.uuid4().hex}")
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
                 try:
-                    os.ftruncate(fd, size)
+                    # reserved now, not on first touch: a full /dev/shm (a container's 64 MiB)
+                    # then fails here, and the ranks use the network, instead of a SIGBUS later
+                    os.posix_fallocate(fd, 0, size)
                     own = mmap.mmap(fd, size)
                 finally:
                     os.close(fd)
