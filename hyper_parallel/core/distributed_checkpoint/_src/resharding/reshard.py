@@ -147,12 +147,6 @@ class ReshardPlan:
             groups = self.__dict__["_by_grid"] = list(by.values())
         return groups
 
-    def _position(self, rank: int) -> int:
-        pos = self.__dict__.get("_pos")
-        if pos is None:
-            pos = self.__dict__["_pos"] = {r: i for i, r in enumerate(self.ranks)}
-        return pos[rank]
-
     def rank_bytes(self) -> dict[int, int]:
         return {r: sum(i.nbytes for i in self.items(r)) for r in self.ranks}
 

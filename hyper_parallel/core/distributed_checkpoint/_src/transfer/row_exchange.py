@@ -139,10 +139,8 @@ def regroup_rows(coord: Coordinator, shapes: dict[str, tuple[int, ...]], dtypes:
                 for src, held_by in enumerate(everyone):
                     for box in held_by.get(key, ()):
                         part(key, src, me, box.intersect(mine))
-                for box in everyone[me].get(key, ()):
-                    for dst in range(world):
-                        if dst != me:
-                            part(key, me, dst, box.intersect(_rows_box(shape, *owned_rows(shape[0], world, dst))))
+                for _, dst, cut, _, _ in _outgoing(me, [key], shapes, dtypes, everyone, world):
+                    part(key, me, dst, cut)
             schedule.append((round_keys, parts))
         # Ranks of one host hand their parts over in shared memory (one copy in, one out),
         # others over gloo into one receive arena; two row arenas (a round assembles into one
@@ -224,6 +222,18 @@ def _outgoing(src: int, keys: list[str], shapes: dict[str, tuple[int, ...]], dty
     return out
 
 
+def _held_part(key: str, cut: Box, held: dict[str, list[Box]], value: Value,
+               sources: dict[tuple[str, Box], torch.Tensor]) -> torch.Tensor:
+    """Region ``cut`` of the box this rank holds of ``key`` that contains it (each box's data
+    asked of ``value`` once, kept in ``sources``)."""
+    for box in held[key]:
+        if box.intersect(cut) == cut:
+            if (key, box) not in sources:
+                sources[(key, box)] = value(key, box)
+            return sources[(key, box)][cut.relative_to(box)]
+    raise RuntimeError(f"{key!r}: no box of this rank holds {cut}")
+
+
 def _hand_over(coord: Coordinator, mail: HostMailboxes, round_no: int, parts: list[_Part], keys: list[str],
                shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
                everyone: list[dict[str, list[Box]]], held: dict[str, list[Box]], value: Value,
@@ -235,15 +245,10 @@ def _hand_over(coord: Coordinator, mail: HostMailboxes, round_no: int, parts: li
     me, world = coord.rank, coord.world_size
     box_out = mail.outbox(round_no)
     if not failure:
+        sources: dict[tuple[str, Box], torch.Tensor] = {}
         try:
             for key, _, cut, at, n in _outgoing(me, keys, shapes, dtypes, everyone, world):
-                for box in held[key]:
-                    if box.intersect(cut) == cut:
-                        data = _as_bytes(value(key, box)[cut.relative_to(box)])
-                        box_out[at:at + n] = data.numpy()
-                        break
-                else:
-                    raise RuntimeError(f"{key!r}: no box of this rank holds {cut}")
+                box_out[at:at + n] = _as_bytes(_held_part(key, cut, held, value, sources)).numpy()
         except BaseException as exc:  # reported to every rank in the last step
             failure.append(exc)
     dist.barrier(group=coord.group)
@@ -309,12 +314,7 @@ def _round(coord: Coordinator, parts: list[_Part], keys: list[str], shapes: dict
     sources: dict[tuple[str, Box], torch.Tensor] = {}
 
     def part_of(p: _Part) -> torch.Tensor:
-        for box in held[p.key]:
-            if box.intersect(p.box) == p.box:
-                if (p.key, box) not in sources:
-                    sources[(p.key, box)] = value(p.key, box)
-                return sources[(p.key, box)][p.box.relative_to(box)]
-        raise RuntimeError(f"{p.key!r}: no box of this rank holds {p.box}")
+        return _held_part(p.key, p.box, held, value, sources)
 
     for p in parts:  # then the sends (zeros after a failure: no receiver waits)
         if p.src == me and p.dst != me and not handed:
@@ -341,9 +341,7 @@ def _round(coord: Coordinator, parts: list[_Part], keys: list[str], shapes: dict
         try:
             for p in parts:
                 if p.key == key and p.dst == me:
-                    src = _as_bytes(part_of(p)).numpy() if p.src == me else p.message
-                    if isinstance(src, torch.Tensor):
-                        src = src.numpy()
+                    src = np.asarray(_as_bytes(part_of(p)) if p.src == me else p.message)  # gloo: tensor; shm: array
                     where = p.box.relative_to(own)
                     last = where[-1]
                     np.copyto(rows[(*where[:-1], slice(last.start * size, last.stop * size))],
