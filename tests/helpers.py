@@ -172,3 +172,17 @@ class RecordingReader(_storage_reader_base()):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def rows_over_ranks(sd: dict, root: Any, ranks: int = 32) -> str:
+    """``sd`` saved by one process under ``root/src``, then rewritten with ``offline_transform``
+    for ``ranks`` ranks, each holding rows of every tensor (a file per rank): the new
+    checkpoint's directory, ``root/dp<ranks>``."""
+    import os
+
+    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform, save
+
+    src, dst = os.path.join(str(root), "src"), os.path.join(str(root), f"dp{ranks}")
+    save(sd, src, no_dist=True)
+    offline_transform(src, dst, dst_layout={"*": Layout((ranks,), ("dp",))("dp", "None")})
+    return dst

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import assert_same, make_tensor
+from helpers import assert_same, make_tensor, rows_over_ranks
 
 from hyper_parallel.core.distributed_checkpoint import (
     CheckpointError,
@@ -376,6 +376,12 @@ def test_an_empty_state_dict_and_a_path_that_is_a_file(tmp_path):
         save({"w": torch.ones(1)}, str(tmp_path / "f"))
 
 
+def _tails(files) -> list:
+    """What a many-file load hints of each file before reading its index: the index and as
+    many bytes before it."""
+    return [(f.path, f.index_offset - f.index_length, 2 * f.index_length) for f in files]
+
+
 class _Hinting(FileSystemReader):
     """Records the prefetch hints a load gives; ``accept=False`` plays a storage without them."""
 
@@ -409,12 +415,8 @@ def test_a_plain_dict_stored_whole_still_reports_the_keys_the_target_adds(tmp_pa
 
 @pytest.mark.parametrize("accept", [True, False])
 def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, accept):
-    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
-
     sd = {f"w{i}": make_tensor((256, 8), seed=i) for i in range(3)}
-    save(sd, str(tmp_path / "src"), no_dist=True)
-    dst = str(tmp_path / "dp32")
-    offline_transform(str(tmp_path / "src"), dst, dst_layout={"*": Layout((32,), ("dp",))("dp", "None")})
+    dst = rows_over_ranks(sd, tmp_path)
     reader = _Hinting(dst, accept)
     target = {"w1": torch.zeros(256, 8)}
     with warnings.catch_warnings():
@@ -423,7 +425,7 @@ def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, a
     assert torch.equal(target["w1"], sd["w1"])
     meta = read_checkpoint_metadata(FileSystemReader(dst))
     # every file's index first, with as many bytes before it (where its last chunks lie)
-    tails = {(f.path, f.index_offset - f.index_length, 2 * f.index_length) for f in meta.files}
+    tails = set(_tails(meta.files))
     assert set(reader.hints[0]) == tails
     if accept:  # then the 8-row chunk of "w1" in each of the 32 files: 256 bytes, not in those tails
         assert len(reader.hints) == 2 and len(reader.hints[1]) == 32
@@ -433,13 +435,9 @@ def test_a_tensor_spread_over_many_files_is_hinted_then_read_exactly(tmp_path, a
 
 
 def test_chunks_just_before_a_files_index_come_with_it_and_need_no_hint_of_their_own(tmp_path):
-    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
-
     # 32 files of 20 chunks of 8 bytes: each file's index (~600 bytes) is longer than its chunks
     sd = {f"w{i:02d}": make_tensor((64, 1), seed=i) for i in range(20)}
-    save(sd, str(tmp_path / "src"), no_dist=True)
-    dst = str(tmp_path / "dp32")
-    offline_transform(str(tmp_path / "src"), dst, dst_layout={"*": Layout((32,), ("dp",))("dp", "None")})
+    dst = rows_over_ranks(sd, tmp_path)
     reader = _Hinting(dst)
     target = {"w07": torch.zeros(64, 1)}
     with warnings.catch_warnings():
@@ -448,26 +446,22 @@ def test_chunks_just_before_a_files_index_come_with_it_and_need_no_hint_of_their
     assert torch.equal(target["w07"], sd["w07"])
     meta = read_checkpoint_metadata(FileSystemReader(dst))
     assert all(f.index_length > 20 * 8 for f in meta.files)
-    assert reader.hints == [[(f.path, f.index_offset - f.index_length, 2 * f.index_length) for f in
-                             sorted(meta.files, key=lambda f: f.rank)]]  # one hint a file, none for the data
+    assert reader.hints == [_tails(sorted(meta.files, key=lambda f: f.rank))]  # one hint a file, none for the data
     assert reader.read_calls == 2 * 32  # a file's index, then its chunk
 
 
 def test_many_files_are_hinted_a_window_ahead_of_the_reads(tmp_path, monkeypatch):
-    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
     from hyper_parallel.core.distributed_checkpoint._src.transfer import loader
 
     monkeypatch.setattr(loader, "HINT_WINDOW", 8)  # 32 files: hinted 8 at first, then 4 more at a time
     sd = {"w": make_tensor((256, 8))}
-    save(sd, str(tmp_path / "src"), no_dist=True)
-    dst = str(tmp_path / "dp32")
-    offline_transform(str(tmp_path / "src"), dst, dst_layout={"*": Layout((32,), ("dp",))("dp", "None")})
+    dst = rows_over_ranks(sd, tmp_path)
     reader = _Hinting(dst)
     target = {"w": torch.zeros(256, 8)}
     load(target, storage_reader=reader)
     assert torch.equal(target["w"], sd["w"])
     meta = read_checkpoint_metadata(FileSystemReader(dst))
-    tails = {(f.path, f.index_offset - f.index_length, 2 * f.index_length) for f in meta.files}
+    tails = set(_tails(meta.files))
     index_hints = [h for h in reader.hints if h and h[0] in tails]
     assert len(index_hints[0]) == 8 and all(len(h) <= 8 for h in index_hints) and len(index_hints) > 2
     hinted = [r for h in index_hints for r in h]

@@ -28,10 +28,12 @@ def rank_hands_over(rank: int, ws: int) -> list:
     import torch.distributed as dist
 
     coord = Coordinator()
+    dist.barrier(group=coord.group)
     before = _ours()
     mail = HostMailboxes.open(coord, 10_000 + rank, "test")
     assert mail is not None
-    assert _ours() <= before  # every area's file is gone once mapped
+    dist.barrier(group=coord.group)  # every rank has returned: every area's file is gone
+    assert _ours() <= before
     got = []
     for round_no in range(3):
         out = mail.outbox(round_no)

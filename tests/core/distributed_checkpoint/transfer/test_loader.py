@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import bits, local_expected, make_dtensor, make_tensor
+from helpers import bits, local_expected, make_dtensor, make_tensor, rows_over_ranks
 from multiprocess import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -181,12 +181,8 @@ def test_a_load_reuses_its_scratch_memory_instead_of_faulting_in_fresh_buffers(t
 
 
 def test_a_load_over_many_files_keeps_only_a_bounded_cache_of_their_indexes(tmp_path):
-    from hyper_parallel.core.distributed_checkpoint import Layout, offline_transform
-
     sd = {f"w{i}": make_tensor((64, 4), seed=i) for i in range(3)}
-    save(sd, str(tmp_path / "src"), no_dist=True)
-    dst = str(tmp_path / "dp32")
-    offline_transform(str(tmp_path / "src"), dst, dst_layout={"*": Layout((32,), ("dp",))("dp", "None")})
+    dst = rows_over_ranks(sd, tmp_path)
     reader = FileSystemReader(dst)
     cache = loader.index_cache(reader)
     cache.max_bytes = 1  # keeps one index at a time: each file's chunks are found right after its index is read
